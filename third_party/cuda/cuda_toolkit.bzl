@@ -1,0 +1,108 @@
+"""Repository rule that exposes a local CUDA toolkit as content-hashed inputs.
+
+The toolkit is looked for, in this order:
+  1. `$CUDA_PATH`, 2. `$CUDA_HOME`, 3. `/usr/local/cuda`, 4. the toolkit of `nvcc` on `$PATH`.
+The first candidate holding both `bin/nvcc` and `nvvm/bin/cicc` wins. Every file nvcc reads
+to make a CUBIN is symlinked into the repository and declared as an input, so Bazel keys
+actions on the files' content: the toolkit's install path never reaches an action.
+
+The host compiler nvcc preprocesses with (`$CUBINSTORE_HOST_CC`, default `gcc`, a command
+name looked up on the actions' fixed PATH `/usr/bin:/bin`) is not an input; its identity
+(its `--version` output and the sha256 of its binary) is written to `host_compiler.id`,
+which every compile action takes as an input.
+"""
+
+ACTION_PATH = "/usr/bin:/bin"
+
+_TOOL_FILES = [
+    "bin/nvcc",
+    "bin/nvcc.profile",
+    "bin/cudafe++",
+    "bin/ptxas",
+    "bin/fatbinary",
+    "bin/bin2c",
+    "bin/nvlink",
+    "nvvm/bin/cicc",
+]
+
+def _run(rctx, argv):
+    """Runs one external command; fails with the command, exit code and output."""
+    result = rctx.execute(argv)
+    if result.return_code != 0:
+        fail("cuda_toolkit: command {} exited with {}:\n{}{}".format(
+            argv,
+            result.return_code,
+            result.stdout,
+            result.stderr,
+        ))
+    return result.stdout
+
+def _is_toolkit(rctx, root):
+    return rctx.path(root + "/bin/nvcc").exists and rctx.path(root + "/nvvm/bin/cicc").exists
+
+def _realpath(rctx, path):
+    return _run(rctx, ["realpath", "-e", path]).strip()
+
+def detect_toolkit(rctx):
+    """Finds the toolkit root. Returns struct(root, source, tried)."""
+    tried = []
+    candidates = []
+    for var in ["CUDA_PATH", "CUDA_HOME"]:
+        value = rctx.os.environ.get(var, "")
+        if value:
+            candidates.append((value, "$" + var))
+        else:
+            tried.append("${} (unset)".format(var))
+    candidates.append(("/usr/local/cuda", "default location"))
+    nvcc = rctx.which("nvcc")
+    if nvcc:
+        # Follow a symlinked or wrapped nvcc to its toolkit: bin/nvcc -> <root>.
+        candidates.append((str(rctx.path(_realpath(rctx, str(nvcc))).dirname.dirname), "nvcc on $PATH"))
+    else:
+        tried.append("nvcc on $PATH (not found)")
+    for root, source in candidates:
+        if _is_toolkit(rctx, root):
+            return struct(root = _realpath(rctx, root), source = source, tried = tried)
+        tried.append("{} from {} (no bin/nvcc and nvvm/bin/cicc)".format(root, source))
+    fail("cuda_toolkit: no CUDA toolkit found. Tried, in order: {}. Set CUDA_PATH to the toolkit's root.".format(
+        "; ".join(tried),
+    ))
+
+def detect_host_compiler(rctx):
+    """Finds the host compiler nvcc will run. Returns struct(name, binary)."""
+    name = rctx.os.environ.get("CUBINSTORE_HOST_CC", "gcc")
+    if "/" in name or not name:
+        fail("cuda_toolkit: CUBINSTORE_HOST_CC must be a command name on {}, got '{}'".format(ACTION_PATH, name))
+    for directory in ACTION_PATH.split(":"):
+        candidate = directory + "/" + name
+        if rctx.path(candidate).exists:
+            return struct(name = name, binary = _realpath(rctx, candidate))
+    fail("cuda_toolkit: host compiler '{}' (CUBINSTORE_HOST_CC) not found on {}".format(name, ACTION_PATH))
+
+def _host_identity(rctx, host):
+    version = _run(rctx, [host.binary, "--version"])
+    digest = _run(rctx, ["sha256sum", host.binary]).split(" ")[0]
+    return "name: {}\nsha256: {}\nversion:\n{}".format(host.name, digest, version)
+
+def _cuda_toolkit_impl(rctx):
+    toolkit = detect_toolkit(rctx)
+    host = detect_host_compiler(rctx)
+    for f in _TOOL_FILES:
+        if rctx.path(toolkit.root + "/" + f).exists:
+            rctx.symlink(toolkit.root + "/" + f, f)
+    rctx.symlink(toolkit.root + "/nvvm/libdevice", "nvvm/libdevice")
+    rctx.symlink(toolkit.root + "/include", "include")
+    rctx.file("host_compiler.id", _host_identity(rctx, host))
+    rctx.file("defs.bzl", "HOST_CC = {}\n".format(repr(host.name)))
+    rctx.file("WORKSPACE", "workspace(name = {})\n".format(repr(rctx.name)))
+    rctx.template("BUILD.bazel", rctx.attr._build_template)
+
+cuda_toolkit = repository_rule(
+    implementation = _cuda_toolkit_impl,
+    doc = "Exposes the local CUDA toolkit (see the module docstring for the search order).",
+    environ = ["CUDA_PATH", "CUDA_HOME", "PATH", "CUBINSTORE_HOST_CC"],
+    local = True,
+    attrs = {
+        "_build_template": attr.label(default = Label("//third_party/cuda:toolkit.BUILD")),
+    },
+)

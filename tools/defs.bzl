@@ -1,0 +1,24 @@
+"""Public entry point of cubinstore's Starlark rules.
+
+- `cuda_cubin`: one kernel instantiation compiled to one `.cubin` (mnemonic `CubinCompile`).
+- `cubin_instantiations`: expands an instantiation matrix into one `cuda_cubin` per point.
+- `cubin_family`: groups the instantiations of one family (made by the macro).
+- `cubin_manifest`: writes `manifest.json` (schema `cubinstore/manifest/v1`, mnemonic `CubinManifest`).
+- `cuda_headers`: headers plus include directories for `deps`.
+"""
+
+load("//tools/private:providers.bzl", _CubinInfo = "CubinInfo", _CubinSetInfo = "CubinSetInfo", _CudaHeadersInfo = "CudaHeadersInfo")
+load("//tools/private/rules:cuda_cubin.bzl", _cuda_cubin = "cuda_cubin")
+load("//tools/private/rules:cuda_headers.bzl", _cuda_headers = "cuda_headers")
+load("//tools/private/rules:cubin_family.bzl", _cubin_family = "cubin_family")
+load("//tools/private/rules:cubin_manifest.bzl", _cubin_manifest = "cubin_manifest")
+load("//tools/private/macros:cubin_instantiations.bzl", _cubin_instantiations = "cubin_instantiations")
+
+CubinInfo = _CubinInfo
+CubinSetInfo = _CubinSetInfo
+CudaHeadersInfo = _CudaHeadersInfo
+cuda_cubin = _cuda_cubin
+cuda_headers = _cuda_headers
+cubin_family = _cubin_family
+cubin_manifest = _cubin_manifest
+cubin_instantiations = _cubin_instantiations

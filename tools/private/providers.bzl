@@ -1,0 +1,29 @@
+"""Providers of cubinstore's rules."""
+
+CubinInfo = provider(
+    doc = "One compiled kernel instantiation.",
+    fields = {
+        "cubin": "(File) the .cubin",
+        "id": "(str) manifest id: <family>/<param values in grid order>/<arch>",
+        "family": "(str) kernel family",
+        "params_json": "(str) the instantiation's parameters as a JSON object",
+        "arch": "(str) target architecture, e.g. 'sm_90a'",
+        "entries_json": "(str) JSON object: entry symbol -> list of parameter types",
+        "target": "(str) the label of the cuda_cubin target",
+    },
+)
+
+CubinSetInfo = provider(
+    doc = "The instantiations of one or more families.",
+    fields = {
+        "instances": "(list of CubinInfo) every instantiation",
+    },
+)
+
+CudaHeadersInfo = provider(
+    doc = "Headers a CUDA compile may include.",
+    fields = {
+        "headers": "(depset of File) the header files",
+        "includes": "(depset of str) include directories, relative to the execution root",
+    },
+)

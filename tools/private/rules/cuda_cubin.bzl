@@ -1,0 +1,79 @@
+"""cuda_cubin: one kernel instantiation compiled by nvcc to one .cubin."""
+
+load("@local_cuda//:defs.bzl", "HOST_CC")
+load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
+load("//tools/private:types.bzl", "check_arch", "check_entries")
+
+# Flags every instantiation gets; behavioural flags are all on the command line,
+# so they are part of the action key.
+_BASE_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr"]
+
+# Actions see a fixed environment: nothing from the shell that runs Bazel.
+ACTION_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+
+def _cuda_cubin_impl(ctx):
+    check_arch(ctx.label, ctx.attr.arch)
+    check_entries(ctx.label, ctx.attr.entries)
+    if len(ctx.files.srcs) != 1:
+        fail("{}: attribute 'srcs' must hold exactly one .cu file, got {}".format(ctx.label, len(ctx.files.srcs)))
+    src = ctx.files.srcs[0]
+    cubin = ctx.actions.declare_file(ctx.label.name + ".cubin")
+    headers = depset(ctx.files.hdrs, transitive = [d[CudaHeadersInfo].headers for d in ctx.attr.deps])
+    includes = depset(transitive = [d[CudaHeadersInfo].includes for d in ctx.attr.deps])
+
+    args = ctx.actions.args()
+    args.add("-cubin")
+    args.add("-arch=" + ctx.attr.arch)
+    args.add("-ccbin", HOST_CC)
+    args.add_all(_BASE_FLAGS)
+    args.add("-I.")
+    args.add_all(includes, format_each = "-I%s")
+    args.add_all(ctx.attr.defines, format_each = "-D%s")
+    args.add_all(ctx.attr.copts)
+    args.add("-o", cubin)
+    args.add(src)
+
+    ctx.actions.run(
+        executable = ctx.executable._nvcc,
+        arguments = [args],
+        inputs = depset(
+            [src, ctx.file._host_compiler_id],
+            transitive = [headers, ctx.attr._toolkit[DefaultInfo].files],
+        ),
+        outputs = [cubin],
+        env = ACTION_ENV,
+        mnemonic = "CubinCompile",
+        progress_message = "Compiling CUBIN {} ({})".format(ctx.attr.id, ctx.attr.arch),
+    )
+    return [
+        DefaultInfo(files = depset([cubin])),
+        CubinInfo(
+            cubin = cubin,
+            id = ctx.attr.id,
+            family = ctx.attr.family,
+            params_json = ctx.attr.params_json,
+            arch = ctx.attr.arch,
+            entries_json = json.encode({name: types for name, types in ctx.attr.entries.items()}),
+            target = "//{}:{}".format(ctx.label.package, ctx.label.name),
+        ),
+    ]
+
+cuda_cubin = rule(
+    implementation = _cuda_cubin_impl,
+    doc = "Compiles one .cu translation unit to one CUBIN for one architecture (mnemonic CubinCompile).",
+    attrs = {
+        "srcs": attr.label_list(allow_files = [".cu"], mandatory = True, doc = "The one .cu file."),
+        "hdrs": attr.label_list(allow_files = True, doc = "Headers the source includes."),
+        "deps": attr.label_list(providers = [CudaHeadersInfo], doc = "cuda_headers targets, e.g. @cutlass//:cute."),
+        "defines": attr.string_list(doc = "Preprocessor defines, without -D."),
+        "copts": attr.string_list(doc = "Extra nvcc flags; spelled relative to the workspace."),
+        "arch": attr.string(mandatory = True, doc = "Target architecture, e.g. 'sm_90a'."),
+        "entries": attr.string_list_dict(mandatory = True, doc = "Entry symbol -> parameter types (i32 u32 i64 u64 f32 f64 ptr tensormap)."),
+        "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
+        "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
+        "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
+        "_nvcc": attr.label(default = "@local_cuda//:bin/nvcc", executable = True, allow_single_file = True, cfg = "host"),
+        "_toolkit": attr.label(default = "@local_cuda//:compiler_files"),
+        "_host_compiler_id": attr.label(default = "@local_cuda//:host_compiler.id", allow_single_file = True),
+    },
+)
