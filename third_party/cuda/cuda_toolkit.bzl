@@ -46,21 +46,27 @@ def _realpath(rctx, path):
 def detect_toolkit(rctx):
     """Finds the toolkit root. Returns struct(root, source, tried)."""
     tried = []
+
+    # (root, source); root None: nothing to look at, `source` says why. Kept in search
+    # order so the error lists the candidates in the order they were tried.
     candidates = []
     for var in ["CUDA_PATH", "CUDA_HOME"]:
         value = rctx.os.environ.get(var, "")
         if value:
             candidates.append((value, "$" + var))
         else:
-            tried.append("${} (unset)".format(var))
+            candidates.append((None, "${} (unset)".format(var)))
     candidates.append(("/usr/local/cuda", "default location"))
     nvcc = rctx.which("nvcc")
     if nvcc:
         # Follow a symlinked or wrapped nvcc to its toolkit: bin/nvcc -> <root>.
         candidates.append((str(rctx.path(_realpath(rctx, str(nvcc))).dirname.dirname), "nvcc on $PATH"))
     else:
-        tried.append("nvcc on $PATH (not found)")
+        candidates.append((None, "nvcc on $PATH (not found)"))
     for root, source in candidates:
+        if root == None:
+            tried.append(source)
+            continue
         if _is_toolkit(rctx, root):
             return struct(root = _realpath(rctx, root), source = source, tried = tried)
         tried.append("{} from {} (no bin/nvcc and nvvm/bin/cicc)".format(root, source))

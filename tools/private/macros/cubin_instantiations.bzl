@@ -11,13 +11,28 @@ def _render(key, value):
         return value
     fail("cubin_instantiations: grid value {} of '{}' must be an int or an alphanumeric string".format(repr(value), key))
 
-def _points(grid):
-    """The cartesian product of the grid, in grid order, as a list of dicts."""
+def _product(grid):
+    """The cartesian product of one grid, in grid order, as a list of dicts."""
     points = [{}]
     for key, values in grid.items():
         if not values:
             fail("cubin_instantiations: grid key '{}' has no values".format(key))
         points = [dict(p.items() + [(key, v)]) for p in points for v in values]
+    return points
+
+def _points(grid):
+    """The points of a grid, or of a list of grids (the union of their products).
+
+    Every grid of a list must have the same keys in the same order, so that ids stay
+    comparable within the family.
+    """
+    grids = grid if type(grid) == "list" else [grid]
+    keys = grids[0].keys()
+    points = []
+    for g in grids:
+        if g.keys() != keys:
+            fail("cubin_instantiations: every grid must have the keys {} in this order, got {}".format(keys, g.keys()))
+        points.extend(_product(g))
     return points
 
 def _fill(template, params):
@@ -44,7 +59,8 @@ def cubin_instantiations(
     Args:
       name: family target name and prefix of every instantiation target.
       srcs: the one .cu translation unit.
-      grid: dict of parameter name -> list of values (ints or strings), in id order.
+      grid: dict of parameter name -> list of values (ints or strings), in id order; or a
+        list of such dicts with the same keys, for matrices that are not one cartesian product.
       archs: architectures to build each point for, e.g. ["sm_90a", "sm_80"].
       entries: dict of entry symbol -> parameter types; `{param}` placeholders are filled per point.
       hdrs: headers the source includes.

@@ -30,6 +30,12 @@ def _cuda_cubin_impl(ctx):
     args.add_all(includes, format_each = "-I%s")
     args.add_all(ctx.attr.defines, format_each = "-D%s")
     args.add_all(ctx.attr.copts)
+
+    # nvcc hands cicc the source's resolved absolute path, which salts the mangled names of
+    # anonymous-namespace symbols (e.g. CuTe's): pin it to the execroot-relative path so the
+    # CUBIN's bytes do not depend on where the workspace lives. cicc keeps the last value.
+    args.add("-Xcicc", "--orig_src_path_name")
+    args.add("-Xcicc", src)
     args.add("-o", cubin)
     args.add(src)
 

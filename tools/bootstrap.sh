@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs what a fresh machine lacks to build //kernels:all and run the tests, then exits.
+# Idempotent: a second run only checks. Everything is pinned; no download happens during a build.
+#   - Debian: bazel-bootstrap (offline Bazel 4.2.3), nginx-light (WebDAV cache for the tests)
+#   - npm: bazelisk and buildifier (package-lock.json); .bazeliskrc points bazelisk at the local Bazel
+#   - PyPI: .venv with the test dependencies, the CUTLASS headers wheel and this package;
+#           .venv-buildgrid with BuildGrid (a gRPC remote cache for the tests)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BAZEL_DEB=4.2.3+ds-9
+NGINX_DEB=1.22.1-9+deb12u11
+CUTLASS_WHEEL=nvidia-cutlass==4.2.0.0
+PYTHON=${PYTHON:-python3}
+
+log() { printf 'bootstrap: %s\n' "$*" >&2; }
+
+apt_install() {  # apt_install PACKAGE VERSION: the pinned version, else the distribution's
+  local pkg=$1 version=$2
+  dpkg -s "$pkg" >/dev/null 2>&1 && return 0
+  [ -n "${APT_UPDATED:-}" ] || { apt-get update -qq; APT_UPDATED=1; }
+  if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg=$version" >/dev/null; then
+    log "$pkg=$version is no longer served; installing the distribution's $pkg"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null
+  fi
+}
+
+apt_install bazel-bootstrap "$BAZEL_DEB"
+apt_install nginx-light "$NGINX_DEB"
+BAZEL_BIN=/usr/bin/bazel-4
+[ -x "$BAZEL_BIN" ] || { log "no $BAZEL_BIN after installing bazel-bootstrap"; exit 1; }
+# Debian's /usr/bin/bazel wrapper looks for /usr/bin/bazel-<.bazelversion>.
+[ -e "/usr/bin/bazel-$(cat .bazelversion)" ] || ln -s "$BAZEL_BIN" "/usr/bin/bazel-$(cat .bazelversion)"
+
+command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || [ -n "${CUDA_PATH:-}" ] \
+  || { log "no CUDA toolkit: install CUDA 13 (nvcc) or set CUDA_PATH"; exit 1; }
+
+# bazelisk can't download Bazel here: point it at the local binary (git-ignored, machine-specific).
+[ -d node_modules/@bazel/bazelisk ] || npm ci --no-audit --no-fund --loglevel=error
+echo "USE_BAZEL_VERSION=$BAZEL_BIN" > .bazeliskrc
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# Only the headers of the CUTLASS wheel are used: skip its Python dependencies.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$CUTLASS_WHEEL"
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+
+if [ ! -x .venv-buildgrid/bin/bgd ]; then
+  "$PYTHON" -m venv .venv-buildgrid
+  .venv-buildgrid/bin/python -m pip install -q --disable-pip-version-check -r requirements-buildgrid.txt
+fi
+log "ready: $("$BAZEL_BIN" --version 2>/dev/null | head -1), $(.venv/bin/python --version)"
