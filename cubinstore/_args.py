@@ -1,0 +1,377 @@
+"""Pack Python launch arguments into a kernel's parameter buffer.
+
+Pure Python (ctypes and struct only): nothing here touches CUDA, so every
+rule is testable on a machine without a GPU. `launch.py` checks the layout
+computed here against the driver's (`cuFuncGetParamInfo`) once per function,
+then hands `PackedArgs.address` to `cuLaunchKernelEx` as `kernelParams`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import operator
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from cubinstore.errors import BadArgumentError, ParamLayoutError
+
+
+# (size, alignment) of each manifest parameter type in the device-side layout;
+# the same rules a C compiler applies to the kernel's parameter list.
+_SIZE_ALIGN: Final[dict[str, tuple[int, int]]] = {
+    "i32": (4, 4),
+    "u32": (4, 4),
+    "f32": (4, 4),
+    "i64": (8, 8),
+    "u64": (8, 8),
+    "f64": (8, 8),
+    "ptr": (8, 8),
+    "tensormap": (128, 64),  # CUtensorMap: 128 bytes, alignas(64)
+}
+PARAM_TYPES: Final[frozenset[str]] = frozenset(_SIZE_ALIGN)
+TENSORMAP_BYTES: Final = 128
+
+_INT_RANGE: Final[dict[str, tuple[int, int]]] = {
+    "i32": (-(2**31), 2**31 - 1),
+    "u32": (0, 2**32 - 1),
+    "i64": (-(2**63), 2**63 - 1),
+    "u64": (0, 2**64 - 1),
+}
+_STRUCT: Final[dict[str, str]] = {
+    "i32": "<i",
+    "u32": "<I",
+    "i64": "<q",
+    "u64": "<Q",
+    "f32": "<f",
+    "f64": "<d",
+    "ptr": "<Q",
+}
+
+# DLPack device types (dlpack.h, DLDeviceType).
+_KDL_CUDA: Final = 2
+_KDL_CUDA_HOST: Final = 3
+_KDL_CUDA_MANAGED: Final = 13
+_KDL_NAMES: Final[dict[int, str]] = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "cuda_managed"}
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in the device-side parameter buffer."""
+
+    offset: int
+    size: int
+
+
+def expected_layout(kernel_id: str, entry: str, types: Sequence[str]) -> tuple[ParamSlot, ...]:
+    """The layout the declared types imply: each parameter at its natural alignment."""
+    slots: list[ParamSlot] = []
+    offset = 0
+    for index, name in enumerate(types):
+        if name not in _SIZE_ALIGN:
+            raise BadArgumentError(
+                f"kernel {kernel_id!r} entry {entry!r} parameter {index}: "
+                f"unknown parameter type {name!r}, expected one of {sorted(PARAM_TYPES)}"
+            )
+        size, align = _SIZE_ALIGN[name]
+        offset += -offset % align
+        slots.append(ParamSlot(offset, size))
+        offset += size
+    return tuple(slots)
+
+
+def check_layout(
+    kernel_id: str,
+    entry: str,
+    types: Sequence[str],
+    actual: Sequence[tuple[int, int]],
+) -> tuple[ParamSlot, ...]:
+    """Compare the declared types with the CUBIN's real (offset, size) list.
+
+    `actual` comes from `cuFuncGetParamInfo`. Its offsets count from where the
+    parameter block sits in the device's parameter space, which need not be 0:
+    a block holding a 64-byte aligned CUtensorMap starts at 112 on sm_90 (seen on
+    an H200), so offsets are compared relative to the first parameter's. Layout
+    cannot tell i32 from f32 or ptr from i64 (same size and alignment); it does
+    catch a wrong count, a 4-byte type declared where the kernel takes 8, and a
+    misplaced tensormap.
+    """
+    expected = expected_layout(kernel_id, entry, types)
+    if len(actual) != len(expected):
+        raise ParamLayoutError(
+            f"kernel {kernel_id!r} entry {entry!r}: manifest declares {len(expected)} parameters "
+            f"({', '.join(types)}), the CUBIN's function takes {len(actual)}"
+        )
+    base = actual[0][0] if actual else 0
+    for index, (slot, (offset, size), name) in enumerate(zip(expected, actual, types)):
+        if slot.offset != offset - base or slot.size != size:
+            raise ParamLayoutError(
+                f"kernel {kernel_id!r} entry {entry!r} parameter {index}: manifest declares {name} "
+                f"({slot.size} bytes at offset {slot.offset}), the CUBIN's function has "
+                f"{size} bytes at offset {offset - base}"
+            )
+    return expected
+
+
+@dataclass
+class PackedArgs:
+    """A parameter buffer and the `void*[]` that `kernelParams` points at.
+
+    Holds the caller's objects (and any DLPack capsules) until it is dropped,
+    so the memory behind every pointer outlives the launch call.
+    """
+
+    buffer: ctypes.Array[ctypes.c_ubyte]
+    pointers: ctypes.Array[ctypes.c_void_p] | None
+    keepalive: tuple[Any, ...]
+    torch_tensor: Any | None  # first torch tensor among the args: picks the stream
+    cupy_array: Any | None  # first CuPy array among the args
+
+    @property
+    def address(self) -> int:
+        """The `void**` to pass as `kernelParams` (0 for a kernel without parameters)."""
+        return 0 if self.pointers is None else ctypes.addressof(self.pointers)
+
+
+PointerDevice = Callable[[int], "int | None"]
+
+
+def pack_args(
+    kernel_id: str,
+    entry: str,
+    types: Sequence[str],
+    args: Sequence[Any],
+    *,
+    device: int,
+    pointer_device: PointerDevice | None = None,
+) -> PackedArgs:
+    """Convert `args` to the declared `types` and lay them out for the driver.
+
+    `device` is the ordinal the kernel is loaded on; device memory handed in
+    as `ptr` must live there. `pointer_device` answers the device of a raw
+    pointer taken from a `__cuda_array_interface__` object that names none.
+    """
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise BadArgumentError(
+            f"kernel {kernel_id!r} entry {entry!r}: expected args as a list or tuple, got {_type_name(args)}"
+        )
+    types = tuple(types)
+    offsets, total = _plan(types) if PARAM_TYPES.issuperset(types) else _plan_or_raise(kernel_id, entry, types)
+    if len(args) != len(types):
+        raise BadArgumentError(
+            f"kernel {kernel_id!r} entry {entry!r}: expected {len(types)} arguments "
+            f"({', '.join(types)}), got {len(args)}"
+        )
+    # Over-allocate so the base can sit on a 64-byte boundary, as a tensormap needs.
+    buffer = (ctypes.c_ubyte * (total + 64))()
+    address = ctypes.addressof(buffer)
+    shift = -address % 64
+    view = memoryview(buffer).cast("B")
+    keepalive: list[Any] = []
+    torch_tensor: Any | None = None
+    cupy_array: Any | None = None
+    for index, (name, offset, value) in enumerate(zip(types, offsets, args)):
+        at = shift + offset
+        if name == "ptr":
+            raw, kind, extra = _pointer(_Where(kernel_id, entry, index), value, device, pointer_device)
+            keepalive.append(value)
+            if extra is not None:
+                keepalive.append(extra)
+            if kind == "torch" and torch_tensor is None:
+                torch_tensor = value
+            elif kind == "cupy" and cupy_array is None:
+                cupy_array = value
+            struct.pack_into("<Q", view, at, raw)
+        elif name == "tensormap":
+            view[at : at + TENSORMAP_BYTES] = _tensormap(_Where(kernel_id, entry, index), value)
+        elif name in _INT_RANGE:
+            struct.pack_into(_STRUCT[name], view, at, _integer(_Where(kernel_id, entry, index), name, value))
+        else:
+            view[at : at + _SIZE_ALIGN[name][0]] = _floating(_Where(kernel_id, entry, index), name, value)
+    view.release()
+    pointers = None
+    if offsets:
+        pointers = (ctypes.c_void_p * len(offsets))(*[address + shift + o for o in offsets])
+    return PackedArgs(buffer, pointers, tuple(keepalive), torch_tensor, cupy_array)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(types: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
+    """(offsets, total bytes) of a parameter list of known types; cached, as launches repeat."""
+    slots = expected_layout("", "", types)
+    total = slots[-1].offset + slots[-1].size if slots else 0
+    return tuple(s.offset for s in slots), total
+
+
+def _plan_or_raise(kernel_id: str, entry: str, types: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
+    expected_layout(kernel_id, entry, types)  # raises, naming the unknown type
+    raise AssertionError("unreachable: an unknown type was not reported")
+
+
+class _Where:
+    """`kernel '<id>' entry '<entry>' parameter <i>`, formatted only when an error needs it."""
+
+    __slots__ = ("entry", "index", "kernel_id")
+
+    def __init__(self, kernel_id: str, entry: str, index: int) -> None:
+        self.kernel_id, self.entry, self.index = kernel_id, entry, index
+
+    def __str__(self) -> str:
+        return f"kernel {self.kernel_id!r} entry {self.entry!r} parameter {self.index}"
+
+
+def _type_name(value: object) -> str:
+    cls = type(value)
+    module = cls.__module__.split(".")[0]
+    return cls.__name__ if module == "builtins" else f"{module}.{cls.__name__}"
+
+
+def _integer(where: _Where, name: str, value: Any) -> int:
+    if isinstance(value, (bool, float)):
+        raise BadArgumentError(f"{where}: expected {name}, got {_type_name(value)}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise BadArgumentError(f"{where}: expected {name}, got {_type_name(value)}") from None
+    low, high = _INT_RANGE[name]
+    if not low <= number <= high:
+        raise BadArgumentError(f"{where}: expected {name} in [{low}, {high}], got {number}")
+    return number
+
+
+def _floating(where: _Where, name: str, value: Any) -> bytes:
+    if isinstance(value, bool) or not _is_real(value):
+        raise BadArgumentError(f"{where}: expected {name}, got {_type_name(value)}")
+    number = float(value)
+    try:
+        return struct.pack(_STRUCT[name], number)
+    except OverflowError:
+        # struct refuses finite doubles beyond float32's range rather than round to inf.
+        raise BadArgumentError(f"{where}: expected {name}, got {number!r}, out of range for {name}") from None
+
+
+def _is_real(value: Any) -> bool:
+    if isinstance(value, (int, float)):
+        return True
+    # numpy scalars and 0-d arrays without importing numpy: they expose __float__
+    # and a dtype whose kind is integer or floating.
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return kind in ("i", "u", "f") and getattr(value, "ndim", 0) == 0 and hasattr(value, "__float__")
+
+
+def _tensormap(where: _Where, value: Any) -> bytes:
+    raw = value if isinstance(value, (bytes, bytearray, memoryview)) else getattr(value, "raw", None)
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raise BadArgumentError(f"{where}: expected tensormap, got {_type_name(value)}")
+    data = bytes(raw)
+    if len(data) != TENSORMAP_BYTES:
+        raise BadArgumentError(
+            f"{where}: expected tensormap of {TENSORMAP_BYTES} bytes, got {_type_name(value)} of {len(data)} bytes"
+        )
+    return data
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    # torch is optional: recognise its tensors without importing it.
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr") and hasattr(value, "is_cuda")
+
+
+def _pointer(
+    where: _Where, value: Any, device: int, pointer_device: PointerDevice | None
+) -> tuple[int, str, Any | None]:
+    """Return (address, kind, object to keep alive) for one `ptr` argument."""
+    if isinstance(value, bool):
+        raise BadArgumentError(f"{where}: expected ptr, got bool")
+    if isinstance(value, int):
+        if not 0 <= value < 2**64:
+            raise BadArgumentError(f"{where}: expected ptr in [0, 2**64), got {value}")
+        return value, "int", None
+    if _is_torch_tensor(value):
+        if not value.is_cuda:
+            raise BadArgumentError(
+                f"{where}: expected ptr to CUDA memory on device {device}, got torch.Tensor on {value.device}"
+            )
+        if value.device.index != device:
+            raise BadArgumentError(
+                f"{where}: expected ptr to CUDA memory on device {device}, got torch.Tensor on {value.device}"
+            )
+        return int(value.data_ptr()), "torch", None
+    iface = getattr(value, "__cuda_array_interface__", None)
+    if isinstance(iface, dict):
+        raw = int(iface["data"][0])
+        owner = getattr(getattr(value, "device", None), "id", None)
+        if not isinstance(owner, int) and pointer_device is not None and raw != 0:
+            owner = pointer_device(raw)
+        if isinstance(owner, int) and owner != device:
+            raise BadArgumentError(
+                f"{where}: expected ptr to CUDA memory on device {device}, got {_type_name(value)} on device {owner}"
+            )
+        kind = "cupy" if type(value).__module__.startswith("cupy") else "cai"
+        return raw, kind, None
+    if hasattr(value, "__dlpack_device__") and hasattr(value, "__dlpack__"):
+        dev_type, dev_id = value.__dlpack_device__()
+        dev_type, dev_id = int(dev_type), int(dev_id)
+        if dev_type not in (_KDL_CUDA, _KDL_CUDA_MANAGED) or (dev_type == _KDL_CUDA and dev_id != device):
+            name = _KDL_NAMES.get(dev_type, f"dlpack device type {dev_type}")
+            raise BadArgumentError(
+                f"{where}: expected ptr to CUDA memory on device {device}, "
+                f"got {_type_name(value)} on {name}:{dev_id}"
+            )
+        capsule = _dlpack_capsule(value)
+        return dlpack_data_pointer(capsule), "dlpack", capsule
+    raise BadArgumentError(f"{where}: expected ptr, got {_type_name(value)}")
+
+
+def _dlpack_capsule(value: Any) -> Any:
+    # stream=-1 asks the producer not to synchronise (array-API DLPack
+    # convention); older producers take no stream argument.
+    try:
+        return value.__dlpack__(stream=-1)
+    except TypeError:
+        return value.__dlpack__()
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def dlpack_data_pointer(capsule: Any) -> int:
+    """Address of the first element of an unconsumed legacy `dltensor` capsule.
+
+    The capsule is only read, never renamed to `used_dltensor`, so its own
+    destructor still releases the producer's reference when it is dropped.
+    `DLManagedTensor` starts with its `DLTensor`, so the capsule pointer is
+    the tensor's address.
+    """
+    if not _capsule_is_valid(capsule, b"dltensor"):
+        raise BadArgumentError("expected an unconsumed DLPack 'dltensor' capsule")
+    address = _capsule_get_pointer(capsule, b"dltensor")
+    tensor = _DLTensor.from_address(address)
+    return int(tensor.data or 0) + int(tensor.byte_offset)
+

@@ -1,0 +1,239 @@
+"""Lazy CUDA driver access: initialise once under a lock, wrap every call's result.
+
+Nothing here runs at import: `cuda.bindings` is imported on the first call, so `import cubinstore` works on a machine without a GPU or
+driver. Every driver failure becomes a `CudaError` naming the call and what it
+was for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import struct
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any, Final
+
+from cubinstore.errors import CudaError
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_driver: ModuleType | None = None
+_init_error: str | None = None
+_primary: dict[int, int] = {}  # device ordinal -> retained primary context handle
+
+# ELF facts about CUBINs, from the files nvcc 12.x/13.x writes (ABI version 8).
+_ELF_MAGIC: Final = b"\x7fELF"
+_ELFCLASS64: Final = 2
+_EM_CUDA: Final = 190
+_CUDA_ELF_ABI_V8: Final = 8
+
+
+def driver() -> ModuleType:
+    """`cuda.bindings.driver`, with `cuInit` done exactly once (thread-safe)."""
+    global _driver, _init_error
+    if _driver is not None:
+        return _driver
+    with _lock:
+        if _driver is not None:
+            return _driver
+        if _init_error is not None:
+            raise CudaError(_init_error)
+        try:
+            from cuda.bindings import driver as drv
+        except ImportError as exc:
+            _init_error = f"cannot import cuda.bindings.driver: {exc}"
+            raise CudaError(_init_error) from exc
+        try:
+            (err,) = drv.cuInit(0)
+        except Exception as exc:  # cuda.pathfinder raises its own type when libcuda is absent
+            _init_error = f"cuInit failed: no usable NVIDIA driver ({type(exc).__name__}: {exc})"
+            raise CudaError(_init_error) from exc
+        if err != drv.CUresult.CUDA_SUCCESS:
+            _init_error = f"cuInit failed: {_describe(drv, err)}"
+            raise CudaError(_init_error)
+        _driver = drv
+        logger.debug("CUDA driver initialised")
+        return drv
+
+
+def _describe(drv: ModuleType, err: Any) -> str:
+    _, name = drv.cuGetErrorName(err)
+    _, text = drv.cuGetErrorString(err)
+    name_s = name.decode() if isinstance(name, bytes) else str(err)
+    text_s = text.decode() if isinstance(text, bytes) else ""
+    return f"{name_s} ({text_s})" if text_s else name_s
+
+
+def check(result: tuple[Any, ...], what: str) -> Any:
+    """Unwrap a `cuda.bindings` result tuple; raise `CudaError` naming `what` on failure."""
+    drv = driver()
+    err, *values = result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{what}: {_describe(drv, err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def available() -> tuple[bool, str]:
+    """Whether a CUDA device can be used here, and if not, why (for test skips)."""
+    try:
+        count = device_count()
+    except CudaError as exc:
+        return False, str(exc)
+    if count == 0:
+        return False, "the CUDA driver reports no devices"
+    return True, f"{count} CUDA device(s)"
+
+
+def device_count() -> int:
+    drv = driver()
+    return int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def current_device() -> int:
+    """Ordinal of the device whose context is current on this thread, else 0."""
+    drv = driver()
+    ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        return 0
+    return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
+
+
+def check_ordinal(ordinal: int) -> int:
+    """Validate a device ordinal against the devices present."""
+    count = device_count()
+    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal < count:
+        from cubinstore.errors import BadArgumentError
+
+        raise BadArgumentError(f"invalid device {ordinal!r}: expected an ordinal in [0, {count})")
+    return ordinal
+
+
+def device_attribute(ordinal: int, name: str) -> int:
+    drv = driver()
+    attr = getattr(drv.CUdevice_attribute, name)
+    dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    return int(check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name}) on device {ordinal}"))
+
+
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    return (
+        device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+        device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
+    )
+
+
+def primary_context(ordinal: int) -> int:
+    """Retain (once per process) and return the device's primary context: the one torch and CuPy use."""
+    handle = _primary.get(ordinal)
+    if handle is not None:
+        return handle
+    drv = driver()
+    with _lock:
+        handle = _primary.get(ordinal)
+        if handle is None:
+            dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+            ctx = check(drv.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain on device {ordinal}")
+            handle = int(ctx)
+            _primary[ordinal] = handle
+    return handle
+
+
+@contextlib.contextmanager
+def on_device(ordinal: int) -> Iterator[None]:
+    """Make the device's primary context current, and restore the caller's afterwards.
+
+    Restoring matters: the runtime (torch, CuPy) reads its current device from
+    the thread's current context, so a launch must not move it.
+    """
+    drv = driver()
+    want = primary_context(ordinal)
+    before = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    before_handle = 0 if before is None else int(before)
+    if before_handle == want:
+        yield
+        return
+    check(drv.cuCtxSetCurrent(drv.CUcontext(want)), f"cuCtxSetCurrent to device {ordinal}")
+    try:
+        yield
+    finally:
+        check(drv.cuCtxSetCurrent(drv.CUcontext(before_handle)), "cuCtxSetCurrent (restore)")
+
+
+def pointer_device(address: int) -> int | None:
+    """Device ordinal owning a device pointer, or None when the driver doesn't know it."""
+    drv = driver()
+    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    err, value = drv.cuPointerGetAttribute(attr, address)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return None
+    return int(value)
+
+
+def load_library(data: bytes, what: str) -> int:
+    """Load a CUBIN from memory (`cuLibraryLoadData`); returns the CUlibrary handle.
+
+    The driver reads exactly these bytes: the caller verified them, and keeps them
+    referenced for as long as the library lives.
+    """
+    drv = driver()
+    library = check(drv.cuLibraryLoadData(data, None, None, 0, None, None, 0), f"cuLibraryLoadData for {what}")
+    return int(library)
+
+
+def library_function(library: int, entry: str, what: str) -> int | None:
+    """The CUfunction of `entry` in the current context, or None when the CUBIN has no such kernel."""
+    drv = driver()
+    err, kernel = drv.cuLibraryGetKernel(drv.CUlibrary(library), entry.encode("ascii"))
+    if err == drv.CUresult.CUDA_ERROR_NOT_FOUND:
+        return None
+    check((err,), f"cuLibraryGetKernel for {what}")
+    return int(check(drv.cuKernelGetFunction(kernel), f"cuKernelGetFunction for {what}"))
+
+
+def function_attribute(func: int, name: str, what: str) -> int:
+    drv = driver()
+    attr = getattr(drv.CUfunction_attribute, name)
+    return int(check(drv.cuFuncGetAttribute(attr, drv.CUfunction(func)), f"cuFuncGetAttribute({name}) for {what}"))
+
+
+def cubin_sm(data: bytes) -> int | None:
+    """The SM number a CUBIN was built for, read from its ELF header.
+
+    Returns None for an ELF ABI version whose flag layout is not known here.
+    Raises ValueError when the bytes are not a 64-bit CUDA ELF at all.
+    """
+    if len(data) < 64 or data[:4] != _ELF_MAGIC:
+        raise ValueError("not an ELF file (bad magic)")
+    if data[4] != _ELFCLASS64:
+        raise ValueError(f"expected a 64-bit ELF, got ELF class {data[4]}")
+    (machine,) = struct.unpack_from("<H", data, 0x12)
+    if machine != _EM_CUDA:
+        raise ValueError(f"expected ELF machine {_EM_CUDA} (CUDA), got {machine}")
+    if data[8] != _CUDA_ELF_ABI_V8:
+        return None
+    (flags,) = struct.unpack_from("<I", data, 0x30)
+    return (flags >> 8) & 0xFF
+
+
+def versions() -> dict[str, str]:
+    """Versions of the CUDA Python packages and the driver, for logs and benchmarks."""
+    out: dict[str, str] = {}
+    for name in ("cuda.bindings", "cuda.core"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            out[name] = f"not importable: {exc}"
+            continue
+        out[name] = str(getattr(module, "__version__", "unknown"))
+    try:
+        drv = driver()
+        out["driver"] = str(check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+    except CudaError as exc:
+        out["driver"] = f"unavailable: {exc}"
+    return out

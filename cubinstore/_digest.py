@@ -1,0 +1,89 @@
+"""``Digest``: a sha256 content address, validated once where it enters the program."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from cubinstore.errors import BadArgumentError
+
+__all__ = ["Digest", "EMPTY_SHA256_HEX", "show"]
+
+_PREFIX = "sha256:"
+_HEX_LEN = 64
+_HEX_CHARS = frozenset("0123456789abcdef")
+EMPTY_SHA256_HEX = hashlib.sha256(b"").hexdigest()
+
+
+def show(value: object, limit: int = 80) -> str:
+    """``repr`` of an untrusted value, cut short so messages stay one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_hex(hex_: object, original: object) -> str:
+    if not isinstance(hex_, str):
+        raise BadArgumentError(
+            f"invalid digest: expected a string 'sha256:<64 lowercase hex>', got {type(hex_).__name__}"
+        )
+    if len(hex_) != _HEX_LEN:
+        raise BadArgumentError(
+            f"invalid digest length: {len(hex_)}, expected {_HEX_LEN} (in {show(original)})"
+        )
+    for pos, char in enumerate(hex_):
+        if char not in _HEX_CHARS:
+            raise BadArgumentError(
+                f"invalid digest character {show(char)} at position {pos}: "
+                f"expected lowercase hex (in {show(original)})"
+            )
+    return hex_
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """A sha256 digest. ``str(d)`` is ``sha256:<hex>``; ``d.hex`` is the 64 hex characters.
+
+    Construction validates, so a ``Digest`` can always be used to build a path
+    or URL safely: only 64 lowercase hex characters ever reach ``hex``.
+    """
+
+    hex: str
+
+    def __post_init__(self) -> None:
+        _check_hex(self.hex, self.hex)
+
+    @classmethod
+    def parse(cls, text: object) -> Digest:
+        """Parse ``sha256:<64 lowercase hex>``; raise ``BadArgumentError`` naming what is wrong."""
+        if isinstance(text, Digest):
+            return text
+        if not isinstance(text, str):
+            raise BadArgumentError(
+                "invalid digest: expected a string 'sha256:<64 lowercase hex>', "
+                f"got {type(text).__name__}"
+            )
+        if not text.startswith(_PREFIX):
+            raise BadArgumentError(f"invalid digest {show(text)}: expected the prefix 'sha256:'")
+        return cls(_check_hex(text[len(_PREFIX) :], text))
+
+    @classmethod
+    def of(cls, data: bytes | bytearray | memoryview) -> Digest:
+        """The digest of ``data``."""
+        return cls(hashlib.sha256(data).hexdigest())
+
+    @property
+    def algorithm(self) -> str:
+        return "sha256"
+
+    @property
+    def short(self) -> str:
+        """First 12 hex characters, for progress lines and logs."""
+        return self.hex[:12]
+
+    @property
+    def is_empty_blob(self) -> bool:
+        """True for the digest of zero bytes, which is never a valid CUBIN."""
+        return self.hex == EMPTY_SHA256_HEX
+
+    def __str__(self) -> str:
+        return _PREFIX + self.hex

@@ -1,0 +1,172 @@
+"""File helpers shared by the stores: bounded no-follow reads, atomic writes, verification."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from cubinstore._digest import Digest
+from cubinstore.errors import IntegrityError, StoreError
+
+__all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "read_regular", "verify"]
+
+_log = logging.getLogger(__name__)
+
+# O_NONBLOCK so a FIFO planted at an entry path cannot hang open(); regular files ignore it.
+_READ_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+_CHUNK = 1 << 20
+
+
+class NotRegularFile(Exception):
+    """The path is a symlink, directory, FIFO or other non-regular file (never followed or read)."""
+
+
+def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None:
+    """Read at most ``limit + 1`` bytes of the regular file at ``path``; None if it does not exist.
+
+    Symlinks are not followed and non-regular files are refused (``NotRegularFile``).
+    Reading one byte past ``limit`` lets the caller see "longer than expected" without
+    reading an arbitrarily large file. ``touch`` bumps mtime, the LRU clock of GC.
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+            raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
+        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if touch:
+            try:
+                os.utime(fd if os.utime in os.supports_fd else path)
+            except OSError as exc:  # a read-only shared store still serves reads
+                _log.debug("cannot update mtime of %s: %s", path, exc)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: str | None = None) -> None:
+    """Raise ``IntegrityError`` unless ``data`` has ``size`` bytes (checked first) and hashes to ``digest``."""
+    what = f"{digest}" + (f" ({name})" if name else "")
+    if size is not None and len(data) != size:
+        raise IntegrityError(f"size mismatch for {what} from {where}: expected {size} bytes, got {len(data)}")
+    actual = Digest.of(data)
+    if actual != digest:
+        raise IntegrityError(f"digest mismatch for {what} from {where}: expected {digest}, got {actual}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable; best effort (not every OS or filesystem supports it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as exc:
+        _log.debug("cannot open directory %s to fsync: %s", path, exc)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        _log.debug("cannot fsync directory %s: %s", path, exc)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so readers see the old file, no file, or all of ``data``.
+
+    Unique temp file in the same directory, fsync, rename; on any failure the temp
+    file is removed and ``StoreError`` names the path (the old file is unchanged).
+    ``durable=False`` skips the fsyncs: still atomic, but may be lost on power failure.
+    """
+    directory = path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".tmp.{path.name}.", dir=directory)
+    except OSError as exc:
+        raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc
+    tmp = Path(tmp_name)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if durable:
+                os.fsync(fd)
+            if hasattr(os, "fchmod"):  # mkstemp creates 0600
+                os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as cleanup:
+            _log.warning("cannot remove temp file %s: %s", tmp, cleanup)
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise
+    if durable:
+        fsync_dir(directory)
+
+
+@contextmanager
+def atomic_file(path: Path, *, mode: int = 0o644) -> Iterator[BinaryIO]:
+    """Stream into a temp file beside ``path``; on a clean exit fsync and rename it to ``path``.
+
+    For outputs too large to build in memory (bundles). Any exception removes the temp file.
+    """
+    directory = path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".tmp.{path.name}.", dir=directory)
+    except OSError as exc:
+        raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+            if hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as cleanup:
+            _log.warning("cannot remove temp file %s: %s", tmp, cleanup)
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise
+    fsync_dir(directory)

@@ -1,0 +1,104 @@
+"""Read-only sources: a Bazel ``--disk_cache`` directory and a build output tree (``bazel-bin``)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import threading
+from pathlib import Path
+
+from cubinstore._digest import Digest
+from cubinstore._files import NotRegularFile, read_regular
+from cubinstore._layer import Layer, limit_for
+
+__all__ = ["DirectorySource", "DiskCacheStore"]
+
+_log = logging.getLogger(__name__)
+
+
+class DiskCacheStore(Layer):
+    """Read-only view of a Bazel ``--disk_cache``: ``cas/<2 hex>/<hex>`` (Bazel >= 4) or flat ``cas/<hex>``.
+
+    Bazel owns this directory: a corrupt entry is reported and skipped, never modified.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser()
+
+    @property
+    def name(self) -> str:
+        return f"disk cache {self.root}"
+
+    def read(self, digest: Digest, size: int | None) -> bytes | None:
+        limit = limit_for(size)
+        for path in (self.root / "cas" / digest.hex[:2] / digest.hex, self.root / "cas" / digest.hex):
+            try:
+                data = read_regular(path, limit)
+            except NotRegularFile as exc:
+                _log.warning("ignoring %s: %s", path, exc)
+                continue
+            if data is not None:
+                return data
+        return None
+
+    def discard(self, digest: Digest, size: int | None, reason: str) -> None:
+        _log.warning("corrupt blob %s in Bazel disk cache %s (left in place): %s", digest, self.root, reason)
+
+
+class DirectorySource(Layer):
+    """Finds blobs by content among the ``*.cubin`` files of a build tree such as ``bazel-bin``.
+
+    Files are indexed by size on first use and hashed only when their size matches the
+    blob asked for, so no label or path naming convention is assumed.
+    """
+
+    def __init__(self, root: str | Path, *, suffix: str = ".cubin") -> None:
+        self.root = Path(root).expanduser()
+        self.suffix = suffix
+        self._by_size: dict[int, list[Path]] | None = None
+        self._found: dict[Digest, Path] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return f"build tree {self.root}"
+
+    def _index(self) -> dict[int, list[Path]]:
+        with self._lock:
+            if self._by_size is None:
+                by_size: dict[int, list[Path]] = {}
+                # The root itself may be a symlink (bazel-bin is); nothing below it is followed.
+                for dirpath, _dirs, files in os.walk(self.root.resolve()):
+                    for file in files:
+                        if not file.endswith(self.suffix):
+                            continue
+                        path = Path(dirpath, file)
+                        try:
+                            st = path.lstat()
+                        except OSError:
+                            continue
+                        if stat.S_ISREG(st.st_mode):
+                            by_size.setdefault(st.st_size, []).append(path)
+                self._by_size = by_size
+                _log.debug("indexed %d %s files under %s", sum(map(len, by_size.values())), self.suffix, self.root)
+            return self._by_size
+
+    def read(self, digest: Digest, size: int | None) -> bytes | None:
+        limit = limit_for(size)
+        known = self._found.get(digest)
+        candidates = [known] if known else []
+        index = self._index()
+        for file_size in sorted(index):
+            if file_size == size or (size is None and file_size <= limit):
+                candidates.extend(index[file_size])
+        for path in candidates:
+            try:
+                data = read_regular(path, limit)
+            except NotRegularFile:
+                continue
+            if data is not None and hashlib.sha256(data).hexdigest() == digest.hex:
+                self._found[digest] = path
+                return data
+        return None

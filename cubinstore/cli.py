@@ -1,0 +1,410 @@
+"""The ``cubinstore`` command line.
+
+Exit status: 0 success; 1 the operation failed or found a problem (missing or corrupt
+blobs, unreachable remote); 2 bad usage (unknown flag, malformed digest, URL or size).
+Failures print one line ``cubinstore: error: <reason>`` on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn, TextIO
+
+from cubinstore import _env
+from cubinstore._bundle import pack, unpack
+from cubinstore._digest import Digest
+from cubinstore._files import verify
+from cubinstore._layer import Layer
+from cubinstore._maint import gc, pin, pinned, unpin, verify_store
+from cubinstore.errors import BadArgumentError, CubinstoreError
+from cubinstore.manifest import Manifest, parse_arch
+from cubinstore.store import DirectorySource, DiskCacheStore, HttpStore, LocalStore, Store
+
+__all__ = ["main"]
+
+_log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block, so scripts can show the reason as is.
+        raise _UsageError(f"{self.prog}: {message} (see --help)")
+
+
+class _Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, label: str, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty()
+        self.shown = False
+
+    def __call__(self, done: int, total: int, nbytes: int) -> None:
+        if not self.enabled or total <= 0:
+            return
+        width = 30
+        filled = width * done // total
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {_human(nbytes)}")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    suffix = raw[-1:] if raw[-1:] in units and raw[-1:] else ""
+    number = raw[: len(raw) - len(suffix)]
+    if not number.isdigit():
+        raise BadArgumentError(f"--max-bytes: expected a non-negative integer with optional K/M/G/T suffix, got {text!r}")
+    return int(number) * units[suffix]
+
+
+def _local() -> LocalStore:
+    return LocalStore(_env.home())
+
+
+def _names(manifest: Manifest, digest: Digest) -> str:
+    return ", ".join(k.id for k in manifest.kernels if k.digest == digest)
+
+
+def _archs(values: Sequence[str] | None) -> set[str] | None:
+    if not values:
+        return None
+    archs = {a.strip() for value in values for a in value.split(",") if a.strip()}
+    for arch in archs:
+        parse_arch(arch)
+    return archs
+
+
+def _err(message: str) -> None:
+    print(f"cubinstore: error: {message}", file=sys.stderr)
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+def _cmd_prefetch(args: argparse.Namespace) -> int:
+    store = Store.from_env(extra_remotes=args.remote or (), strict=True)
+    manifest = Manifest.load(args.manifest, store)
+    local = store.local
+    if local is None:  # from_env always adds one; kept for type checkers
+        raise CubinstoreError("no local store configured")
+    archs = _archs(args.arch)
+    specs = [k for k in manifest.kernels if archs is None or k.arch in archs]
+    if archs is not None and not specs:
+        raise BadArgumentError(f"--arch {','.join(sorted(archs))}: manifest {manifest.digest} has archs {', '.join(manifest.archs)}")
+    blobs = sorted({(k.digest, k.size) for k in specs}, key=lambda b: b[0].hex)
+    before = store.stats
+    failures: list[str] = []
+    progress = _Progress("prefetch")
+    done_bytes = 0
+    for i, (digest, size) in enumerate(blobs):
+        try:
+            done_bytes += len(store.get(digest, size, name=_names(manifest, digest)))
+        except CubinstoreError as exc:
+            failures.append(str(exc))
+        progress(i + 1, len(blobs), done_bytes)
+    progress.close()
+    # Keep the manifest itself too, so `sha256:` references resolve offline.
+    if local.status(manifest.digest, len(manifest.raw)) != "ok":
+        local.write(manifest.digest, manifest.raw)
+    after = store.stats
+    for failure in failures:
+        _err(failure)
+    if failures:
+        _err(f"prefetch {manifest.digest}: {len(failures)} of {len(blobs)} blobs failed")
+        return EXIT_FAILED
+    print(
+        f"prefetched {manifest.digest}: {len(blobs)} blobs, {after.misses - before.misses} downloaded "
+        f"({_human(after.bytes_fetched - before.bytes_fetched)}), {after.hits - before.hits} already local, in {local.root}"
+    )
+    return EXIT_OK
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    manifest = Manifest.load(args.manifest)
+    local = _local()
+    rows = [(k.id, k.arch, str(k.size), local.status(k.digest, k.size)) for k in sorted(manifest.kernels, key=lambda k: k.id)]
+    header = ("ID", "ARCH", "SIZE", "LOCAL")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(w) if i < 3 else cell for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    local = _local()
+    blobs = None
+    if args.manifest:
+        manifest = Manifest.load(args.manifest, Store([local]))
+        blobs = list(manifest.blobs)
+    report = verify_store(local, blobs)
+    for digest, reason, moved in report.corrupt:
+        print(f"corrupt {digest}: {reason}; quarantined to {moved}")
+    for digest in report.missing:
+        print(f"missing {digest}")
+    for stray in report.strays:
+        print(f"stray {stray} (ignored)")
+    print(f"verified {report.checked} entries in {local.root}: {report.ok} ok, {len(report.corrupt)} corrupt, {len(report.missing)} missing")
+    if report.failed:
+        _err(f"verify: {len(report.corrupt)} corrupt and {len(report.missing)} missing entries in {local.root}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _cmd_gc(args: argparse.Namespace) -> int:
+    local = _local()
+    limit = _parse_bytes(args.max_bytes)
+    result = gc(local, limit)
+    print(
+        f"gc {local.root}: {_human(result.total_before)} -> {_human(result.total_after)}, evicted "
+        f"{len(result.evicted)} entries, {_human(result.pinned_bytes)} pinned"
+    )
+    if result.total_after > limit:
+        print(f"note: pinned entries alone exceed --max-bytes {limit}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_pin(args: argparse.Namespace) -> int:
+    local = _local()
+    if not args.manifest:
+        for manifest in pinned(local):
+            print(f"{manifest.digest}  {len(manifest.kernels)} kernels")
+        return EXIT_OK
+    manifest = Manifest.load(args.manifest)
+    pin(local, manifest)
+    print(f"pinned {manifest.digest}")
+    return EXIT_OK
+
+
+def _cmd_unpin(args: argparse.Namespace) -> int:
+    ref = args.manifest
+    digest = Digest.parse(ref) if ref.startswith("sha256:") else Manifest.from_path(ref).digest
+    if not unpin(_local(), digest):
+        _err(f"{digest} is not pinned in {_local().root}")
+        return EXIT_FAILED
+    print(f"unpinned {digest}")
+    return EXIT_OK
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    store = Store.from_env(extra_remotes=args.remote or ())
+    manifest = Manifest.load(args.manifest, store)
+    progress = _Progress("pack")
+    try:
+        size = pack(manifest, store, Path(args.out), progress=progress)
+    finally:
+        progress.close()
+    print(f"packed {manifest.digest} ({len(manifest.blobs)} blobs, {_human(size)}) into {args.out}")
+    return EXIT_OK
+
+
+def _cmd_unpack(args: argparse.Namespace) -> int:
+    local = _local()
+    expect = Digest.parse(args.expect) if args.expect else None
+    progress = _Progress("unpack")
+    try:
+        manifest = unpack(args.bundle, local, expect=expect, progress=progress)
+    finally:
+        progress.close()
+    if args.pin:
+        pin(local, manifest)
+    print(f"unpacked {manifest.digest} ({len(manifest.blobs)} blobs) into {local.root}")
+    return EXIT_OK
+
+
+def _publish_sources(args: argparse.Namespace) -> list[Layer]:
+    sources: list[Layer] = [_local()]
+    disk_cache = _env.disk_cache()
+    if disk_cache is not None:
+        sources.append(DiskCacheStore(disk_cache))
+    dirs = [Path(d) for d in args.source or ()]
+    if not args.manifest.startswith("sha256:"):
+        # A manifest under bazel-bin/ names its build tree; found by content, not by label.
+        path = Path(os.path.abspath(args.manifest))
+        dirs.extend(parent for parent in path.parents if parent.name == "bazel-bin")
+    if Path("bazel-bin").is_dir():
+        dirs.append(Path("bazel-bin"))
+    for directory in dict.fromkeys(dirs):
+        if not directory.is_dir():
+            raise BadArgumentError(f"--from {directory}: not a directory")
+        sources.append(DiskCacheStore(directory) if (directory / "cas").is_dir() else DirectorySource(directory))
+    return sources
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    remote = HttpStore(args.to)
+    sources = Store(_publish_sources(args), backfill=False)
+    manifest = Manifest.load(args.manifest, sources)
+    failures: list[str] = []
+    uploaded: list[tuple[Digest, int]] = []
+    progress = _Progress("publish")
+    done = 0
+    for i, (digest, size) in enumerate(manifest.blobs):
+        try:
+            data = sources.get(digest, size, name=_names(manifest, digest))
+            remote.put(digest, data)
+            uploaded.append((digest, size))
+            done += size
+        except CubinstoreError as exc:
+            failures.append(str(exc))
+        progress(i + 1, len(manifest.blobs), done)
+    progress.close()
+    # The server may have accepted bytes it did not keep or mangled: read every blob back.
+    for digest, size in uploaded:
+        failure = _check_remote(remote, digest, size, _names(manifest, digest))
+        if failure:
+            failures.append(failure)
+    for failure in failures:
+        _err(failure)
+    if failures:
+        _err(f"publish {manifest.digest} to {remote.url}: {len(failures)} problems; manifest not uploaded")
+        return EXIT_FAILED
+    # The manifest goes last so a published manifest never references a missing blob.
+    remote.put(manifest.digest, manifest.raw)
+    failure = _check_remote(remote, manifest.digest, len(manifest.raw), "manifest")
+    if failure:
+        _err(failure)
+        return EXIT_FAILED
+    print(f"published {manifest.digest} ({len(manifest.blobs)} blobs) to {remote.url}")
+    return EXIT_OK
+
+
+def _check_remote(remote: HttpStore, digest: Digest, size: int, name: str) -> str | None:
+    try:
+        data = remote.read(digest, size)
+        if data is None:
+            return f"{digest} ({name}) is missing from {remote.url} after upload"
+        verify(data, digest, size, where=remote.blob_url(digest), name=name)
+    except CubinstoreError as exc:
+        return f"{digest} ({name}) failed re-verification after upload: {exc}"
+    return None
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    local = _local()
+    counts = local.read_stats()
+    entries, _ = local.scan()
+    for key, value in counts.items():
+        print(f"{key} {value}")
+    print(f"entries {len(entries)}")
+    print(f"bytes {sum(e.size for e in entries)}")
+    print(f"root {local.root}")
+    return EXIT_OK
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="cubinstore", description="Content-addressed store of compiled CUDA kernels.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    m_help = "manifest path or sha256:<hex> digest"
+
+    p = sub.add_parser("prefetch", help="fill the local store with a manifest's closure")
+    p.add_argument("manifest", help=m_help)
+    p.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
+    p.add_argument("--arch", action="append", metavar="ARCH", help="only kernels of this arch (repeatable, or comma-separated)")
+    p.set_defaults(func=_cmd_prefetch)
+
+    p = sub.add_parser("ls", help="list a manifest's kernels and their local state")
+    p.add_argument("manifest", help=m_help)
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("verify", help="re-hash the local store (or a manifest's closure), quarantine corrupt entries")
+    p.add_argument("manifest", nargs="?", help=m_help)
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("gc", help="evict least recently used unpinned entries")
+    p.add_argument("--max-bytes", required=True, metavar="N", help="target size, e.g. 1000000 or 10G")
+    p.set_defaults(func=_cmd_gc)
+
+    p = sub.add_parser("pin", help="protect a manifest's closure from gc (no argument: list pins)")
+    p.add_argument("manifest", nargs="?", help=m_help)
+    p.set_defaults(func=_cmd_pin)
+
+    p = sub.add_parser("unpin", help="remove a pin")
+    p.add_argument("manifest", help=m_help)
+    p.set_defaults(func=_cmd_unpin)
+
+    p = sub.add_parser("pack", help="bundle a manifest and its CUBINs into a tar for offline hosts")
+    p.add_argument("manifest", help=m_help)
+    p.add_argument("out", metavar="OUT.tar")
+    p.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch missing blobs from")
+    p.set_defaults(func=_cmd_pack)
+
+    p = sub.add_parser("unpack", help="verify a bundle and add it to the local store")
+    p.add_argument("bundle", metavar="BUNDLE.tar")
+    p.add_argument("--expect", metavar="DIGEST", help="reject the bundle unless its manifest has this digest")
+    p.add_argument("--pin", action="store_true", help="pin the unpacked manifest")
+    p.set_defaults(func=_cmd_unpack)
+
+    p = sub.add_parser("publish", help="upload a manifest and its closure to an HTTP CAS, then re-verify")
+    p.add_argument("manifest", help=m_help)
+    p.add_argument("--to", required=True, metavar="URL", help="HTTP CAS base URL (PUT <URL>/cas/<hex>)")
+    p.add_argument("--from", dest="source", action="append", metavar="DIR",
+                   help="where to find blobs: a build tree (bazel-bin) or a Bazel disk cache (repeatable)")
+    p.set_defaults(func=_cmd_publish)
+
+    p = sub.add_parser("stats", help="hits, misses, bytes fetched and verification failures of the local store")
+    p.set_defaults(func=_cmd_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="cubinstore: %(levelname)s: %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args))
+    except BadArgumentError as exc:
+        _err(str(exc))
+        return EXIT_USAGE
+    except CubinstoreError as exc:
+        _err(str(exc))
+        return EXIT_FAILED
+    except OSError as exc:  # e.g. OUT.tar's directory missing; still one line, not a traceback
+        _err(f"{exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:
+        # `cubinstore ls | head`: the reader left; not an error worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED

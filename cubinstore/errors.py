@@ -1,0 +1,75 @@
+"""The cubinstore error hierarchy.
+
+Every error raised on purpose by cubinstore is a ``CubinstoreError``. Messages
+name the digest, kernel id, URL or path involved and say what to do next.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadArgumentError",
+    "BundleError",
+    "CubinstoreError",
+    "CudaError",
+    "IncompatibleArchError",
+    "IntegrityError",
+    "KernelNotFoundError",
+    "LockTimeoutError",
+    "ManifestError",
+    "MissingBlobError",
+    "ParamLayoutError",
+    "RemoteUnavailableError",
+    "StoreError",
+]
+
+
+class CubinstoreError(Exception):
+    """Base class of every error cubinstore raises on purpose."""
+
+
+class BadArgumentError(CubinstoreError, ValueError):
+    """A caller passed a malformed value (digest, URL, arch, size, env var, flag)."""
+
+
+class ManifestError(CubinstoreError):
+    """A manifest is unreadable or does not follow the ``cubinstore/manifest/v1`` schema."""
+
+
+class KernelNotFoundError(CubinstoreError, LookupError):
+    """No kernel in the manifest matches the id, family or parameters asked for."""
+
+
+class IncompatibleArchError(CubinstoreError):
+    """The manifest has no CUBIN that the running GPU's compute capability can load."""
+
+
+class IntegrityError(CubinstoreError):
+    """Bytes did not match their digest or expected size; they were never used."""
+
+
+class MissingBlobError(CubinstoreError, LookupError):
+    """No store layer has the blob (every layer answered a clean miss)."""
+
+
+class RemoteUnavailableError(CubinstoreError):
+    """A remote store could not be reached or kept failing after retries."""
+
+
+class StoreError(CubinstoreError):
+    """The local store could not be read or written (disk full, permissions, rename failure)."""
+
+
+class LockTimeoutError(StoreError):
+    """A per-digest lock stayed held by another process for longer than the lock timeout."""
+
+
+class BundleError(CubinstoreError):
+    """An offline bundle (``pack``/``unpack``) is malformed or does not match its manifest."""
+
+
+class ParamLayoutError(ManifestError):
+    """The manifest's declared parameter types do not match the CUBIN's real parameter layout."""
+
+
+class CudaError(CubinstoreError):
+    """The CUDA driver refused a call (or is missing); the message names the call and its subject."""

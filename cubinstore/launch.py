@@ -1,0 +1,442 @@
+"""Load verified CUBINs per device and launch their kernels.
+
+    lib = cubinstore.open("bazel-bin/kernels/manifest.json")
+    k = lib.kernel("axpy", dtype="f32", vec=4)          # picks sm_90a on an H100/H200
+    k.launch("axpy_f32", grid=(blocks,), block=(256,), args=(n, 2.0, x, y))
+
+Nothing touches CUDA until the first `Library.kernel` call. A module is loaded
+from the exact in-memory bytes the store verified, once per (digest, device).
+Each entry's parameter layout is checked against the CUBIN's
+(`cuFuncGetParamInfo`) before it can be launched.
+
+The driver is used through `cuda.bindings` alone: the launch needs
+`cuLaunchKernelEx` with a packed `kernelParams` array (cuda.core's argument
+handler cannot pass a 128-byte `CUtensorMap` by value), and loading goes through
+`cuLibraryLoadData` directly because importing cuda.core costs more than a whole
+fetch + verify + load (measured on an H200 host: benchmarks/startup.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from cubinstore import _cuda
+from cubinstore._args import ParamSlot, check_layout, pack_args
+from cubinstore._digest import Digest, show
+from cubinstore.errors import (
+    BadArgumentError,
+    IncompatibleArchError,
+    KernelNotFoundError,
+    ManifestError,
+)
+from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
+
+if TYPE_CHECKING:
+    from cubinstore.store import Store
+
+__all__ = ["Kernel", "Library", "open"]
+
+logger = logging.getLogger(__name__)
+
+# Above this a function must opt in through CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
+_DEFAULT_DYNAMIC_SMEM: Final = 48 * 1024
+_PORTABLE_CLUSTER: Final = 8
+_MAX_PARAMS: Final = 8192  # 32 KiB of parameter space holds at most 8191 4-byte parameters
+
+
+def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | None = None) -> Library:
+    """A `Library` over `manifest`: a path, a `Manifest`, or a `sha256:` digest fetched through `store`.
+
+    `store` defaults to `Store.from_env()`. Touches no GPU.
+    """
+    if isinstance(manifest, Manifest):
+        man = manifest
+    elif isinstance(manifest, Digest) or (isinstance(manifest, str) and manifest.startswith("sha256:")):
+        store = store if store is not None else _default_store()
+        man = Manifest.from_digest(manifest, store)
+    elif isinstance(manifest, (str, os.PathLike)):
+        man = Manifest.from_path(os.fspath(manifest))
+    else:
+        raise BadArgumentError(f"manifest: expected a path, a Manifest or 'sha256:<hex>', got {show(manifest)}")
+    return Library(man, store)
+
+
+def _default_store() -> Store:
+    from cubinstore.store import Store
+
+    return Store.from_env()
+
+
+@dataclass
+class _Function:
+    """One entry of a loaded module on one device."""
+
+    handle: int  # CUfunction in the device's primary context
+    static_smem: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    dynamic_smem_limit: int = _DEFAULT_DYNAMIC_SMEM
+    non_portable_cluster: bool = False
+    # (declared types) -> checked layout; one digest may be named by several manifests.
+    layouts: dict[tuple[str, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class _Module:
+    """A CUBIN loaded on one device: its CUlibrary and its entries' functions."""
+
+    digest: Digest
+    device: int
+    code: tuple[int, bytes]  # the CUlibrary handle and the verified bytes it was loaded from; never unloaded
+    functions: dict[str, _Function]
+    load_seconds: float
+
+
+_modules: dict[tuple[Digest, int], _Module] = {}
+_modules_lock = threading.Lock()
+_key_locks: dict[tuple[Digest, int], threading.Lock] = {}
+
+
+def _key_lock(key: tuple[Digest, int]) -> threading.Lock:
+    with _modules_lock:
+        return _key_locks.setdefault(key, threading.Lock())
+
+
+def loaded_module_count() -> int:
+    """How many (digest, device) modules this process has loaded (for tests and benchmarks)."""
+    with _modules_lock:
+        return len(_modules)
+
+
+def is_loaded(digest: Digest | str, device: int) -> bool:
+    """Whether the CUBIN `digest` is loaded on `device` in this process."""
+    with _modules_lock:
+        return (Digest.parse(digest), device) in _modules
+
+
+class Library:
+    """The kernels of one manifest, loaded on demand per device."""
+
+    def __init__(self, manifest: Manifest, store: Store | None = None) -> None:
+        self.manifest = manifest
+        self._store = store
+        self._store_lock = threading.Lock()
+
+    @property
+    def store(self) -> Store:
+        with self._store_lock:
+            if self._store is None:
+                self._store = _default_store()
+            return self._store
+
+    def __repr__(self) -> str:
+        return f"Library({self.manifest.source!r}, {len(self.manifest)} kernels)"
+
+    def kernel(self, id_or_family: str, *, device: Any = None, **params: str | int) -> Kernel:
+        """The kernel `id_or_family` (exact id, or family narrowed by `params`) loaded on `device`.
+
+        `device` is an ordinal, a `torch.device`, a `cuda.core.Device`, or None for the
+        current device. The arch is chosen for that device's compute capability; a CUBIN
+        that cannot run there raises `IncompatibleArchError` before the driver sees it.
+        """
+        ordinal = _device_ordinal(device)
+        cc = _cuda.compute_capability(ordinal)
+        spec = self.manifest.select(id_or_family, cc, **params)
+        module = _load(spec, ordinal, cc, self.store)
+        functions: dict[str, _Function] = {}
+        for entry, types in spec.entries.items():
+            fn = module.functions[entry]
+            _check_function_layout(spec, entry, types, fn, ordinal)
+            functions[entry] = fn
+        return Kernel(spec, ordinal, functions, module.load_seconds)
+
+
+def _device_ordinal(device: Any) -> int:
+    if device is None:
+        return _cuda.check_ordinal(_cuda.current_device())
+    if isinstance(device, bool):
+        raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {device!r}")
+    if isinstance(device, int):
+        return _cuda.check_ordinal(device)
+    if isinstance(getattr(device, "device_id", None), int):  # cuda.core.Device
+        return _cuda.check_ordinal(device.device_id)
+    if getattr(device, "type", None) == "cuda":  # torch.device
+        index = device.index
+        return _cuda.check_ordinal(_cuda.current_device() if index is None else index)
+    raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {show(device)}")
+
+
+def _load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store) -> _Module:
+    """The module of `spec` on `ordinal`, fetched, verified and loaded at most once."""
+    key = (spec.digest, ordinal)
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    with _key_lock(key):
+        module = _modules.get(key)
+        if module is not None:
+            return module
+        # The one path to the driver's loader: refuse a CUBIN the device cannot run before
+        # it is fetched or any byte reaches the driver, with an error naming both archs.
+        if not arch_compatible(spec.arch, cc):
+            raise IncompatibleArchError(
+                f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
+                f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
+            )
+        started = time.perf_counter()
+        data = store.get(spec.digest, spec.size, name=spec.id)
+        fetched = time.perf_counter()
+        if len(data) != spec.size:
+            raise ManifestError(
+                f"kernel {spec.id!r} ({spec.digest}): expected {spec.size} bytes, the store returned {len(data)}"
+            )
+        _check_cubin_header(spec, data)
+        module = _load_module(spec, bytes(data), ordinal)
+        module.load_seconds = time.perf_counter() - fetched
+        logger.debug(
+            "loaded %s (%s) on device %d: fetch+verify %.3f ms, load %.3f ms",
+            spec.id, spec.digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
+        )
+        with _modules_lock:
+            _modules[key] = module
+        return module
+
+
+def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
+    """The bytes must be a CUDA ELF built for the SM the manifest names."""
+    try:
+        sm = _cuda.cubin_sm(data)
+    except ValueError as exc:
+        raise ManifestError(f"kernel {spec.id!r} ({spec.digest}) is not a CUBIN: {exc}") from None
+    major, minor, _ = parse_arch(spec.arch)
+    if sm is not None and sm != major * 10 + minor:
+        raise ManifestError(
+            f"kernel {spec.id!r} ({spec.digest}): manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}"
+        )
+
+
+def _load_module(spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
+    started = time.perf_counter()
+    functions: dict[str, _Function] = {}
+    with _cuda.on_device(ordinal):
+        library = _cuda.load_library(data, f"kernel {spec.id!r} ({spec.digest}) on device {ordinal}")
+        for entry in spec.entries:
+            what = f"kernel {spec.id!r} ({spec.digest}) entry {entry!r} on device {ordinal}"
+            func = _cuda.library_function(library, entry, what)
+            if func is None:
+                raise ManifestError(f"{what}: the manifest declares it, the CUBIN has no such function")
+            functions[entry] = _Function(
+                handle=func, static_smem=_cuda.function_attribute(func, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", what)
+            )
+    return _Module(spec.digest, ordinal, (library, data), functions, time.perf_counter() - started)
+
+
+def _param_info(fn: _Function, spec: KernelSpec, entry: str) -> list[tuple[int, int]]:
+    """The CUBIN's real (offset, size) per parameter, from `cuFuncGetParamInfo`."""
+    drv = _cuda.driver()
+    func = drv.CUfunction(fn.handle)
+    out: list[tuple[int, int]] = []
+    for index in range(_MAX_PARAMS):
+        err, offset, size = drv.cuFuncGetParamInfo(func, index)
+        if err == drv.CUresult.CUDA_ERROR_INVALID_VALUE:
+            break  # index is past the last parameter
+        _cuda.check((err,), f"cuFuncGetParamInfo({index}) for kernel {spec.id!r} entry {entry!r}")
+        out.append((int(offset), int(size)))
+    return out
+
+
+def _check_function_layout(
+    spec: KernelSpec, entry: str, types: Sequence[str], fn: _Function, ordinal: int
+) -> tuple[ParamSlot, ...]:
+    key = tuple(types)
+    with fn.lock:
+        layout = fn.layouts.get(key)
+        if layout is None:
+            with _cuda.on_device(ordinal):
+                actual = _param_info(fn, spec, entry)
+            layout = check_layout(spec.id, entry, key, actual)
+            fn.layouts[key] = layout
+        return layout
+
+
+def _dims(kernel: str, name: str, value: Any, *, limit: int = 2**31 - 1) -> tuple[int, int, int]:
+    items = (value,) if isinstance(value, int) else value
+    if (
+        not isinstance(items, Sequence)
+        or not 1 <= len(items) <= 3
+        or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limit for v in items)
+    ):
+        raise BadArgumentError(
+            f"kernel {kernel} {name}: expected 1 to 3 positive ints (at most {limit}), got {show(value)}"
+        )
+    padded = tuple(items) + (1,) * (3 - len(items))
+    return padded[0], padded[1], padded[2]
+
+
+class Kernel:
+    """One CUBIN loaded on one device; launch its entries with `launch`."""
+
+    def __init__(self, spec: KernelSpec, device: int, functions: Mapping[str, _Function], load_seconds: float) -> None:
+        self._spec = spec
+        self._device = device
+        self._functions = dict(functions)
+        self.load_seconds = load_seconds
+
+    @property
+    def spec(self) -> KernelSpec:
+        return self._spec
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        return tuple(self._spec.entries)
+
+    def __repr__(self) -> str:
+        return f"Kernel({self._spec.id!r}, device={self._device})"
+
+    def launch(
+        self,
+        entry: str,
+        *,
+        grid: int | Sequence[int],
+        block: int | Sequence[int],
+        args: Sequence[Any],
+        shared_mem: int = 0,
+        cluster: int | Sequence[int] | None = None,
+        stream: Any = None,
+    ) -> None:
+        """Launch `entry` asynchronously on `stream`.
+
+        `grid` counts blocks (with a cluster too); `shared_mem` is dynamic shared memory
+        in bytes. `stream` is a raw handle, a torch/CuPy stream or any `__cuda_stream__`
+        object; None means torch's current stream when an argument is a torch tensor
+        (CuPy's for a CuPy array), else the legacy default stream.
+        """
+        spec = self._spec
+        name = f"{spec.id!r} entry {entry!r}"
+        fn = self._functions.get(entry)
+        if fn is None:
+            raise KernelNotFoundError(
+                f"kernel {spec.id!r} has no entry {entry!r}; entries: {', '.join(spec.entries)}"
+            )
+        types = spec.entries[entry]
+        grid3 = _dims(name, "grid", grid)
+        block3 = _dims(name, "block", block, limit=1024)
+        cluster3 = None if cluster is None else _dims(name, "cluster", cluster)
+        if isinstance(shared_mem, bool) or not isinstance(shared_mem, int) or shared_mem < 0:
+            raise BadArgumentError(f"kernel {name} shared_mem: expected a non-negative int, got {show(shared_mem)}")
+        if cluster3 is not None and any(g % c for g, c in zip(grid3, cluster3)):
+            raise BadArgumentError(
+                f"kernel {name}: grid {grid3} is not a multiple of cluster {cluster3} in every dimension"
+            )
+        drv = _cuda.driver()
+        with _cuda.on_device(self._device):
+            packed = pack_args(spec.id, entry, types, args, device=self._device, pointer_device=_cuda.pointer_device)
+            if shared_mem > fn.dynamic_smem_limit:
+                self._raise_smem_limit(fn, entry, shared_mem)
+            if cluster3 is not None:
+                self._allow_cluster(fn, entry, cluster3)
+            handle = _stream_handle(stream, packed, self._device, name)
+            config = drv.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid3
+            config.blockDimX, config.blockDimY, config.blockDimZ = block3
+            config.sharedMemBytes = shared_mem
+            config.hStream = drv.CUstream(handle)
+            if cluster3 is not None:
+                attr = drv.CUlaunchAttribute()
+                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster3
+                config.attrs = [attr]
+                config.numAttrs = 1
+            else:
+                config.numAttrs = 0
+            _cuda.check(
+                drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0),
+                f"cuLaunchKernelEx of kernel {name} on device {self._device} "
+                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3})",
+            )
+        # The driver copied the parameters during the call; `packed` may go now.
+        del packed
+
+    def _raise_smem_limit(self, fn: _Function, entry: str, shared_mem: int) -> None:
+        drv = _cuda.driver()
+        with fn.lock:
+            if shared_mem <= fn.dynamic_smem_limit:
+                return
+            optin = _cuda.device_attribute(self._device, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
+            if shared_mem + fn.static_smem > optin:
+                raise BadArgumentError(
+                    f"kernel {self._spec.id!r} entry {entry!r}: shared_mem {shared_mem} bytes plus "
+                    f"{fn.static_smem} static exceeds device {self._device}'s limit of {optin} bytes per block"
+                )
+            _cuda.check(
+                drv.cuFuncSetAttribute(
+                    drv.CUfunction(fn.handle),
+                    drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_mem,
+                ),
+                f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={shared_mem}) for kernel "
+                f"{self._spec.id!r} entry {entry!r}",
+            )
+            fn.dynamic_smem_limit = shared_mem
+
+    def _allow_cluster(self, fn: _Function, entry: str, cluster: tuple[int, int, int]) -> None:
+        major, _ = _cuda.compute_capability(self._device)
+        if major < 9:
+            raise BadArgumentError(
+                f"kernel {self._spec.id!r} entry {entry!r}: cluster {cluster} needs compute capability 9.0 "
+                f"or newer, device {self._device} is {major}.x"
+            )
+        if cluster[0] * cluster[1] * cluster[2] <= _PORTABLE_CLUSTER or fn.non_portable_cluster:
+            return
+        drv = _cuda.driver()
+        with fn.lock:
+            _cuda.check(
+                drv.cuFuncSetAttribute(
+                    drv.CUfunction(fn.handle),
+                    drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                ),
+                f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) for kernel {self._spec.id!r} entry {entry!r}",
+            )
+            fn.non_portable_cluster = True
+
+
+def _stream_handle(stream: Any, packed: Any, device: int, name: str) -> int:
+    """A raw CUstream handle for `stream` (see `Kernel.launch`)."""
+    if stream is None:
+        if packed.torch_tensor is not None:
+            torch = sys.modules["torch"]  # a torch tensor exists, so torch is imported
+            return int(torch.cuda.current_stream(device).cuda_stream)
+        if packed.cupy_array is not None:
+            cupy = sys.modules["cupy"]
+            with cupy.cuda.Device(device):
+                return int(cupy.cuda.get_current_stream().ptr)
+        return 0
+    if isinstance(stream, bool):
+        raise BadArgumentError(f"kernel {name} stream: expected a stream or a handle, got bool")
+    if isinstance(stream, int):
+        if not 0 <= stream < 2**64:
+            raise BadArgumentError(f"kernel {name} stream: expected a handle in [0, 2**64), got {stream}")
+        return stream
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        _version, handle = protocol() if callable(protocol) else protocol
+        return int(handle)
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        handle = getattr(stream, attr, None)
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return handle
+    raise BadArgumentError(
+        f"kernel {name} stream: expected a handle int, a torch/CuPy stream or an object with "
+        f"__cuda_stream__, got {show(stream)}"
+    )

@@ -1,0 +1,391 @@
+"""``gemm(a, b)``: D = A @ B.T in bf16 on Hopper through the ``gemm`` kernel family.
+
+A is M x K and B is N x K, both bf16 and K-major (each row contiguous), on one
+CUDA device of compute capability 9.0; D is M x N, bf16, row-major, computed
+with fp32 accumulation. The instantiation (block tile, pipeline depth, cluster
+size) and the K-split come from the tuning table in ``_gemm_tuning.py``.
+
+The kernels come from the library set with ``cubinstore.ops.set_library``
+(see ``cubinstore/ops/__init__.py``). The launch contract (grid, block,
+cluster, shared memory, tensor maps, split-K workspace) is the one documented
+in ``kernels/gemm/README.md``; ``GemmConfig`` computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from cubinstore.errors import BadArgumentError, KernelNotFoundError
+
+if TYPE_CHECKING:
+    from cubinstore.launch import Kernel, Library
+
+__all__ = [
+    "ENTRY",
+    "ENTRY_TYPES",
+    "FAMILY",
+    "GemmConfig",
+    "Operand",
+    "Plan",
+    "check_operands",
+    "gemm",
+    "gemm_with",
+    "plan",
+    "sm_count",
+]
+
+logger = logging.getLogger(__name__)
+
+FAMILY: Final = "gemm"
+ENTRY: Final = "gemm_bf16_tn"
+#: tma_a, tma_b, d, m, n, k, workspace, counters, splits
+ENTRY_TYPES: Final = ("tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32")
+ARCH: Final = "sm_90a"
+
+_THREADS: Final = 384  # one producer and two consumer warpgroups
+_SWIZZLE_BYTES: Final = 128
+_SWIZZLE_ELEMS: Final = 64  # bf16 elements in one 128-byte swizzle row
+_MAX_SMEM: Final = 232448  # sm_90 opt-in limit per block (227 KiB)
+_I32_MAX: Final = 2**31 - 1
+_MAX_SPLITS: Final = 16
+_ID_RE: Final = re.compile(r"gemm/bm(\d+)/bn(\d+)/bk(\d+)/stages(\d+)/cluster(\d+)/sm_90a")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One instantiation of ``kernels/gemm/sm90_bf16_gemm.cu`` and its launch contract."""
+
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    cluster: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.bm not in (128, 256):
+            problems.append(f"bm {self.bm} not in (128, 256)")
+        if self.bn not in (64, 128, 192, 256):
+            problems.append(f"bn {self.bn} not in (64, 128, 192, 256)")
+        if self.bk not in (64, 128):
+            problems.append(f"bk {self.bk} not in (64, 128)")
+        if self.cluster not in (1, 2):
+            problems.append(f"cluster {self.cluster} not in (1, 2)")
+        if self.stages < 2:
+            problems.append(f"stages {self.stages} < 2")
+        if self.bm // 128 * self.bn // 2 > 128:
+            problems.append(f"accumulators of a {self.bm}x{self.bn} tile exceed 128 registers per thread")
+        if not problems and self.smem_bytes > _MAX_SMEM:
+            problems.append(f"shared memory {self.smem_bytes} > {_MAX_SMEM} bytes")
+        if problems:
+            raise BadArgumentError(f"invalid gemm instantiation {self.params}: {'; '.join(problems)}")
+
+    @classmethod
+    def from_id(cls, kernel_id: str) -> GemmConfig:
+        match = _ID_RE.fullmatch(kernel_id) if isinstance(kernel_id, str) else None
+        if match is None:
+            raise BadArgumentError(
+                f"invalid gemm kernel id {kernel_id!r}: expected 'gemm/bm<M>/bn<N>/bk<K>/stages<S>/cluster<C>/sm_90a'"
+            )
+        bm, bn, bk, stages, cluster = (int(g) for g in match.groups())
+        return cls(bm, bn, bk, stages, cluster)
+
+    @property
+    def params(self) -> dict[str, int]:
+        """Manifest params, in grid order."""
+        return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "cluster": self.cluster}
+
+    @property
+    def kernel_id(self) -> str:
+        return f"gemm/bm{self.bm}/bn{self.bn}/bk{self.bk}/stages{self.stages}/cluster{self.cluster}/{ARCH}"
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        """nvcc ``-D`` flags of this instantiation."""
+        return (f"-DBM={self.bm}", f"-DBN={self.bn}", f"-DBK={self.bk}",
+                f"-DSTAGES={self.stages}", f"-DCLUSTER_M={self.cluster}")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, a flag."""
+        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.stages * 8 + 16
+
+    @property
+    def box_a(self) -> tuple[int, int]:
+        """(rows, cols) of one TMA box of A."""
+        return self.bm, _SWIZZLE_ELEMS
+
+    @property
+    def box_b(self) -> tuple[int, int]:
+        """(rows, cols) of one TMA box of B: each CTA of a cluster loads (and multicasts) a slice."""
+        return self.bn // self.cluster, _SWIZZLE_ELEMS
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one problem is launched: the instantiation, the K-split and the grid."""
+
+    config: GemmConfig
+    splits: int
+    tiles_m: int
+    tiles_n: int
+    units: int
+    grid: int
+
+    @property
+    def workspace_floats(self) -> int:
+        """fp32 partials for split-K: one BM x BN block per (tile, split); 0 without split."""
+        if self.splits == 1:
+            return 0
+        return self.tiles_m * self.tiles_n * self.splits * self.config.bm * self.config.bn
+
+    @property
+    def counters(self) -> int:
+        """int32 arrival counters for split-K, one a tile (zero between launches); 0 without split."""
+        return 0 if self.splits == 1 else self.tiles_m * self.tiles_n
+
+
+def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> Plan:
+    """The launch of `kernel_id` for an M x N x K problem on a GPU of `sm_count` SMs.
+
+    `splits` is clamped to [1, number of K blocks] (and to 16); the grid is
+    persistent: at most one CTA per SM, a multiple of the cluster size.
+    """
+    config = GemmConfig.from_id(kernel_id)
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if not 1 <= value <= _I32_MAX:
+            raise BadArgumentError(f"gemm {name}: expected 1 <= {name} <= {_I32_MAX}, got {value}")
+    if sm_count < config.cluster:
+        raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
+    kblocks = -(-k // config.bk)
+    splits = max(1, min(int(splits), kblocks, _MAX_SPLITS))
+    tiles_m = -(-m // config.bm)
+    tiles_n = -(-n // config.bn)
+    units = -(-tiles_m // config.cluster) * tiles_n * splits
+    if units > _I32_MAX or tiles_m * tiles_n * splits * config.bm * config.bn > 2**40:
+        raise BadArgumentError(f"gemm {m}x{n}x{k}: too many tiles for kernel {kernel_id} ({units} work units)")
+    clusters = min(units, sm_count // config.cluster)
+    return Plan(config, splits, tiles_m, tiles_n, units, clusters * config.cluster)
+
+
+# -- operand checks (pure Python, so CPU-only CI can test them) -------------------------------------
+
+
+@dataclass(frozen=True)
+class Operand:
+    """What `gemm` needs to know about one tensor, read off it once."""
+
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    device: str  # "cuda:0", "cpu", ...
+    address: int
+
+
+def _describe(name: str, tensor: Any) -> Operand:
+    if type(tensor).__module__.split(".")[0] != "torch" or not hasattr(tensor, "data_ptr"):
+        cls = type(tensor)
+        raise BadArgumentError(f"gemm {name}: expected a torch.Tensor, got {cls.__module__}.{cls.__qualname__}")
+    return Operand(
+        name=name,
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=tuple(int(s) for s in tensor.shape),
+        strides=tuple(int(s) for s in tensor.stride()),
+        device=str(tensor.device),
+        address=int(tensor.data_ptr()),
+    )
+
+
+def _check_matrix(op: Operand) -> None:
+    if op.dtype != "bfloat16":
+        raise BadArgumentError(f"gemm {op.name}: expected dtype bfloat16, got {op.dtype}")
+    if len(op.shape) != 2:
+        raise BadArgumentError(f"gemm {op.name}: expected a 2-D tensor, got {len(op.shape)}-D shape {op.shape}")
+
+
+def _check_layout(op: Operand, rows: int, cols: int) -> None:
+    """K-major (rows contiguous), row stride a multiple of 8 elements, 16-byte aligned: what TMA needs."""
+    row_stride, col_stride = op.strides
+    if col_stride != 1 and cols > 1:
+        raise BadArgumentError(
+            f"gemm {op.name}: expected contiguous rows (stride 1 along dim 1), got strides {op.strides}"
+        )
+    if rows > 1 and (row_stride < cols or row_stride % 8):
+        raise BadArgumentError(
+            f"gemm {op.name}: expected a row stride >= {cols} and a multiple of 8 elements (16 bytes), "
+            f"got strides {op.strides}"
+        )
+    if op.address % 16:
+        raise BadArgumentError(f"gemm {op.name}: expected a 16-byte aligned data pointer, got 0x{op.address:x}")
+
+
+def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, int, int]:
+    """Validate A (M x K), B (N x K) and an optional D (M x N); return (M, N, K).
+
+    Raises `BadArgumentError` naming the operand and what was expected.
+    """
+    _check_matrix(a)
+    _check_matrix(b)
+    m, k = a.shape
+    n, kb = b.shape
+    if kb != k:
+        raise BadArgumentError(
+            f"gemm: a is {m}x{k} and b is {n}x{kb}: expected the same K (b is N x K, D = a @ b.T)"
+        )
+    if k % 8:
+        raise BadArgumentError(f"gemm: K = {k}: expected a multiple of 8 (16-byte rows for TMA)")
+    for name, value in (("M", m), ("N", n), ("K", k)):
+        if value > _I32_MAX:
+            raise BadArgumentError(f"gemm: {name} = {value}: expected at most {_I32_MAX}")
+    if out is not None:
+        _check_matrix(out)
+        if out.shape != (m, n):
+            raise BadArgumentError(f"gemm out: expected shape ({m}, {n}), got {out.shape}")
+        if (n > 1 and out.strides[1] != 1) or (m > 1 and out.strides[0] != n):
+            raise BadArgumentError(f"gemm out: expected a contiguous row-major tensor, got strides {out.strides}")
+    if m and n and k:
+        _check_layout(a, m, k)
+        _check_layout(b, n, k)
+    for op in (a, b, out):
+        if op is None:
+            continue
+        if not op.device.startswith("cuda"):
+            raise BadArgumentError(f"gemm {op.name}: expected a CUDA tensor, got one on {op.device}")
+    devices = {op.device for op in (a, b, out) if op is not None}
+    if len(devices) > 1:
+        raise BadArgumentError(f"gemm: expected a, b and out on one device, got {', '.join(sorted(devices))}")
+    return m, n, k
+
+
+# -- launch -----------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_kernels: dict[tuple[int, str, int], Kernel] = {}
+_sm_counts: dict[int, int] = {}
+# Per (device, stream): split-K arrival counters. The kernel leaves them at zero, and
+# launches on one stream are ordered, so one buffer per stream is reused safely.
+_counters: dict[tuple[int, int], Any] = {}
+_TENSOR_MAP_CACHE: Final = 64
+_tensor_maps: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+
+
+def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
+    key = (id(library), kernel_id, device)
+    with _lock:
+        kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = library.kernel(kernel_id, device=device)
+        types = tuple(kernel.spec.entries.get(ENTRY, ()))
+        if types != ENTRY_TYPES:
+            raise KernelNotFoundError(
+                f"kernel {kernel_id!r} ({kernel.spec.digest}): expected entry {ENTRY} with parameters "
+                f"{list(ENTRY_TYPES)}, the manifest declares {list(types) if types else 'no such entry'}"
+            )
+        with _lock:
+            _kernels[key] = kernel
+    return kernel
+
+
+def sm_count(device: int) -> int:
+    """Multiprocessor count of `device` (cached)."""
+    count = _sm_counts.get(device)
+    if count is None:
+        from cubinstore import _cuda
+
+        count = _cuda.device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+        _sm_counts[device] = count
+    return count
+
+
+def _tensor_map(device: int, address: int, rows: int, cols: int, stride: int, box: tuple[int, int]) -> Any:
+    from cubinstore.tensormap import encode_2d_bf16
+
+    # A tensor map holds only these values, so equal keys give equal maps.
+    key = (device, address, rows, cols, stride, box[0], box[1])
+    with _lock:
+        cached = _tensor_maps.get(key)
+        if cached is not None:
+            _tensor_maps.move_to_end(key)
+            return cached
+    tmap = encode_2d_bf16(address, rows, cols, stride, box[0], box[1], swizzle=_SWIZZLE_BYTES, device=device)
+    with _lock:
+        _tensor_maps[key] = tmap
+        while len(_tensor_maps) > _TENSOR_MAP_CACHE:
+            _tensor_maps.popitem(last=False)
+    return tmap
+
+
+def _counter_buffer(torch: Any, device: int, stream: int, count: int) -> Any:
+    key = (device, stream)
+    with _lock:
+        buf = _counters.get(key)
+        if buf is None or buf.numel() < count:
+            buf = torch.zeros(max(count, 1024), dtype=torch.int32, device=f"cuda:{device}")
+            _counters[key] = buf
+    return buf
+
+
+def gemm(a: Any, b: Any, *, out: Any = None) -> Any:
+    """D = a @ b.T: `a` (M x K) and `b` (N x K) bf16 CUDA tensors, K-major; returns D (M x N, bf16).
+
+    `out`, when given, must be a contiguous bf16 M x N tensor on the same device;
+    it is written and returned. Runs on the current torch stream of that device,
+    with the instantiation and K-split the tuning table gives for (M, N, K).
+    Raises `BadArgumentError` for bad dtypes, shapes, strides or devices, before
+    any launch.
+    """
+    return gemm_with(a, b, out=out, kernel_id=None, splits=None)
+
+
+def gemm_with(a: Any, b: Any, *, out: Any = None, kernel_id: str | None, splits: int | None) -> Any:
+    """`gemm` with the instantiation and K-split forced (None: from the tuning table).
+
+    For the tuning script and tests, which must run every instantiation.
+    """
+    from cubinstore.ops import _gemm_tuning, get_library
+
+    a_op, b_op = _describe("a", a), _describe("b", b)
+    out_op = None if out is None else _describe("out", out)
+    m, n, k = check_operands(a_op, b_op, out_op)
+    import torch  # a torch tensor was passed, so torch is importable
+
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+
+    library = get_library()
+    if kernel_id is None:
+        kernel_id, table_splits = _gemm_tuning.lookup(m, n, k)
+        splits = table_splits if splits is None else splits
+    launch = plan(m, n, k, sm_count(device), kernel_id, 1 if splits is None else splits)
+    kernel = _kernel(library, kernel_id, device)
+    cfg = launch.config
+    tma_a = _tensor_map(device, a_op.address, m, k, a_op.strides[0] if m > 1 else k, cfg.box_a)
+    tma_b = _tensor_map(device, b_op.address, n, k, b_op.strides[0] if n > 1 else k, cfg.box_b)
+    stream = int(torch.cuda.current_stream(device).cuda_stream)
+    workspace: Any = 0
+    counters: Any = 0
+    if launch.splits > 1:
+        workspace = torch.empty(launch.workspace_floats, dtype=torch.float32, device=out.device)
+        counters = _counter_buffer(torch, device, stream, launch.counters)
+    logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d", m, n, k, kernel_id, launch.splits, launch.grid)
+    kernel.launch(
+        ENTRY,
+        grid=(launch.grid, 1, 1),
+        block=(_THREADS, 1, 1),
+        # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
+        args=(tma_a, tma_b, out, m, n, k, workspace, counters, launch.splits),
+        shared_mem=cfg.smem_bytes,
+        stream=stream,
+    )
+    return out

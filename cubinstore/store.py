@@ -1,0 +1,234 @@
+"""``Store``: layers tried in order (memory, local directory, Bazel disk cache, HTTP remotes).
+
+Every byte a layer returns is verified here (size first, then sha256) before it is
+stored in a faster layer or returned; what ``get`` returns is exactly the verified
+``bytes`` object. A miss in the local store takes a per-digest lock across processes
+and re-checks before going further, so N processes needing one blob download it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from cubinstore import _env
+from cubinstore._digest import Digest, show
+from cubinstore._files import verify
+from cubinstore._http import HttpStore
+from cubinstore._layer import Layer, UNSIZED_LIMIT, limit_for
+from cubinstore._local import LocalStore
+from cubinstore._memory import MemoryStore
+from cubinstore._sources import DirectorySource, DiskCacheStore
+from cubinstore.errors import (
+    BadArgumentError,
+    CubinstoreError,
+    IntegrityError,
+    MissingBlobError,
+    RemoteUnavailableError,
+    StoreError,
+)
+from cubinstore.manifest import MAX_BLOB_SIZE
+
+__all__ = [
+    "DirectorySource",
+    "DiskCacheStore",
+    "HttpStore",
+    "Layer",
+    "LocalStore",
+    "MemoryStore",
+    "Store",
+    "StoreStats",
+    "UNSIZED_LIMIT",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters of one ``Store`` in this process (``cubinstore stats`` shows the local store's totals)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0
+    verification_failures: int = 0
+
+
+class Store:
+    """Verified blobs by digest from an ordered list of layers.
+
+    ``strict``: raise ``StoreError`` when a verified blob cannot be written to a cache
+    layer (``prefetch`` wants that); by default a full disk only logs a warning and the
+    verified bytes are still returned. ``backfill=False`` leaves the layers unchanged.
+    """
+
+    def __init__(self, layers: Iterable[Layer], *, strict: bool = False, backfill: bool = True) -> None:
+        self.layers: tuple[Layer, ...] = tuple(layers)
+        for layer in self.layers:
+            if not isinstance(layer, Layer):
+                raise BadArgumentError(f"Store layers must be Layer instances, got {show(layer)}")
+        self.strict = strict
+        self.backfill = backfill
+        self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0, "verification_failures": 0}
+        self._counts_lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, *, extra_remotes: Sequence[str] = (), strict: bool = False) -> Store:
+        """memory -> local (CUBINSTORE_HOME or the user cache dir) -> CUBINSTORE_DISK_CACHE ->
+        ``extra_remotes`` + CUBINSTORE_REMOTE, the remotes left out when CUBINSTORE_OFFLINE is set."""
+        layers: list[Layer] = []
+        if _env.memory_bytes() > 0:
+            layers.append(MemoryStore(_env.memory_bytes()))
+        layers.append(LocalStore(_env.home()))
+        disk_cache = _env.disk_cache()
+        if disk_cache is not None:
+            layers.append(DiskCacheStore(disk_cache))
+        remotes = [*extra_remotes, *_env.remotes()]
+        if _env.offline():
+            if remotes:
+                _log.debug("CUBINSTORE_OFFLINE is set: not using remotes %s", ", ".join(remotes))
+        else:
+            layers.extend(HttpStore(url) for url in dict.fromkeys(remotes))
+        return cls(layers, strict=strict)
+
+    @property
+    def local(self) -> LocalStore | None:
+        """The first local directory layer, if any."""
+        return next((layer for layer in self.layers if isinstance(layer, LocalStore)), None)
+
+    @property
+    def stats(self) -> StoreStats:
+        with self._counts_lock:
+            return StoreStats(**self._counts)
+
+    def get(self, digest: Digest | str, size: int | None = None, *, name: str | None = None) -> bytes:
+        """The verified bytes of ``digest`` (``size`` bytes when given); ``name`` (a kernel id) is used in errors.
+
+        Raises ``BadArgumentError`` (before any I/O) for a malformed digest or size,
+        ``IntegrityError`` when only bad bytes were found, ``RemoteUnavailableError`` when
+        a remote could not answer, ``MissingBlobError`` when every layer missed.
+        """
+        digest = Digest.parse(digest)
+        if digest.is_empty_blob:
+            raise BadArgumentError(f"{digest}{_for(name)} is the digest of zero bytes, which is not a CUBIN")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOB_SIZE):
+            raise BadArgumentError(f"invalid size {show(size)} for {digest}{_for(name)}: expected 1..{MAX_BLOB_SIZE} bytes")
+
+        outcomes: list[str] = []
+        errors: list[CubinstoreError] = []
+        lock_at = next((i for i, layer in enumerate(self.layers) if layer.lockable), len(self.layers))
+        found = self._try(digest, size, name, range(min(lock_at + 1, len(self.layers))), outcomes, errors)
+        lock = self.layers[lock_at].lock(digest) if found is None and lock_at + 1 < len(self.layers) else None
+        if lock is not None:
+            with lock:
+                # Another process may have filled the blob while we waited for the lock.
+                found = self._try(digest, size, name, range(lock_at, len(self.layers)), outcomes, errors)
+                # Store before releasing the lock, or a waiter re-checks too early and downloads again.
+                if found is not None and self.backfill:
+                    self._backfill(digest, found[1], found[0], name)
+        elif found is not None and self.backfill:
+            self._backfill(digest, found[1], found[0], name)
+        if found is None:
+            self._count(misses=1)
+            self._persist(misses=1)
+            raise self._failure(digest, size, name, outcomes, errors)
+        index, data = found
+        layer = self.layers[index]
+        if layer.cache:
+            self._count(hits=1)
+            if not layer.trusted:  # in-process memory hits stay in-process
+                self._persist(hits=1)
+        else:
+            self._count(misses=1, bytes_fetched=len(data))
+            self._persist(misses=1, bytes_fetched=len(data))
+        return data
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _try(self, digest: Digest, size: int | None, name: str | None, indices: Iterable[int],
+             outcomes: list[str], errors: list[CubinstoreError]) -> tuple[int, bytes] | None:
+        for i in indices:
+            layer = self.layers[i]
+            try:
+                data = layer.read(digest, size)
+            except CubinstoreError as exc:
+                outcomes.append(f"{layer.name}: {exc}")
+                errors.append(exc)
+                if isinstance(exc, IntegrityError):
+                    self._count(verification_failures=1)
+                    self._persist(verification_failures=1)
+                continue
+            if data is None:
+                outcomes.append(f"{layer.name}: miss")
+                continue
+            if not layer.trusted:
+                try:
+                    if len(data) > limit_for(size):
+                        raise IntegrityError(
+                            f"size mismatch for {digest}{_for(name)} from {layer.name}: "
+                            f"expected {'at most ' if size is None else ''}{limit_for(size)} bytes, got more"
+                        )
+                    verify(data, digest, size, where=layer.name, name=name)
+                except IntegrityError as exc:
+                    self._count(verification_failures=1)
+                    self._persist(verification_failures=1)
+                    outcomes.append(f"{layer.name}: {exc}")
+                    errors.append(exc)
+                    _log.warning("%s", exc)
+                    try:
+                        layer.discard(digest, size, str(exc))
+                    except CubinstoreError as discard_error:  # e.g. quarantine not permitted: still never served
+                        _log.warning("cannot discard bad %s in %s: %s", digest, layer.name, discard_error)
+                    continue
+            _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), layer.name, len(data))
+            return i, data
+        return None
+
+    def _backfill(self, digest: Digest, data: bytes, index: int, name: str | None) -> None:
+        for layer in self.layers[:index]:
+            if not layer.writable:
+                continue
+            try:
+                layer.write(digest, data)
+            except StoreError as exc:
+                if self.strict:
+                    raise StoreError(f"cannot store {digest}{_for(name)} in {layer.name}: {exc}") from exc
+                _log.warning("cannot store %s%s in %s (serving verified bytes anyway): %s", digest, _for(name), layer.name, exc)
+
+    def _failure(self, digest: Digest, size: int | None, name: str | None, outcomes: list[str],
+                 errors: list[CubinstoreError]) -> CubinstoreError:
+        tried = "; ".join(dict.fromkeys(outcomes)) or "no layers configured"  # the re-check under the lock repeats
+        hint = ""
+        if not any(isinstance(layer, HttpStore) for layer in self.layers):
+            hint = (
+                " (no remote store: CUBINSTORE_OFFLINE is set)" if _env.offline()
+                else " (no remote store configured: set CUBINSTORE_REMOTE or run `cubinstore prefetch --remote URL`)"
+            )
+        message = f"{digest}{_for(name)}{f' ({size} bytes)' if size else ''} not available: {tried}{hint}"
+        # The worst outcome decides the type: bad bytes > an unreachable remote > a clean miss.
+        if any(isinstance(e, IntegrityError) for e in errors):
+            return IntegrityError(message)
+        if any(isinstance(e, RemoteUnavailableError) for e in errors):
+            return RemoteUnavailableError(message)
+        if errors:
+            return StoreError(message)
+        return MissingBlobError(message)
+
+    def _count(self, **delta: int) -> None:
+        with self._counts_lock:
+            for key, value in delta.items():
+                self._counts[key] += value
+
+    def _persist(self, **delta: int) -> None:
+        local = self.local
+        if local is not None:
+            local.add_stats(delta)
+
+    def __repr__(self) -> str:
+        return f"Store([{', '.join(layer.name for layer in self.layers)}])"
+
+
+def _for(name: str | None) -> str:
+    return f" ({name})" if name else ""

@@ -1,0 +1,32 @@
+// gemm_bf16_tn: D = A * B^T on Hopper (sm_90a), bf16 in, fp32 accumulate,
+// bf16 out. One translation unit per instantiation: the defines BM, BN, BK,
+// STAGES and CLUSTER_M pick the block tile, the pipeline depth and the
+// cluster size along M (see kernels/gemm/README.md).
+#include "kernels/gemm/sm90_bf16_gemm.cuh"
+
+#if !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || !defined(CLUSTER_M)
+#error "define BM, BN, BK, STAGES and CLUSTER_M (e.g. -DBM=128 -DBN=256 -DBK=64 -DSTAGES=4 -DCLUSTER_M=1)"
+#endif
+
+// wgmma and setmaxnreg exist only in the arch-specific target: refuse to build
+// an empty kernel for plain sm_90 (or anything else).
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "gemm_bf16_tn needs -arch=sm_90a (wgmma, setmaxnreg)"
+#endif
+
+using GemmConfig = cubinstore::gemm::Config<BM, BN, BK, STAGES, CLUSTER_M>;
+
+// The cluster shape is compiled in, so a plain launch (no cluster attribute)
+// runs with it; the grid must be a multiple of CLUSTER_M.
+#if CLUSTER_M > 1
+#define GEMM_CLUSTER_DIMS __cluster_dims__(CLUSTER_M, 1, 1)
+#else
+#define GEMM_CLUSTER_DIMS
+#endif
+
+// min blocks 1 gives the entry register cap that setmaxnreg needs.
+extern "C" __global__ void __launch_bounds__(GemmConfig::kThreads, 1) GEMM_CLUSTER_DIMS
+gemm_bf16_tn(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
+             __nv_bfloat16* d, int m, int n, int k, float* workspace, int* counters, int splits) {
+  cubinstore::gemm::gemm_tn<GemmConfig>(tma_a, tma_b, d, m, n, k, workspace, counters, splits);
+}

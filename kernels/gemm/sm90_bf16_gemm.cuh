@@ -1,0 +1,344 @@
+// Warp-specialised, persistent Hopper GEMM: D (M x N, bf16, row-major) =
+// A (M x K, bf16, K-major) * B (N x K, bf16, K-major)^T, fp32 accumulation.
+//
+// One CTA = 3 warpgroups. Warpgroup 0 is the producer: one thread issues TMA
+// loads of A and B tiles into a STAGES-deep ring of shared-memory buffers,
+// each guarded by a "full" and an "empty" mbarrier. Warpgroups 1 and 2 are
+// consumers: each owns BM/2 rows of the block tile and issues wgmma
+// (m64 x BN x k16, both operands from shared memory) over every stage.
+// With CLUSTER_M = 2 the two CTAs of a cluster work on vertically adjacent
+// tiles that share the B tile; each CTA loads half of it and multicasts that
+// half to both CTAs.
+//
+// The grid is persistent: cluster c processes work units c, c + clusters, ...
+// A work unit is (tile row, tile column, K split); with splits > 1 the CTAs
+// of one tile write fp32 partials to `workspace`, and the last of them to
+// arrive (counted in `counters`, which it resets to zero) sums them and
+// writes D. See kernels/gemm/README.md for the launch contract.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "kernels/gemm/sm90_ptx.cuh"
+
+namespace cubinstore::gemm {
+
+using cute::SM90::GMMA::Major;
+
+template <int N>
+struct WgmmaOp;
+template <>
+struct WgmmaOp<64> {
+  using type = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<Major::K, Major::K>;
+};
+template <>
+struct WgmmaOp<128> {
+  using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<Major::K, Major::K>;
+};
+template <>
+struct WgmmaOp<192> {
+  using type = cute::SM90::GMMA::MMA_64x192x16_F32BF16BF16_SS<Major::K, Major::K>;
+};
+template <>
+struct WgmmaOp<256> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<Major::K, Major::K>;
+};
+
+// Expands the accumulator array into the atom's N/2 register operands.
+template <class Op, std::size_t... I>
+__device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float* acc,
+                                      std::index_sequence<I...>) {
+  Op::fma(desc_a, desc_b, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+template <int BM_, int BN_, int BK_, int STAGES_, int CLUSTER_M_>
+struct Config {
+  static constexpr int kBM = BM_;
+  static constexpr int kBN = BN_;
+  static constexpr int kBK = BK_;
+  static constexpr int kStages = STAGES_;
+  static constexpr int kClusterM = CLUSTER_M_;
+
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kWgRows = kBM / kConsumers;  // rows of the tile per consumer
+  static constexpr int kMmaM = kWgRows / 64;        // m64 wgmma rows per consumer
+  static constexpr int kAccPerMma = kBN / 2;        // fp32 registers of one m64 x BN wgmma
+  static constexpr int kAcc = kMmaM * kAccPerMma;
+  static constexpr int kSubK = kBK / 64;  // 128-byte swizzle atoms (64 bf16) along K
+  static constexpr int kABytes = kBM * kBK * 2;
+  static constexpr int kBBytes = kBN * kBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kBRowsPerCta = kBN / kClusterM;
+  // Cluster rows grouped together in the tile order, so that concurrently
+  // running tiles share A and B panels in L2.
+  static constexpr int kGroupM = 8;
+  // Must match the formula in README.md and cubinstore/ops/gemm.py.
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + 16;
+
+  static_assert(kBM == 128 || kBM == 256, "BM must be 128 or 256");
+  static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
+  static_assert(kBK == 64 || kBK == 128, "BK must be 64 or 128");
+  static_assert(kClusterM == 1 || kClusterM == 2, "CLUSTER_M must be 1 or 2");
+  static_assert(kAcc <= 128, "accumulator tile too large for 232 registers per thread");
+  static_assert(kStages >= 2, "STAGES must be at least 2");
+  static_assert(kSmemBytes <= 232448, "shared memory exceeds the sm_90 limit of 227 KiB");
+  // Multicast halves of B must start on a 1024-byte swizzle-pattern boundary.
+  static_assert((kBRowsPerCta * 128) % 1024 == 0, "B rows per CTA must be a multiple of 8");
+};
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+template <class C>
+struct Schedule {
+  int tiles_m, tiles_n, units_m, kblocks, splits, units;
+
+  __device__ __forceinline__ Schedule(int m, int n, int k, int splits_) {
+    tiles_m = ceil_div(m, C::kBM);
+    tiles_n = ceil_div(n, C::kBN);
+    units_m = ceil_div(tiles_m, C::kClusterM);
+    kblocks = ceil_div(k, C::kBK);
+    splits = splits_;
+    units = units_m * tiles_n * splits;
+  }
+
+  // Work unit -> tile (tm, tn) of this CTA and its K-block range [kb0, kb1).
+  __device__ __forceinline__ void decode(int u, uint32_t rank, int& tm, int& tn, int& split,
+                                         int& kb0, int& kb1) const {
+    split = u % splits;
+    const int t = u / splits;
+    const int span = C::kGroupM * tiles_n;
+    const int first = (t / span) * C::kGroupM;
+    const int rows = min(units_m - first, C::kGroupM);
+    const int within = t % span;
+    tm = (first + within % rows) * C::kClusterM + static_cast<int>(rank);
+    tn = within / rows;
+    kb0 = static_cast<int>(static_cast<long long>(split) * kblocks / splits);
+    kb1 = static_cast<int>(static_cast<long long>(split + 1) * kblocks / splits);
+  }
+};
+
+template <class C>
+__device__ __forceinline__ void release_stage(uint64_t* empty, int stage, int tid) {
+  if constexpr (C::kClusterM == 1) {
+    if (tid == 0) sm90::mbar_arrive(&empty[stage]);
+  } else {
+    // The stage is refilled by multicasts from every CTA of the cluster, so
+    // each of their producers must learn that this consumer is done with it.
+    if (tid < C::kClusterM) sm90::mbar_arrive_cluster(&empty[stage], static_cast<uint32_t>(tid));
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void store_tile(const float* acc, __nv_bfloat16* d, int m, int n,
+                                           int row0, int col0, int lane, int warp) {
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+#pragma unroll
+    for (int j = 0; j < C::kBN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // wgmma accumulator layout: warp w holds rows 16w..16w+15 of the m64
+        // block, lane l rows l/4 and l/4+8, columns 8j + 2(l%4) + {0, 1}.
+        const int row = row0 + mi * 64 + warp * 16 + lane / 4 + 8 * h;
+        const int col = col0 + 8 * j + 2 * (lane % 4);
+        const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
+        const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
+        if (row >= m) continue;
+        __nv_bfloat16* p = d + static_cast<size_t>(row) * static_cast<size_t>(n) + col;
+        if ((n & 1) == 0) {
+          // n even and col even: the pair is 4-byte aligned and col + 1 < n.
+          if (col < n) *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+        } else {
+          if (col < n) p[0] = __float2bfloat16_rn(v0);
+          if (col + 1 < n) p[1] = __float2bfloat16_rn(v1);
+        }
+      }
+    }
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensorMap& tma_b,
+                                        __nv_bfloat16* d, int m, int n, int k, float* workspace,
+                                        int* counters, int splits) {
+  extern __shared__ uint8_t smem_raw[];
+  // 128-byte swizzle needs 1024-byte aligned stage buffers; the offset is the
+  // same in every CTA, as multicast requires.
+  uint8_t* base = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* s_a = base;
+  uint8_t* s_b = base + C::kStages * C::kABytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_b + C::kStages * C::kBBytes);
+  uint64_t* empty = full + C::kStages;
+  volatile int* last_flag = reinterpret_cast<volatile int*>(empty + C::kStages);
+
+  const int wg = static_cast<int>(threadIdx.x) / 128;
+  const int tid = static_cast<int>(threadIdx.x) % 128;
+  const uint32_t rank = C::kClusterM > 1 ? sm90::cluster_ctarank() : 0u;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      sm90::mbar_init(&full[s], 1);
+      sm90::mbar_init(&empty[s], C::kConsumers * C::kClusterM);
+    }
+    sm90::fence_mbar_init();
+  }
+  if constexpr (C::kClusterM > 1) {
+    sm90::cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  const Schedule<C> sched(m, n, k, splits);
+  const int cluster_id = static_cast<int>(blockIdx.x) / C::kClusterM;
+  const int clusters = static_cast<int>(gridDim.x) / C::kClusterM;
+
+  if (wg == 0) {
+    // Producer: one thread issues all loads; the rest of the warpgroup idles.
+    sm90::regs_dealloc<40>();
+    if (tid == 0) {
+      sm90::tma_prefetch_desc(&tma_a);
+      sm90::tma_prefetch_desc(&tma_b);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int u = cluster_id; u < sched.units; u += clusters) {
+        int tm, tn, split, kb0, kb1;
+        sched.decode(u, rank, tm, tn, split, kb0, kb1);
+        for (int kb = kb0; kb < kb1; ++kb) {
+          // A fresh barrier counts as having completed the phase before
+          // phase 0, so the first pass over the ring does not block.
+          sm90::mbar_wait(&empty[stage], phase ^ 1);
+          sm90::mbar_arrive_expect_tx(&full[stage], C::kStageBytes);
+          uint8_t* a_dst = s_a + stage * C::kABytes;
+          uint8_t* b_dst = s_b + stage * C::kBBytes;
+#pragma unroll
+          for (int j = 0; j < C::kSubK; ++j) {
+            const int kc = kb * C::kBK + j * 64;
+            sm90::tma_load_2d(a_dst + j * C::kBM * 128, &tma_a, &full[stage], kc, tm * C::kBM);
+            if constexpr (C::kClusterM == 1) {
+              sm90::tma_load_2d(b_dst + j * C::kBN * 128, &tma_b, &full[stage], kc, tn * C::kBN);
+            } else {
+              const int r0 = static_cast<int>(rank) * C::kBRowsPerCta;
+              sm90::tma_load_2d_multicast(b_dst + j * C::kBN * 128 + r0 * 128, &tma_b,
+                                          &full[stage], kc, tn * C::kBN + r0,
+                                          static_cast<uint16_t>((1u << C::kClusterM) - 1));
+            }
+          }
+          if (++stage == C::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+  } else {
+    sm90::regs_alloc<232>();
+    const int cw = wg - 1;  // consumer index: rows [cw * kWgRows, (cw + 1) * kWgRows) of the tile
+    const int ct = cw * 128 + tid;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+    float acc[C::kAcc];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int u = cluster_id; u < sched.units; u += clusters) {
+      int tm, tn, split, kb0, kb1;
+      sched.decode(u, rank, tm, tn, split, kb0, kb1);
+#pragma unroll
+      for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
+
+      int prev_stage = -1;
+      for (int kb = kb0; kb < kb1; ++kb) {
+        sm90::mbar_wait(&full[stage], phase);
+        cute::warpgroup_arrive();
+        const uint32_t a_base = sm90::smem_addr(s_a + stage * C::kABytes) + cw * C::kWgRows * 128;
+        const uint32_t b_base = sm90::smem_addr(s_b + stage * C::kBBytes);
+#pragma unroll
+        for (int j = 0; j < C::kSubK; ++j) {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            // Each k16 step is 32 bytes further along the 128-byte swizzled row.
+            const uint64_t desc_b = sm90::smem_desc_sw128(b_base + j * C::kBN * 128 + kk * 32);
+#pragma unroll
+            for (int mi = 0; mi < C::kMmaM; ++mi) {
+              const uint64_t desc_a =
+                  sm90::smem_desc_sw128(a_base + j * C::kBM * 128 + mi * 64 * 128 + kk * 32);
+              wgmma<typename WgmmaOp<C::kBN>::type>(desc_a, desc_b, acc + mi * C::kAccPerMma,
+                                                    std::make_index_sequence<C::kAccPerMma>{});
+            }
+          }
+        }
+        cute::warpgroup_commit_batch();
+        if (prev_stage >= 0) {
+          // Keep one batch in flight; the one before it has finished reading
+          // its stage, which can be refilled.
+          cute::warpgroup_wait<1>();
+          release_stage<C>(empty, prev_stage, tid);
+        }
+        prev_stage = stage;
+        if (++stage == C::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      cute::warpgroup_wait<0>();
+      if (prev_stage >= 0) release_stage<C>(empty, prev_stage, tid);
+
+      // The second CTA of a cluster at the bottom edge has no rows here.
+      if (tm >= sched.tiles_m) continue;
+
+      if (splits > 1) {
+        constexpr int kConsumerThreads = C::kConsumers * 128;
+        const int tile = tm * sched.tiles_n + tn;
+        float4* mine = reinterpret_cast<float4*>(
+            workspace + (static_cast<size_t>(tile) * splits + split) * (C::kBM * C::kBN));
+#pragma unroll
+        for (int r = 0; r < C::kAcc / 4; ++r) {
+          __stcg(mine + r * kConsumerThreads + ct,
+                 make_float4(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]));
+        }
+        __threadfence();
+        sm90::named_barrier_sync(1, kConsumerThreads);
+        if (ct == 0) {
+          const int arrived = atomicAdd(&counters[tile], 1);
+          const int last = arrived == splits - 1;
+          // Leave the counter at zero for the next launch.
+          if (last) atomicExch(&counters[tile], 0);
+          *last_flag = last;
+        }
+        sm90::named_barrier_sync(1, kConsumerThreads);
+        if (*last_flag == 0) continue;
+        __threadfence();
+        for (int s = 0; s < splits; ++s) {
+          if (s == split) continue;
+          const float4* other = reinterpret_cast<const float4*>(
+              workspace + (static_cast<size_t>(tile) * splits + s) * (C::kBM * C::kBN));
+#pragma unroll
+          for (int r = 0; r < C::kAcc / 4; ++r) {
+            const float4 v = __ldcg(other + r * kConsumerThreads + ct);
+            acc[4 * r] += v.x;
+            acc[4 * r + 1] += v.y;
+            acc[4 * r + 2] += v.z;
+            acc[4 * r + 3] += v.w;
+          }
+        }
+      }
+      store_tile<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
+    }
+  }
+
+  __syncwarp();  // reconverge each warp for the .aligned cluster barrier
+  if constexpr (C::kClusterM > 1) {
+    // Peers multicast into this CTA's shared memory and arrive on its
+    // barriers until their last stage: no CTA leaves before all are done.
+    sm90::cluster_sync();
+  }
+}
+
+}  // namespace cubinstore::gemm

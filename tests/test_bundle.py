@@ -1,0 +1,207 @@
+"""Offline bundles: pack/unpack round trip; every kind of tampering rejected before anything is stored."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from cubinstore import BundleError, CubinstoreError, Digest, Manifest, Store
+from cubinstore._bundle import pack, unpack
+from cubinstore.store import LocalStore
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+@pytest.fixture
+def packed(make_release, tmp_path: Path):
+    release = make_release(n=4, size=3000, seed=11)
+    source = LocalStore(tmp_path / "source")
+    for hex_, data in release.blobs.items():
+        source.write(Digest(hex_), data)
+    manifest = Manifest.from_path(release.path)
+    out = tmp_path / "bundle.tar"
+    pack(manifest, Store([source]), out)
+    return release, manifest, out
+
+
+def members(path: Path) -> list[tuple[tarfile.TarInfo, bytes | None]]:
+    with tarfile.open(path) as tar:
+        return [(m, tar.extractfile(m).read() if m.isreg() else None) for m in tar.getmembers()]  # type: ignore[union-attr]
+
+
+def rewrite(path: Path, items: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for info, data in items:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def entries(root: Path) -> list[Path]:
+    cas = root / "v1" / "cas"
+    return sorted(p for p in cas.rglob("*") if p.is_file()) if cas.exists() else []
+
+
+def test_pack_unpack_round_trip_on_a_second_store(packed, tmp_path: Path) -> None:
+    release, manifest, out = packed
+    target = LocalStore(tmp_path / "target")
+    got = unpack(out, target, expect=manifest.digest)
+    assert got.digest == manifest.digest
+    for digest, size in manifest.blobs:
+        assert Store([target]).get(digest, size) == release.blobs[digest.hex]
+    # The manifest itself is stored, so an offline host can open it by digest.
+    assert Manifest.from_digest(manifest.digest, Store([target])).kernels == manifest.kernels
+
+
+def test_pack_is_deterministic(packed, tmp_path: Path) -> None:
+    _, manifest, out = packed
+    again = tmp_path / "again.tar"
+    pack(manifest, Store([LocalStore(tmp_path / "source")]), again)
+    assert again.read_bytes() == out.read_bytes()
+    names = [m.name for m, _ in members(out)]
+    assert names[0] == "manifest.json" and all(n.startswith("cas/") for n in names[1:]) and len(names) == 5
+
+
+def test_pack_of_an_incomplete_store_fails_without_leaving_a_bundle(make_release, tmp_path: Path) -> None:
+    release = make_release(n=2)
+    out = tmp_path / "out.tar"
+    with pytest.raises(CubinstoreError):
+        pack(Manifest.from_path(release.path), Store([LocalStore(tmp_path / "empty")]), out)
+    assert not out.exists() and list(tmp_path.glob(".tmp.*")) == []
+
+
+def tamper_blob_byte(items):
+    info, data = items[1]
+    items[1] = (info, bytes([data[0] ^ 1]) + data[1:])
+
+
+def tamper_swap_blob(items):
+    info, data = items[1]
+    fake = b"\x7fELF evil" * 300
+    items[1] = (info, fake)
+
+
+def tamper_rename_blob(items):
+    info, data = items[1]
+    fake = b"\x7fELF evil" * 300
+    info.name = "cas/" + Digest.of(fake).hex
+    items[1] = (info, fake)
+
+
+def tamper_drop_blob(items):
+    del items[2]
+
+
+def tamper_extra_member(items):
+    info = tarfile.TarInfo("cas/" + "0" * 64)
+    items.append((info, b"x" * 10))
+
+
+def tamper_traversal(items):
+    info = tarfile.TarInfo("../../etc/cron.d/evil")
+    items.append((info, b"x"))
+
+
+def tamper_absolute(items):
+    info = tarfile.TarInfo("/tmp/evil")
+    items.append((info, b"x"))
+
+
+def tamper_symlink(items):
+    info = tarfile.TarInfo("cas/" + "1" * 64)
+    info.type = tarfile.SYMTYPE
+    info.linkname = "/etc/passwd"
+    items.append((info, None))
+
+
+def tamper_duplicate(items):
+    info, data = items[1]
+    copy = tarfile.TarInfo(info.name)
+    items.append((copy, data))
+
+
+def tamper_no_manifest(items):
+    del items[0]
+
+
+@pytest.mark.parametrize(
+    "tamper, message",
+    [
+        (tamper_blob_byte, "blob cas/"),
+        (tamper_swap_blob, "blob sha256:"),
+        (tamper_rename_blob, "blob sha256:"),
+        (tamper_drop_blob, "missing blob sha256:"),
+        (tamper_extra_member, "blob sha256:0000"),
+        (tamper_traversal, "unexpected member '../../etc/cron.d/evil'"),
+        (tamper_absolute, "unexpected member '/tmp/evil'"),
+        (tamper_symlink, "member 'cas/1111"),
+        (tamper_duplicate, "duplicate member 'cas/"),
+        (tamper_no_manifest, "has no manifest.json"),
+    ],
+)
+def test_tampered_bundle_is_rejected_and_nothing_is_stored(packed, tmp_path: Path, tamper, message: str) -> None:
+    _, _, out = packed
+    items = members(out)
+    tamper(items)
+    bad = tmp_path / "bad.tar"
+    rewrite(bad, items)
+    target = LocalStore(tmp_path / "target")
+    with pytest.raises(BundleError) as info:
+        unpack(bad, target)
+    assert str(info.value).startswith(f"bundle {bad}") and message in str(info.value), str(info.value)
+    assert entries(target.root) == []
+
+
+def test_modified_manifest_is_caught_by_expect(packed, tmp_path: Path, tools) -> None:
+    release, manifest, out = packed
+    items = members(out)
+    doc = dict(release.doc, kernels=release.doc["kernels"][:2])  # a consistent but different release
+    blobs = {k["digest"].split(":")[1] for k in doc["kernels"]}
+    items = [(items[0][0], tools.canonical(doc))] + [(i, d) for i, d in items[1:] if i.name[4:] in blobs]
+    bad = tmp_path / "bad.tar"
+    rewrite(bad, items)
+    target = LocalStore(tmp_path / "target")
+    with pytest.raises(BundleError, match=rf"^bundle {bad}: manifest is sha256:\w+, expected {manifest.digest}"):
+        unpack(bad, target, expect=manifest.digest)
+    assert entries(target.root) == []
+    assert unpack(bad, target).digest != manifest.digest  # without a pin it is a valid bundle
+
+
+def test_invalid_manifest_in_bundle_is_a_manifest_error(packed, tmp_path: Path) -> None:
+    _, _, out = packed
+    items = members(out)
+    items[0] = (items[0][0], items[0][1].replace(b'"schema":"cubinstore/manifest/v1"', b'"schema":"v0"'))
+    bad = tmp_path / "bad.tar"
+    rewrite(bad, items)
+    with pytest.raises(CubinstoreError, match=r"^invalid manifest .*bad\.tar:manifest\.json: schema"):
+        unpack(bad, LocalStore(tmp_path / "target"))
+
+
+def test_truncated_and_random_bundles_raise_only_typed_errors(packed, tmp_path: Path) -> None:
+    _, _, out = packed
+    data = out.read_bytes()
+    rng = random.Random(5)
+    target = LocalStore(tmp_path / "target")
+    bad = tmp_path / "fuzz.tar"
+    cases = [data[:n] for n in (0, 100, 511, 512, 1500, len(data) // 2, len(data) - 1024)]
+    for _ in range(150):
+        mutated = bytearray(data)
+        for _ in range(rng.randrange(1, 8)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        cases.append(bytes(mutated))
+    cases.append(rng.randbytes(4096))
+    rejected = 0
+    for case in cases:
+        bad.write_bytes(case)
+        try:
+            unpack(bad, target)
+        except CubinstoreError:
+            rejected += 1
+    assert rejected >= len(cases) - 150  # every truncation and random file; flips in padding may pass
+    report_entries = entries(target.root)
+    for path in report_entries:  # anything stored came from a bundle that fully verified
+        assert Digest.of(path.read_bytes()).hex == path.name

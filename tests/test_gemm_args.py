@@ -1,0 +1,260 @@
+"""cubinstore.ops.gemm without a GPU: argument checks, the launch plan, tensor-map checks, the tuning table.
+
+`check_operands` is the exact validation `gemm` runs on the tensors it is
+given (read into `Operand` values first), so it is tested here on such values
+without torch or a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import pytest
+
+import cubinstore.ops as ops
+from cubinstore.errors import CubinstoreError, BadArgumentError, KernelNotFoundError
+from cubinstore.manifest import Manifest
+from cubinstore.tensormap import TensorMap, check_2d_bf16
+
+G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
+TUNING = importlib.import_module("cubinstore.ops._gemm_tuning")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def op(name: str, shape: tuple[int, ...], strides: tuple[int, ...] | None = None, *, dtype: str = "bfloat16",
+       device: str = "cuda:0", address: int = 0x7F0000000000) -> G.Operand:
+    if strides is None:
+        strides = (shape[1], 1) if len(shape) == 2 else (1,) * len(shape)
+    return G.Operand(name, dtype, shape, strides, device, address)
+
+
+# -- operand checks --------------------------------------------------------------------------------
+
+
+def test_valid_operands_give_m_n_k() -> None:
+    assert G.check_operands(op("a", (1000, 1008)), op("b", (333, 1008)), None) == (1000, 333, 1008)
+    assert G.check_operands(op("a", (1, 8)), op("b", (1, 8)), op("out", (1, 1))) == (1, 1, 8)
+
+
+def test_padded_row_stride_is_accepted() -> None:
+    assert G.check_operands(op("a", (64, 1000), (1064, 1)), op("b", (64, 1000)), None) == (64, 64, 1000)
+
+
+@pytest.mark.parametrize(("a", "b", "out", "message"), [
+    (op("a", (64, 64), dtype="float32"), op("b", (64, 64)), None,
+     r"^gemm a: expected dtype bfloat16, got float32$"),
+    (op("a", (64, 64)), op("b", (64, 64), dtype="float16"), None,
+     r"^gemm b: expected dtype bfloat16, got float16$"),
+    (op("a", (64,)), op("b", (64, 64)), None,
+     r"^gemm a: expected a 2-D tensor, got 1-D shape \(64,\)$"),
+    (op("a", (64, 64)), op("b", (32, 72)), None,
+     r"^gemm: a is 64x64 and b is 32x72: expected the same K"),
+    (op("a", (64, 60)), op("b", (64, 60)), None,
+     r"^gemm: K = 60: expected a multiple of 8"),
+    (op("a", (64, 64), (1, 64)), op("b", (64, 64)), None,
+     r"^gemm a: expected contiguous rows \(stride 1 along dim 1\), got strides \(1, 64\)$"),
+    (op("a", (64, 64)), op("b", (64, 64), (68, 1)), None,
+     r"^gemm b: expected a row stride >= 64 and a multiple of 8 elements \(16 bytes\), got strides \(68, 1\)$"),
+    (op("a", (64, 64), address=0x7F0000000008), op("b", (64, 64)), None,
+     r"^gemm a: expected a 16-byte aligned data pointer, got 0x7f0000000008$"),
+    (op("a", (64, 64)), op("b", (32, 64)), op("out", (32, 64)),
+     r"^gemm out: expected shape \(64, 32\), got \(32, 64\)$"),
+    (op("a", (64, 64)), op("b", (32, 64)), op("out", (64, 32), (1, 64)),
+     r"^gemm out: expected a contiguous row-major tensor, got strides \(1, 64\)$"),
+    (op("a", (64, 64)), op("b", (32, 64)), op("out", (64, 32), dtype="float32"),
+     r"^gemm out: expected dtype bfloat16, got float32$"),
+    (op("a", (64, 64), device="cpu"), op("b", (64, 64)), None,
+     r"^gemm a: expected a CUDA tensor, got one on cpu$"),
+    (op("a", (64, 64)), op("b", (64, 64), device="cuda:1"), None,
+     r"^gemm: expected a, b and out on one device, got cuda:0, cuda:1$"),
+])
+def test_bad_operands_are_typed_errors_naming_the_operand(
+    a: G.Operand, b: G.Operand, out: G.Operand | None, message: str
+) -> None:
+    with pytest.raises(BadArgumentError, match=message):
+        G.check_operands(a, b, out)
+
+
+@pytest.mark.parametrize("value", [[[1.0]], None, 3.0, b"\0" * 16])
+def test_gemm_refuses_what_is_not_a_torch_tensor(value: object) -> None:
+    with pytest.raises(BadArgumentError, match=r"^gemm a: expected a torch.Tensor, got builtins\."):
+        ops.gemm(value, value)
+
+
+def test_gemm_refuses_cpu_torch_tensors_before_any_cuda_call() -> None:
+    torch = pytest.importorskip("torch", reason="needs torch to make a real CPU tensor")
+    a = torch.zeros(16, 16, dtype=torch.bfloat16)
+    with pytest.raises(BadArgumentError, match=r"^gemm a: expected a CUDA tensor, got one on cpu$"):
+        ops.gemm(a, a)
+
+
+def test_without_a_library_the_error_says_how_to_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBINSTORE_MANIFEST", raising=False)
+    ops.set_library(None)
+    with pytest.raises(KernelNotFoundError, match=r"^no kernel library for cubinstore.ops: set CUBINSTORE_MANIFEST"):
+        ops.get_library()
+
+
+def test_the_default_library_comes_from_cubinstore_manifest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = G.GemmConfig(128, 256, 64, 4, 1)
+    path = tmp_path / "manifest.json"
+    path.write_bytes(Manifest.build([{
+        "id": cfg.kernel_id, "family": "gemm", "params": cfg.params, "arch": "sm_90a",
+        "digest": "sha256:" + "cd" * 32, "size": 4096, "entries": {G.ENTRY: list(G.ENTRY_TYPES)},
+        "target": "//kernels/gemm:gemm_bm128_bn256_bk64_stages4_cluster1_sm_90a",
+    }]).raw)
+    monkeypatch.setenv("CUBINSTORE_MANIFEST", str(path))
+    ops.set_library(None)
+    try:
+        assert ops.get_library().manifest.by_id(cfg.kernel_id).digest.hex == "cd" * 32
+    finally:
+        ops.set_library(None)
+
+
+def test_a_missing_default_manifest_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBINSTORE_MANIFEST", str(tmp_path / "nope.json"))
+    ops.set_library(None)
+    with pytest.raises(CubinstoreError, match="nope.json"):
+        ops.get_library()
+
+
+def test_set_library_accepts_a_manifest_path_without_touching_cuda(tmp_path: Path) -> None:
+    cfg = G.GemmConfig(128, 256, 64, 4, 2)
+    path = tmp_path / "manifest.json"
+    path.write_bytes(Manifest.build([{
+        "id": cfg.kernel_id, "family": "gemm", "params": cfg.params, "arch": "sm_90a",
+        "digest": "sha256:" + "ab" * 32, "size": 4096, "entries": {G.ENTRY: list(G.ENTRY_TYPES)},
+        "target": "//kernels/gemm:gemm_bm128_bn256_bk64_stages4_cluster2_sm_90a",
+    }]).raw)
+    try:
+        ops.set_library(path)
+        assert ops.get_library().manifest.by_id(cfg.kernel_id).params["cluster"] == 2
+    finally:
+        ops.set_library(None)
+
+
+# -- instantiations and plans ----------------------------------------------------------------------
+
+
+def test_kernel_id_round_trips_and_renders_params_in_grid_order() -> None:
+    cfg = G.GemmConfig.from_id("gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a")
+    assert cfg == G.GemmConfig(128, 256, 64, 4, 1)
+    assert cfg.kernel_id == "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a"
+    assert list(cfg.params) == ["bm", "bn", "bk", "stages", "cluster"]
+    assert cfg.defines == ("-DBM=128", "-DBN=256", "-DBK=64", "-DSTAGES=4", "-DCLUSTER_M=1")
+
+
+@pytest.mark.parametrize("bad", ["gemm/bm128/bn256/bk64/stages4/sm_90a", "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90",
+                                 "axpy/f32/vec4/sm_90a", 42])
+def test_malformed_kernel_id_is_a_typed_error(bad: object) -> None:
+    with pytest.raises(BadArgumentError, match=r"^invalid gemm kernel id "):
+        G.GemmConfig.from_id(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("row", "why"), [
+    ((256, 256, 64, 2, 1), "accumulators of a 256x256 tile exceed 128 registers"),
+    ((128, 256, 64, 5, 1), "shared memory 246880 > 232448 bytes"),
+    ((128, 96, 64, 4, 1), "bn 96 not in"),
+    ((128, 128, 64, 4, 4), "cluster 4 not in"),
+])
+def test_instantiations_the_kernel_cannot_build_are_refused(row: tuple[int, ...], why: str) -> None:
+    with pytest.raises(BadArgumentError, match=r"^invalid gemm instantiation .*" + why):
+        G.GemmConfig(*row)
+
+
+def test_shared_memory_formula_matches_the_kernel() -> None:
+    # kernels/gemm/sm90_bf16_gemm.cuh: 1024 + STAGES * (BM + BN) * BK * 2 + 2 * STAGES * 8 + 16
+    assert G.GemmConfig(128, 256, 64, 4, 1).smem_bytes == 1024 + 4 * 384 * 128 + 64 + 16
+    assert G.GemmConfig(128, 128, 128, 3, 2).smem_bytes == 1024 + 3 * 256 * 256 + 48 + 16
+
+
+def test_cluster_halves_the_b_box() -> None:
+    assert G.GemmConfig(128, 192, 64, 5, 1).box_b == (192, 64)
+    assert G.GemmConfig(128, 192, 64, 5, 2).box_b == (96, 64)
+    assert G.GemmConfig(256, 64, 64, 4, 2).box_a == (256, 64)
+
+
+def test_plan_is_persistent_and_a_multiple_of_the_cluster() -> None:
+    p = G.plan(4096, 4096, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a", 1)
+    assert (p.tiles_m, p.tiles_n, p.units, p.grid, p.splits) == (32, 16, 256, 132, 1)
+    assert p.workspace_floats == 0 and p.counters == 0
+    small = G.plan(100, 100, 64, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a", 1)
+    assert (small.units, small.grid) == (1, 2)  # one cluster; its second CTA has no rows
+
+
+def test_plan_clamps_splits_to_the_k_blocks() -> None:
+    p = G.plan(128, 4096, 200, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 8)
+    assert p.splits == 4  # ceil(200 / 64) K blocks
+    assert p.workspace_floats == 1 * 32 * 4 * 128 * 128 and p.counters == 32
+    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 0).splits == 1
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(0, 8, 8), (8, 8, 2**31)])
+def test_plan_refuses_sizes_outside_i32(m: int, n: int, k: int) -> None:
+    with pytest.raises(BadArgumentError, match=r"^gemm [mnk]: expected 1 <= "):
+        G.plan(m, n, k, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 1)
+
+
+# -- tensor maps -----------------------------------------------------------------------------------
+
+
+def test_tensormap_holds_exactly_128_bytes() -> None:
+    assert TensorMap(b"\1" * 128).raw == b"\1" * 128
+    with pytest.raises(BadArgumentError, match=r"^TensorMap.raw: expected 128 bytes, got bytes of 127 bytes$"):
+        TensorMap(b"\0" * 127)
+    with pytest.raises(BadArgumentError, match=r"^TensorMap.raw: expected 128 bytes, got bytearray"):
+        TensorMap(bytearray(128))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"address": 0x1008}, r"^tensor map address 0x1008: expected 16-byte alignment$"),
+    ({"address": 0}, r"^tensor map address: expected a device pointer, got 0$"),
+    ({"row_stride": 1004}, r"^tensor map row_stride 1004 elements \(2008 bytes\): expected a multiple of 16 bytes"),
+    ({"row_stride": 500}, r"^tensor map row_stride: expected an int >= cols \(1000\) elements, got 500$"),
+    ({"box_rows": 257}, r"^tensor map box_rows: expected an int in \[1, 256\], got 257$"),
+    ({"box_cols": 128}, r"^tensor map box_cols 128 \(256 bytes\): a 128-byte swizzle needs"),
+    ({"swizzle": 16}, r"^tensor map swizzle: expected one of \(0, 32, 64, 128\) bytes, got 16$"),
+    ({"rows": 0}, r"^tensor map rows: expected an int in \[1, 4294967296\], got 0$"),
+])
+def test_tensor_map_arguments_are_checked_before_the_driver(kwargs: dict[str, int], message: str) -> None:
+    args = {"address": 0x10000, "rows": 64, "cols": 1000, "row_stride": 1000, "box_rows": 64, "box_cols": 64,
+            "swizzle": 128} | kwargs
+    with pytest.raises(BadArgumentError, match=message):
+        check_2d_bf16(**args)
+
+
+# -- tuning table ----------------------------------------------------------------------------------
+
+
+def test_tuning_table_ids_are_valid_instantiations() -> None:
+    assert TUNING.TABLE, "empty tuning table"
+    for shape, (kernel_id, splits) in TUNING.TABLE.items():
+        G.GemmConfig.from_id(kernel_id)  # raises if the id or the instantiation is invalid
+        assert 1 <= splits <= 16, (shape, splits)
+        assert all(isinstance(x, int) and x >= 1 for x in shape), shape
+
+
+def test_tuning_table_names_only_ids_in_the_manifest() -> None:
+    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
+    path = path if path.is_absolute() else ROOT / path
+    if not path.is_file():
+        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
+    manifest = Manifest.from_path(path)
+    if not manifest.find("gemm"):
+        pytest.skip(f"manifest {path} has no gemm kernels yet")
+    missing = sorted({kid for kid, _ in TUNING.TABLE.values()} - {k.id for k in manifest.find("gemm")})
+    assert not missing, f"tuning table names kernels not in {path}: {missing}"
+    for kernel_id, _ in TUNING.TABLE.values():
+        assert tuple(manifest.by_id(kernel_id).entries[G.ENTRY]) == G.ENTRY_TYPES
+
+
+def test_lookup_returns_the_exact_entry_and_the_nearest_otherwise() -> None:
+    # Entries differ by at least 2x in some dimension (log2 distance >= 1); a shape
+    # 10% off in every dimension (distance 3 * log2(1.1) = 0.41) is nearest to its own.
+    for shape, value in TUNING.TABLE.items():
+        assert TUNING.lookup(*shape) == value
+        near = tuple(max(1, round(x * 1.1)) for x in shape)
+        assert TUNING.lookup(*near) == value, (shape, near)

@@ -1,0 +1,152 @@
+"""The Hopper bf16 GEMM family on a GPU: every instantiation against a float32 reference.
+
+Needs a compute capability 9.0 GPU, torch, and a manifest holding the `gemm`
+kernels (`CUBINSTORE_TEST_MANIFEST`, default `bazel-bin/kernels/manifest.json`);
+skips with the reason otherwise. Blobs go through a real `Store`: a fresh local
+store filled from the directory the manifest sits in. Each run draws fresh
+random inputs and poisons the output with NaN, so an element the kernel does
+not write fails the check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cubinstore.ops as ops
+from cubinstore import _cuda, launch
+from cubinstore.manifest import Manifest
+from cubinstore.store import DirectorySource, LocalStore, Store
+
+ROOT = Path(__file__).resolve().parents[1]
+G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
+TUNING = importlib.import_module("cubinstore.ops._gemm_tuning")
+
+pytestmark = pytest.mark.gpu
+
+MAX_REL_ERROR = 1e-2
+SQUARES = [(s, s, s) for s in (64, 256, 1024, 4096)]
+LLM = [(m, n, k) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)) for m in (1, 64, 128, 4096)]
+# Not multiples of any tile edge (64, 128, 192, 256) nor of BK; odd N takes the scalar store path.
+TAILS = [(1000, 1000, 1008), (1, 1, 8), (7, 13, 8), (129, 257, 72), (255, 191, 4104), (4097, 333, 1000),
+         (300, 4099, 520)]
+
+
+def _manifest_path() -> Path:
+    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
+    return path if path.is_absolute() else ROOT / path
+
+
+def _gemm_ids() -> list[str]:
+    path = _manifest_path()
+    if not path.is_file():
+        return ["<no manifest>"]
+    ids = [k.id for k in Manifest.from_path(path) if k.family == G.FAMILY]
+    return ids or ["<no gemm kernels in the manifest>"]
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    return pytest.importorskip("torch", reason="the GEMM tests make their inputs with torch")
+
+
+@pytest.fixture(scope="module")
+def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch.Library]:
+    ok, why = _cuda.available()
+    if not ok:
+        pytest.skip(f"no CUDA device: {why}")
+    if _cuda.compute_capability(0) != (9, 0):
+        pytest.skip(f"the gemm kernels are sm_90a; device 0 is {_cuda.compute_capability(0)}")
+    path = _manifest_path()
+    if not path.is_file():
+        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
+    manifest = Manifest.from_path(path)
+    if not manifest.find(G.FAMILY):
+        pytest.skip(f"manifest {path} has no gemm kernels")
+    store = Store([LocalStore(tmp_path_factory.mktemp("cubinstore-home")), DirectorySource(path.parent)])
+    library = launch.open(manifest, store)
+    ops.set_library(library)
+    yield library
+    ops.set_library(None)
+
+
+def _inputs(torch: Any, m: int, n: int, k: int) -> tuple[Any, Any]:
+    # Fresh inputs per run (no fixed seed): the kernel must be right on any data.
+    a = torch.randn(m, k, device="cuda:0").to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda:0").to(torch.bfloat16)
+    return a, b
+
+
+def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
+    torch.cuda.synchronize()
+    assert d.shape == (a.shape[0], b.shape[0]) and d.dtype == torch.bfloat16
+    unwritten = int(torch.isnan(d).sum())
+    assert unwritten == 0, f"{what}: {unwritten} of {d.numel()} output elements not written (still NaN)"
+    ref = a.float() @ b.float().T  # float32 reference of the same bf16 inputs
+    rel = float((d.float() - ref).norm() / ref.norm())
+    assert rel < MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
+
+
+@pytest.mark.parametrize("kernel_id", _gemm_ids())
+@pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_every_instantiation_matches_float32_reference(
+    lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, k: int, splits: int
+) -> None:
+    a, b = _inputs(torch, m, n, k)
+    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
+    _check(torch, d, a, b, f"{kernel_id} splits={splits} at {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
+def test_tuned_gemm_matches_float32_reference(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
+    a, b = _inputs(torch, m, n, k)
+    d = ops.gemm(a, b)
+    _check(torch, d, a, b, f"ops.gemm (table: {TUNING.lookup(m, n, k)}) at {m}x{n}x{k}")
+
+
+def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library, torch: Any) -> None:
+    # Same stream, same tiles, back to back: the second call only works if the
+    # first reset every arrival counter.
+    kernel_id = lib.manifest.find(G.FAMILY)[0].id
+    for _ in range(3):
+        a, b = _inputs(torch, 200, 1000, 4096)
+        d = torch.full((200, 1000), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=8)
+        _check(torch, d, a, b, f"{kernel_id} splits=8, repeated")
+    counters = G._counters[(0, int(torch.cuda.current_stream(0).cuda_stream))]
+    assert int(counters.abs().sum()) == 0
+
+
+def test_padded_row_strides_are_read_through_the_tensor_map(lib: launch.Library, torch: Any) -> None:
+    m, n, k = 300, 500, 1000
+    a_store, b_store = _inputs(torch, m, n, k + 64)
+    a, b = a_store[:, 8 : k + 8], b_store[:, :k]  # row stride k + 64; a starts 16 bytes in
+    assert not a.is_contiguous()
+    d = ops.gemm(a, b)
+    _check(torch, d, a, b, "padded rows")
+
+
+def test_runs_on_the_current_torch_stream(lib: launch.Library, torch: Any) -> None:
+    a, b = _inputs(torch, 512, 512, 512)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        d = torch.full((512, 512), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        ops.gemm(a, b, out=d)
+    stream.synchronize()
+    _check(torch, d, a, b, "side stream")
+
+
+def test_wrong_dtype_on_the_gpu_is_refused_before_launch(lib: launch.Library, torch: Any) -> None:
+    a = torch.randn(64, 64, device="cuda:0")
+    b = torch.randn(64, 64, device="cuda:0").to(torch.bfloat16)
+    from cubinstore.errors import BadArgumentError
+
+    with pytest.raises(BadArgumentError, match=r"^gemm a: expected dtype bfloat16, got float32$"):
+        ops.gemm(a, b)

@@ -1,0 +1,305 @@
+"""The local directory store: layout, atomic writes, corruption, hostile files, kills, disk full."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store, StoreError
+from cubinstore._maint import verify_store
+from cubinstore.store import DiskCacheStore, LocalStore, MemoryStore
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def blob(n: int = 5000, seed: int = 0) -> tuple[Digest, bytes]:
+    data = random.Random(seed).randbytes(n)
+    return Digest.of(data), data
+
+
+def disk_cache_with(root: Path, digest: Digest, data: bytes) -> DiskCacheStore:
+    """A real Bazel --disk_cache directory holding one blob: a later, non-cache layer."""
+    path = root / "cas" / digest.hex[:2] / digest.hex
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return DiskCacheStore(root)
+
+
+def temps(local: LocalStore) -> list[Path]:
+    return [p for p in local.cas_dir.rglob(".tmp.*")]
+
+
+def test_layout_is_v1_cas_sharded_by_first_two_hex(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "root")
+    digest, data = blob()
+    local.write(digest, data)
+    path = tmp_path / "root" / "v1" / "cas" / digest.hex[:2] / digest.hex
+    assert path.read_bytes() == data
+    assert local.path_for(digest) == path
+    assert Store([local]).get(digest, len(data)) == data
+    assert temps(local) == []
+
+
+def test_write_refuses_bytes_that_do_not_match_the_digest(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path)
+    digest, data = blob()
+    with pytest.raises(IntegrityError, match=r"^digest mismatch for sha256:"):
+        local.write(digest, data + b"x")
+    assert not local.path_for(digest).exists() and temps(local) == []
+
+
+def test_miss_is_a_missing_blob_error_naming_digest_kernel_and_layers(tmp_path: Path) -> None:
+    store = Store([MemoryStore(), LocalStore(tmp_path)])
+    digest, data = blob()
+    with pytest.raises(MissingBlobError) as info:
+        store.get(digest, len(data), name="axpy/f32/vec4/sm_90a")
+    message = str(info.value)
+    assert message.startswith(f"{digest} (axpy/f32/vec4/sm_90a) ({len(data)} bytes) not available: memory: miss; local store {tmp_path}: miss")
+    assert "CUBINSTORE_REMOTE" in message
+    assert store.stats.misses == 1
+
+
+@pytest.mark.parametrize("bad", ["sha256:../../etc/passwd", "sha256:" + "A" * 64, "sha256:" + "a" * 63, "sha256:" + "a" * 63 + "\0", "../x"])
+def test_malformed_digest_is_rejected_before_any_io(tmp_path: Path, bad: str) -> None:
+    root = tmp_path / "root"
+    with pytest.raises(BadArgumentError, match=r"^invalid digest"):
+        Store([LocalStore(root)]).get(bad)
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("size", [0, -1, True, 1.5, 2**40])
+def test_bad_size_is_rejected_before_any_io(tmp_path: Path, size: object) -> None:
+    digest, _ = blob()
+    with pytest.raises(BadArgumentError, match=r"^invalid size"):
+        Store([LocalStore(tmp_path / "root")]).get(digest, size)  # type: ignore[arg-type]
+    assert not (tmp_path / "root").exists()
+
+
+def test_empty_blob_digest_is_not_a_cubin(tmp_path: Path) -> None:
+    with pytest.raises(BadArgumentError, match=r"^sha256:e3b0.* is the digest of zero bytes"):
+        Store([LocalStore(tmp_path)]).get(Digest.of(b""))
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero-length", "truncated", "appended"])
+def test_corrupted_blob_is_refetched_not_loaded(tmp_path: Path, damage: str) -> None:
+    digest, data = blob(8192)
+    local = LocalStore(tmp_path / "local")
+    source = disk_cache_with(tmp_path / "disk_cache", digest, data)  # any later layer works
+    local.write(digest, data)
+    path = local.path_for(digest)
+    bad = {"flip": data[:100] + bytes([data[100] ^ 1]) + data[101:], "zero-length": b"",
+           "truncated": data[:-1], "appended": data + b"\0"}[damage]
+    path.write_bytes(bad)
+    store = Store([local, source])
+    got = store.get(digest, len(data), name="k")
+    assert got == data
+    assert store.stats.verification_failures == 1 and store.stats.misses == 1
+    assert path.read_bytes() == data  # refetched and rewritten
+    quarantined = list(local.quarantine_dir.iterdir())
+    assert len(quarantined) == 1 and quarantined[0].read_bytes() == bad
+
+
+def test_corrupt_entry_offline_is_an_integrity_error_and_quarantined(tmp_path: Path) -> None:
+    digest, data = blob()
+    local = LocalStore(tmp_path)
+    local.write(digest, data)
+    local.path_for(digest).write_bytes(b"\0" * len(data))
+    with pytest.raises(IntegrityError) as info:
+        Store([local]).get(digest, len(data), name="axpy/f32/vec1/sm_80")
+    assert str(info.value).startswith(f"{digest} (axpy/f32/vec1/sm_80) ({len(data)} bytes) not available: local store {tmp_path}: digest mismatch")
+    assert not local.path_for(digest).exists()
+    assert len(list(local.quarantine_dir.iterdir())) == 1
+
+
+def test_size_is_checked_and_a_wrong_requested_size_keeps_the_good_entry(tmp_path: Path) -> None:
+    digest, data = blob()
+    local = LocalStore(tmp_path)
+    local.write(digest, data)
+    with pytest.raises(IntegrityError, match=r".*: size mismatch for sha256:\w+ from local store .*: expected 4999 bytes, got more"):
+        Store([local]).get(digest, len(data) - 1)
+    with pytest.raises(IntegrityError, match=r".*: size mismatch for sha256:\w+ from local store .*: expected 5001 bytes, got 5000"):
+        Store([local]).get(digest, len(data) + 1)
+    # The entry hashes right: the request was wrong, so nothing was quarantined.
+    assert Store([local]).get(digest, len(data)) == data
+    assert not local.quarantine_dir.exists()
+
+
+def test_symlink_at_entry_path_is_not_followed(tmp_path: Path) -> None:
+    digest, data = blob()
+    outside = tmp_path / "outside"
+    outside.write_bytes(data)  # even the right bytes: a link could be swapped later
+    local = LocalStore(tmp_path / "local")
+    path = local.path_for(digest)
+    path.parent.mkdir(parents=True)
+    path.symlink_to(outside)
+    store = Store([local, disk_cache_with(tmp_path / "disk_cache", digest, data)])
+    assert store.get(digest, len(data)) == data
+    assert store.stats.misses == 1  # the link was a miss, the bytes came from the next layer
+    assert path.is_file() and not path.is_symlink()
+    assert outside.read_bytes() == data
+
+
+def test_fifo_at_entry_path_does_not_hang(tmp_path: Path) -> None:
+    digest, data = blob()
+    local = LocalStore(tmp_path)
+    path = local.path_for(digest)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    start = time.monotonic()
+    with pytest.raises(MissingBlobError):
+        Store([local]).get(digest, len(data))
+    assert time.monotonic() - start < 5
+
+
+def test_stray_files_are_reported_not_loaded(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path)
+    digest, data = blob()
+    local.write(digest, data)
+    (local.cas_dir / "zz").mkdir()
+    (local.cas_dir / digest.hex[:2] / "README").write_text("hi")
+    (local.cas_dir / digest.hex[:2] / ("0" * 64)).write_text("wrong shard")
+    entries, strays = local.scan()
+    assert [e.digest for e in entries] == [digest]
+    assert {p.name for p in strays} == {"zz", "README", "0" * 64}
+
+
+def test_rename_failure_removes_temp_and_keeps_old_entries(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path)
+    d1, b1 = blob(seed=1)
+    d2, b2 = blob(seed=2)
+    local.write(d1, b1)
+    local.path_for(d2).mkdir(parents=True)  # rename onto a directory fails (EISDIR)
+    with pytest.raises(StoreError, match=rf"^cannot write {local.path_for(d2)}: Is a directory"):
+        local.write(d2, b2)
+    assert temps(local) == []
+    assert Store([local]).get(d1, len(b1)) == b1
+
+
+def test_cache_write_failure_serves_verified_bytes_unless_strict(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path)
+    digest, data = blob()
+    local.path_for(digest).mkdir(parents=True)
+    source = MemoryStore()
+    source.write(digest, data)
+    assert Store([local, source]).get(digest, len(data)) == data
+    with pytest.raises(StoreError, match=rf"^cannot store {digest} \(k\) in local store"):
+        Store([local, source], strict=True).get(digest, len(data), name="k")
+
+
+_FULL_DISK_CHILD = textwrap.dedent("""
+    import resource, signal, sys
+    from cubinstore import Digest, StoreError
+    from cubinstore.store import LocalStore
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+    local = LocalStore(sys.argv[1])
+    small = b"small entry" * 10
+    local.write(Digest.of(small), small)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    big = bytes(range(256)) * 100
+    try:
+        local.write(Digest.of(big), big)
+    except StoreError as exc:
+        print("StoreError:", exc)
+        sys.exit(3)
+    sys.exit(0)
+""")
+
+
+def test_disk_full_mid_write_is_a_typed_error_and_leaves_no_partial_entry(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(root)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert out.stdout.startswith("StoreError: cannot write ") and "File too large" in out.stdout
+    local = LocalStore(root)
+    big = bytes(range(256)) * 100
+    assert not local.path_for(Digest.of(big)).exists()
+    assert temps(local) == []
+    small = b"small entry" * 10
+    assert Store([local]).get(Digest.of(small), len(small)) == small
+
+
+_WRITER_CHILD = textwrap.dedent("""
+    import os, sys
+    from cubinstore import Digest
+    from cubinstore.store import LocalStore
+    local = LocalStore(sys.argv[1])
+    i = 0
+    while True:
+        data = os.urandom(1 << 20) + i.to_bytes(8, "little")
+        local.write(Digest.of(data), data)
+        i += 1
+""")
+
+
+def test_writer_killed_at_random_points_never_leaves_a_bad_final_file(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    rng = random.Random(7)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD, str(root)], env=env)
+        time.sleep(0.25 + rng.random() * 0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    local = LocalStore(root)
+    entries, _ = local.scan()
+    assert entries, "the writer never finished one entry; raise the sleep"
+    report = verify_store(local)
+    assert report.corrupt == [] and report.ok == len(entries)
+    # Killed writers leave temp files; old ones are cleaned, fresh ones (maybe live) are kept.
+    left = temps(local)
+    assert local.clean_temps(older_than=3600) == []
+    assert sorted(local.clean_temps(older_than=0)) == sorted(left)
+    assert temps(local) == []
+
+
+def test_reader_polling_during_writes_sees_absent_or_complete(tmp_path: Path) -> None:
+    import threading
+
+    local = LocalStore(tmp_path)
+    blobs = [blob(200_000, seed=i) for i in range(20)]
+    seen_partial: list[str] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            for digest, data in blobs:
+                path = local.path_for(digest)
+                try:
+                    content = path.read_bytes()
+                except FileNotFoundError:
+                    continue
+                if content != data:
+                    seen_partial.append(digest.hex)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    for digest, data in blobs:
+        local.write(digest, data)
+    done.set()
+    reader.join()
+    assert seen_partial == []
+
+
+def test_stats_are_counted_and_persisted(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "local")
+    digest, data = blob()
+    source = disk_cache_with(tmp_path / "disk_cache", digest, data)
+    store = Store([MemoryStore(), local, source])
+    store.get(digest, len(data))   # fetched from source
+    store.get(digest, len(data))   # memory hit
+    store2 = Store([local])
+    store2.get(digest, len(data))  # local hit in a "new process"
+    assert store.stats.hits == 1 and store.stats.misses == 1 and store.stats.bytes_fetched == len(data)
+    persisted = local.read_stats()
+    assert persisted == {"hits": 1, "misses": 1, "bytes_fetched": len(data), "verification_failures": 0}
