@@ -104,6 +104,17 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
     file is removed and ``StoreError`` names the path (the old file is unchanged).
     ``durable=False`` skips the fsyncs: still atomic, but may be lost on power failure.
     """
+    with atomic_file(path, mode=mode, durable=durable) as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_file(path: Path, *, mode: int = 0o644, durable: bool = True) -> Iterator[BinaryIO]:
+    """Stream into a temp file beside ``path``; on a clean exit fsync and rename it to ``path``.
+
+    Any exception removes the temp file; an ``OSError`` becomes a ``StoreError`` naming
+    ``path``. ``durable=False`` skips the fsyncs (still atomic).
+    """
     directory = path.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -112,17 +123,13 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
         raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc
     tmp = Path(tmp_name)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
             if durable:
-                os.fsync(fd)
+                os.fsync(f.fileno())
             if hasattr(os, "fchmod"):  # mkstemp creates 0600
-                os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
+                os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException as exc:
         try:
@@ -136,37 +143,3 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
         raise
     if durable:
         fsync_dir(directory)
-
-
-@contextmanager
-def atomic_file(path: Path, *, mode: int = 0o644) -> Iterator[BinaryIO]:
-    """Stream into a temp file beside ``path``; on a clean exit fsync and rename it to ``path``.
-
-    For outputs too large to build in memory (bundles). Any exception removes the temp file.
-    """
-    directory = path.parent
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".tmp.{path.name}.", dir=directory)
-    except OSError as exc:
-        raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-            if hasattr(os, "fchmod"):
-                os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException as exc:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as cleanup:
-            _log.warning("cannot remove temp file %s: %s", tmp, cleanup)
-        if isinstance(exc, OSError):
-            raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
-        raise
-    fsync_dir(directory)

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _net import free_port, wait_for_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -160,24 +161,6 @@ def tools() -> SimpleNamespace:
 
 # -- a real nginx WebDAV server -------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
-
-
 class Nginx:
     """nginx on a free loopback port; ``/`` accepts PUT (WebDAV); ``/slow/`` sends at 1 MB/s."""
 
@@ -221,13 +204,13 @@ http {{
             pytest.skip("nginx not installed (needed for the real HTTP cache tests)")
         self.www.mkdir(parents=True, exist_ok=True)
         for _ in range(5):  # the free port can be taken between probe and bind
-            port = _free_port()
+            port = free_port()
             conf = self.workdir / "nginx.conf"
             conf.write_text(self.config(port))
             with open(self.workdir / "stderr.log", "ab") as err:  # the child keeps its own copy
                 proc = subprocess.Popen([nginx, "-p", str(self.workdir), "-c", str(conf), "-e", str(self.workdir / "error.log")],
                                         stdout=err, stderr=err)
-            if _wait_port(port, proc, time.monotonic() + 10):
+            if wait_for_port(port, proc, time.monotonic() + 10):
                 self.proc, self.port = proc, port
                 return
             proc.kill()

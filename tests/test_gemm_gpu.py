@@ -68,7 +68,10 @@ def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch
     manifest = Manifest.from_path(path)
     if not manifest.find(G.FAMILY):
         pytest.skip(f"manifest {path} has no gemm kernels")
-    store = Store([LocalStore(tmp_path_factory.mktemp("cubinstore-home")), DirectorySource(path.parent)])
+    # The local store CUBINSTORE_HOME names (e.g. filled by `cubinstore unpack`), else a fresh one,
+    # backed by the build tree the manifest sits in (bazel-bin/kernels).
+    home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
+    store = Store([LocalStore(home), DirectorySource(path.parent)])
     library = launch.open(manifest, store)
     ops.set_library(library)
     yield library

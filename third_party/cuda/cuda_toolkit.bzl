@@ -8,8 +8,8 @@ actions on the files' content: the toolkit's install path never reaches an actio
 
 The host compiler nvcc preprocesses with (`$CUBINSTORE_HOST_CC`, default `gcc`, a command
 name looked up on the actions' fixed PATH `/usr/bin:/bin`) is not an input; its identity
-(its `--version` output and the sha256 of its binary) is written to `host_compiler.id`,
-which every compile action takes as an input.
+(its `--version` output, the sha256 of its binary and of gcc's `cc1plus`) is written to
+`host_compiler.id`, which every compile action takes as an input.
 """
 
 ACTION_PATH = "/usr/bin:/bin"
@@ -85,10 +85,22 @@ def detect_host_compiler(rctx):
             return struct(name = name, binary = _realpath(rctx, candidate))
     fail("cuda_toolkit: host compiler '{}' (CUBINSTORE_HOST_CC) not found on {}".format(name, ACTION_PATH))
 
+def _sha256(rctx, path):
+    return _run(rctx, ["sha256sum", path]).split(" ")[0]
+
 def _host_identity(rctx, host):
-    version = _run(rctx, [host.binary, "--version"])
-    digest = _run(rctx, ["sha256sum", host.binary]).split(" ")[0]
-    return "name: {}\nsha256: {}\nversion:\n{}".format(host.name, digest, version)
+    """The driver's version and digest, plus the digest of gcc's C++ front end (cc1plus),
+    which does the preprocessing nvcc asks for and is a separate binary."""
+    lines = [
+        "name: {}".format(host.name),
+        "sha256: {}".format(_sha256(rctx, host.binary)),
+    ]
+    front_end = rctx.execute([host.binary, "-print-prog-name=cc1plus"]).stdout.strip()
+    if front_end.startswith("/") and rctx.path(front_end).exists:
+        lines.append("cc1plus sha256: {}".format(_sha256(rctx, _realpath(rctx, front_end))))
+    lines.append("version:")
+    lines.append(_run(rctx, [host.binary, "--version"]))
+    return "\n".join(lines)
 
 def _cuda_toolkit_impl(rctx):
     toolkit = detect_toolkit(rctx)
