@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _net import free_port, wait_for_port
+from _net import free_port, nginx_conf, wait_for_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -171,33 +171,6 @@ class Nginx:
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
 
-    def config(self, port: int) -> str:
-        w = self.workdir
-        user = "user root;" if os.geteuid() == 0 else ""
-        dav = "dav_methods PUT DELETE MKCOL; create_full_put_path on; dav_access user:rw group:r all:r;"
-        temps = "\n".join(f"  {kind}_temp_path {w}/tmp_{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        return f"""
-{user}
-daemon off;
-worker_processes 1;
-pid {w}/nginx.pid;
-error_log {w}/error.log warn;
-events {{ worker_connections 512; }}
-http {{
-  log_format cas '$request_method $uri $status $body_bytes_sent';
-  access_log {self.log} cas;
-{temps}
-  client_max_body_size 256m;
-  default_type application/octet-stream;
-  server {{
-    listen 127.0.0.1:{port};
-    root {self.www};
-    location /slow/ {{ limit_rate 1m; {dav} }}
-    location / {{ {dav} }}
-  }}
-}}
-"""
-
     def start(self) -> None:
         nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
         if nginx is None:
@@ -206,7 +179,7 @@ http {{
         for _ in range(5):  # the free port can be taken between probe and bind
             port = free_port()
             conf = self.workdir / "nginx.conf"
-            conf.write_text(self.config(port))
+            conf.write_text(nginx_conf(self.workdir, port, self.www, self.log, slow_location=True))
             with open(self.workdir / "stderr.log", "ab") as err:  # the child keeps its own copy
                 proc = subprocess.Popen([nginx, "-p", str(self.workdir), "-c", str(conf), "-e", str(self.workdir / "error.log")],
                                         stdout=err, stderr=err)

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _net import free_port, wait_for_port
+from _net import free_port, nginx_conf, wait_for_port
 
 logger = logging.getLogger(__name__)
 
@@ -92,40 +92,10 @@ class NginxCache(_Server):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _config(self, port: int) -> str:
-        w = self.workdir
-        # As root the workers would run as nobody and could not write `data`.
-        user = "user root;" if os.geteuid() == 0 else ""
-        temps = "\n".join(f"  {kind}_temp_path {w}/tmp/{kind};"
-                          for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-        return f"""{user}
-daemon off;
-worker_processes 1;
-pid {w}/nginx.pid;
-error_log {w}/error.log info;
-events {{ worker_connections 256; }}
-http {{
-  log_format cache '$request_method $uri $status';
-  access_log {self.access_log} cache;
-{temps}
-  server {{
-    listen 127.0.0.1:{port};
-    root {self.data};
-    client_max_body_size 0;
-    location / {{
-      dav_methods PUT DELETE MKCOL;
-      create_full_put_path on;
-      dav_access user:rw group:r all:r;
-    }}
-  }}
-}}
-"""
-
     def _argv(self, port: int) -> list[str]:
-        (self.workdir / "tmp").mkdir(exist_ok=True)
         self.data.mkdir(exist_ok=True)
         conf = self.workdir / "nginx.conf"
-        conf.write_text(self._config(port))
+        conf.write_text(nginx_conf(self.workdir, port, self.data, self.access_log))
         return [str(self.nginx), "-p", str(self.workdir), "-c", str(conf), "-e", str(self.workdir / "error.log")]
 
     def _log_tail(self) -> str:
