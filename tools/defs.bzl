@@ -8,11 +8,11 @@
 """
 
 load("//tools/private:providers.bzl", _CubinInfo = "CubinInfo", _CubinSetInfo = "CubinSetInfo", _CudaHeadersInfo = "CudaHeadersInfo")
-load("//tools/private/rules:cuda_cubin.bzl", _cuda_cubin = "cuda_cubin")
-load("//tools/private/rules:cuda_headers.bzl", _cuda_headers = "cuda_headers")
+load("//tools/private/macros:cubin_instantiations.bzl", _cubin_instantiations = "cubin_instantiations")
 load("//tools/private/rules:cubin_family.bzl", _cubin_family = "cubin_family")
 load("//tools/private/rules:cubin_manifest.bzl", _cubin_manifest = "cubin_manifest")
-load("//tools/private/macros:cubin_instantiations.bzl", _cubin_instantiations = "cubin_instantiations")
+load("//tools/private/rules:cuda_cubin.bzl", _cuda_cubin = "cuda_cubin")
+load("//tools/private/rules:cuda_headers.bzl", _cuda_headers = "cuda_headers")
 
 CubinInfo = _CubinInfo
 CubinSetInfo = _CubinSetInfo

@@ -43,7 +43,7 @@ def _is_toolkit(rctx, root):
 def _realpath(rctx, path):
     return _run(rctx, ["realpath", "-e", path]).strip()
 
-def detect_toolkit(rctx):
+def _detect_toolkit(rctx):
     """Finds the toolkit root. Returns struct(root, source, tried)."""
     tried = []
 
@@ -74,7 +74,7 @@ def detect_toolkit(rctx):
         "; ".join(tried),
     ))
 
-def detect_host_compiler(rctx):
+def _detect_host_compiler(rctx):
     """Finds the host compiler nvcc will run. Returns struct(name, binary)."""
     name = rctx.os.environ.get("CUBINSTORE_HOST_CC", "gcc")
     if "/" in name or not name:
@@ -89,8 +89,11 @@ def _sha256(rctx, path):
     return _run(rctx, ["sha256sum", path]).split(" ")[0]
 
 def _host_identity(rctx, host):
-    """The driver's version and digest, plus the digest of gcc's C++ front end (cc1plus),
-    which does the preprocessing nvcc asks for and is a separate binary."""
+    """The host compiler's identity: what can change its output but is not an input.
+
+    The driver's digest and version, plus the digest of gcc's C++ front end (cc1plus),
+    which does the preprocessing nvcc asks for and is a separate binary.
+    """
     lines = [
         "name: {}".format(host.name),
         "sha256: {}".format(_sha256(rctx, host.binary)),
@@ -103,8 +106,8 @@ def _host_identity(rctx, host):
     return "\n".join(lines)
 
 def _cuda_toolkit_impl(rctx):
-    toolkit = detect_toolkit(rctx)
-    host = detect_host_compiler(rctx)
+    toolkit = _detect_toolkit(rctx)
+    host = _detect_host_compiler(rctx)
     for f in _TOOL_FILES:
         if rctx.path(toolkit.root + "/" + f).exists:
             rctx.symlink(toolkit.root + "/" + f, f)

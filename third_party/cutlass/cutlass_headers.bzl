@@ -10,18 +10,6 @@ headers gives the same action keys.
 
 _EXPECTED_VERSION = (4, 2)
 
-def _run(rctx, argv):
-    """Runs one external command; fails with the command, exit code and output."""
-    result = rctx.execute(argv)
-    if result.return_code != 0:
-        fail("cutlass_headers: command {} exited with {}:\n{}{}".format(
-            argv,
-            result.return_code,
-            result.stdout,
-            result.stderr,
-        ))
-    return result.stdout
-
 _FIND_WHEEL = """
 import importlib.util, os, sys
 spec = importlib.util.find_spec("cutlass_library")
@@ -33,7 +21,7 @@ print(os.path.join(list(spec.submodule_search_locations)[0], "source", "include"
 def _has_headers(rctx, path):
     return rctx.path(path + "/cute/tensor.hpp").exists and rctx.path(path + "/cutlass/version.h").exists
 
-def detect_include_dir(rctx):
+def _detect_include_dir(rctx):
     """Finds the include directory. Returns struct(path, source, tried)."""
     tried = []
     explicit = rctx.os.environ.get("CUBINSTORE_CUTLASS_INCLUDE", "")
@@ -77,7 +65,7 @@ def _check_version(rctx, include_dir):
         ))
 
 def _cutlass_headers_impl(rctx):
-    found = detect_include_dir(rctx)
+    found = _detect_include_dir(rctx)
     _check_version(rctx, found.path)
     rctx.symlink(found.path, "include")
     rctx.file("WORKSPACE", "workspace(name = {})\n".format(repr(rctx.name)))

@@ -13,13 +13,23 @@ PARAM_TYPES = {
 }
 
 def check_arch(label, arch):
-    """Fails unless `arch` is `sm_<major><minor>` with an optional `a` suffix."""
+    """Fails unless `arch` is `sm_<major><minor>` with an optional `a` suffix.
+
+    Args:
+      label: the target, for the error message.
+      arch: the value of its `arch` attribute.
+    """
     digits = arch[3:-1] if arch.endswith("a") else arch[3:]
     if not arch.startswith("sm_") or len(digits) < 2 or not digits.isdigit():
         fail("{}: attribute 'arch' must look like 'sm_80' or 'sm_90a', got '{}'".format(label, arch))
 
 def check_entries(label, entries):
-    """Fails unless every entry is a C identifier with known parameter types."""
+    """Fails unless every entry is a C identifier with known parameter types.
+
+    Args:
+      label: the target, for the error message.
+      entries: the value of its `entries` attribute.
+    """
     if not entries:
         fail("{}: attribute 'entries' must name at least one entry symbol".format(label))
     for name, types in entries.items():

@@ -38,6 +38,6 @@ cubin_manifest = rule(
     attrs = {
         "families": attr.label_list(providers = [CubinSetInfo], mandatory = True, doc = "cubin_family targets."),
         "out": attr.string(doc = "Output file name; default manifest.json."),
-        "_tool": attr.label(default = "//tools:manifest_tool.py", executable = True, allow_single_file = True, cfg = "host"),
+        "_tool": attr.label(default = "//tools:manifest_tool.py", executable = True, allow_single_file = True, cfg = "exec"),
     },
 )

@@ -78,7 +78,7 @@ cuda_cubin = rule(
         "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
         "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
         "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
-        "_nvcc": attr.label(default = "@local_cuda//:bin/nvcc", executable = True, allow_single_file = True, cfg = "host"),
+        "_nvcc": attr.label(default = "@local_cuda//:bin/nvcc", executable = True, allow_single_file = True, cfg = "exec"),
         "_toolkit": attr.label(default = "@local_cuda//:compiler_files"),
         "_host_compiler_id": attr.label(default = "@local_cuda//:host_compiler.id", allow_single_file = True),
     },
