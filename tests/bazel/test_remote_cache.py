@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+import cubinstore
+from cubinstore import Manifest, Store
+
 from ._servers import BuildGridCache, NginxCache
 from ._workspace import ALL_TARGETS, MANIFEST, BuildResult, Workspace, find_bgd, find_nginx
 from .conftest import Checkouts, unavailable
@@ -91,6 +94,22 @@ def test_production_checkout_takes_every_action_from_the_http_cache(
 
     _assert_all_remote_hits(production, http_ci)
     assert http_cache.requests("PUT") == puts, "--config=readonly uploaded to the cache"
+
+
+def test_runtime_fetches_the_release_by_digest_from_the_cache_ci_filled(
+        http_ci: BuildResult, http_cache: NginxCache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Production: only the manifest's digest and the cache URL; every byte verified on the way in.
+    home = tmp_path / "home"
+    monkeypatch.setenv("CUBINSTORE_HOME", str(home))
+    monkeypatch.setenv("CUBINSTORE_REMOTE", http_cache.url)
+    release = "sha256:" + hashlib.sha256(http_ci.manifest or b"").hexdigest()
+    library = cubinstore.open(release)
+    assert library.manifest.raw == http_ci.manifest
+    store = Store.from_env()
+    for spec in Manifest.from_digest(release, store).kernels:
+        data = store.get(spec.digest, spec.size, name=spec.id)
+        assert hashlib.sha256(data).hexdigest() == spec.digest.hex
+        assert (home / "v1" / "cas" / spec.digest.hex[:2] / spec.digest.hex).read_bytes() == data
 
 
 # -- BuildGrid (gRPC) -----------------------------------------------------------------------------------
