@@ -90,6 +90,16 @@ def test_gemm_refuses_cpu_torch_tensors_before_any_cuda_call() -> None:
         ops.gemm(a, a)
 
 
+def write_gemm_manifest(path: Path, cfg: G.GemmConfig, digest: str) -> Path:
+    """A one-kernel manifest for `cfg`, written to `path` (the blob itself need not exist)."""
+    target = "//kernels/gemm:" + cfg.kernel_id.removesuffix("/sm_90a").replace("/", "_") + "_sm_90a"
+    path.write_bytes(Manifest.build([{
+        "id": cfg.kernel_id, "family": "gemm", "params": cfg.params, "arch": "sm_90a",
+        "digest": digest, "size": 4096, "entries": {G.ENTRY: list(G.ENTRY_TYPES)}, "target": target,
+    }]).raw)
+    return path
+
+
 def test_without_a_library_the_error_says_how_to_set_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBINSTORE_MANIFEST", raising=False)
     ops.set_library(None)
@@ -100,12 +110,7 @@ def test_without_a_library_the_error_says_how_to_set_one(monkeypatch: pytest.Mon
 def test_the_default_library_comes_from_cubinstore_manifest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = G.GemmConfig(128, 256, 64, 4, 1)
-    path = tmp_path / "manifest.json"
-    path.write_bytes(Manifest.build([{
-        "id": cfg.kernel_id, "family": "gemm", "params": cfg.params, "arch": "sm_90a",
-        "digest": "sha256:" + "cd" * 32, "size": 4096, "entries": {G.ENTRY: list(G.ENTRY_TYPES)},
-        "target": "//kernels/gemm:gemm_bm128_bn256_bk64_stages4_cluster1_sm_90a",
-    }]).raw)
+    path = write_gemm_manifest(tmp_path / "manifest.json", cfg, "sha256:" + "cd" * 32)
     monkeypatch.setenv("CUBINSTORE_MANIFEST", str(path))
     ops.set_library(None)
     try:
@@ -123,12 +128,7 @@ def test_a_missing_default_manifest_is_a_typed_error(tmp_path: Path, monkeypatch
 
 def test_set_library_accepts_a_manifest_path_without_touching_cuda(tmp_path: Path) -> None:
     cfg = G.GemmConfig(128, 256, 64, 4, 2)
-    path = tmp_path / "manifest.json"
-    path.write_bytes(Manifest.build([{
-        "id": cfg.kernel_id, "family": "gemm", "params": cfg.params, "arch": "sm_90a",
-        "digest": "sha256:" + "ab" * 32, "size": 4096, "entries": {G.ENTRY: list(G.ENTRY_TYPES)},
-        "target": "//kernels/gemm:gemm_bm128_bn256_bk64_stages4_cluster2_sm_90a",
-    }]).raw)
+    path = write_gemm_manifest(tmp_path / "manifest.json", cfg, "sha256:" + "ab" * 32)
     try:
         ops.set_library(path)
         assert ops.get_library().manifest.by_id(cfg.kernel_id).params["cluster"] == 2

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 import cubinstore
-from cubinstore import Manifest, Store
 
 from ._servers import BuildGridCache, NginxCache
 from ._workspace import ALL_TARGETS, MANIFEST, BuildResult, Workspace, find_bgd, find_nginx
@@ -105,9 +104,8 @@ def test_runtime_fetches_the_release_by_digest_from_the_cache_ci_filled(
     release = "sha256:" + hashlib.sha256(http_ci.manifest or b"").hexdigest()
     library = cubinstore.open(release)
     assert library.manifest.raw == http_ci.manifest
-    store = Store.from_env()
-    for spec in Manifest.from_digest(release, store).kernels:
-        data = store.get(spec.digest, spec.size, name=spec.id)
+    for spec in library.manifest.kernels:
+        data = library.store.get(spec.digest, spec.size, name=spec.id)
         assert hashlib.sha256(data).hexdigest() == spec.digest.hex
         assert (home / "v1" / "cas" / spec.digest.hex[:2] / spec.digest.hex).read_bytes() == data
 
