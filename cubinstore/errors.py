@@ -10,6 +10,7 @@ __all__ = [
     "BadArgumentError",
     "BundleError",
     "CubinstoreError",
+    "CubinFormatError",
     "CudaError",
     "IncompatibleArchError",
     "IntegrityError",
@@ -69,6 +70,10 @@ class BundleError(CubinstoreError):
 
 class ParamLayoutError(ManifestError):
     """The manifest's declared parameter types do not match the CUBIN's real parameter layout."""
+
+
+class CubinFormatError(ManifestError):
+    """Bytes a manifest names as a CUBIN are not a well-formed CUDA ELF file."""
 
 
 class CudaError(CubinstoreError):
