@@ -12,6 +12,7 @@ __all__ = [
     "CubinstoreError",
     "CubinFormatError",
     "CudaError",
+    "ExpiredReleaseError",
     "IncompatibleArchError",
     "IntegrityError",
     "KernelNotFoundError",
@@ -20,7 +21,10 @@ __all__ = [
     "MissingBlobError",
     "ParamLayoutError",
     "RemoteUnavailableError",
+    "RollbackError",
     "StoreError",
+    "TrustError",
+    "UnsafeStoreError",
 ]
 
 
@@ -78,3 +82,21 @@ class CubinFormatError(ManifestError):
 
 class CudaError(CubinstoreError):
     """The CUDA driver refused a call (or is missing); the message names the call and its subject."""
+
+
+class UnsafeStoreError(StoreError):
+    """The local store's directories would let another user redirect or delete entries (a link
+    inside the store, or a directory writable by others); nothing was written."""
+
+
+class TrustError(CubinstoreError):
+    """A signed release record could not be trusted: bad or unknown signature, revoked key,
+    wrong channel, malformed record or trust policy."""
+
+
+class RollbackError(TrustError):
+    """A validly signed release record is older than one this host already accepted."""
+
+
+class ExpiredReleaseError(TrustError):
+    """A validly signed release record has passed its expiry (a frozen or stale channel)."""
