@@ -357,6 +357,11 @@ def _encode(args: TiledArgs, device: int | None) -> TensorMap:
 
     drv = _cuda.driver()
     where = "" if device is None else f" on device {device}"
+    strides = list(args.global_strides)
+    if not strides:
+        # Rank 1 has no strides, but cuda.bindings turns an empty list into NULL; hand
+        # the driver one (unread) entry, as C callers of a 1-D map do.
+        strides = [-(-args.global_dim[0] * _BY_NAME[args.dtype].size // 16) * 16]
     tmap = _cuda.check(
         drv.cuTensorMapEncodeTiled(
             getattr(drv.CUtensorMapDataType, args.data_type),
@@ -364,7 +369,7 @@ def _encode(args: TiledArgs, device: int | None) -> TensorMap:
             args.address,
             # cuda.bindings takes its own fixed-width integer wrappers here, not ints.
             [drv.cuuint64_t(d) for d in args.global_dim],
-            [drv.cuuint64_t(s) for s in args.global_strides],
+            [drv.cuuint64_t(s) for s in strides],
             [drv.cuuint32_t(b) for b in args.box_dim],
             [drv.cuuint32_t(e) for e in args.element_strides],
             getattr(drv.CUtensorMapInterleave, args.interleave),
