@@ -302,7 +302,9 @@ def check_tiled(
     for i in range(inner):
         number = _int(raw_strides[i])
         if number is None or number < 1:
-            raise BadArgumentError(f"tensor map strides[{i}]: expected a positive int (elements), got {raw_strides[i]!r}")
+            raise BadArgumentError(
+                f"tensor map strides[{i}]: expected a positive int (elements), got {raw_strides[i]!r}"
+            )
         nbytes = number * kind.size
         if nbytes % align or nbytes >= _MAX_STRIDE:
             raise BadArgumentError(

@@ -55,7 +55,8 @@ RULES = [
     ("innermost stride is 1", {"strides": (8192, 128, 1)}, {"strides": (8192, 128, 2)},
      r"tensor map strides\[2\]: expected 1 \(the innermost dimension must be dense\), got 2$"),
     ("strides are multiples of 16 bytes", {"strides": (64 * 136, 136, 1)}, {"strides": (64 * 132, 132, 1)},
-     r"tensor map strides\[1\]: expected a multiple of 16 bytes below 2\*\*40, got 132 elements \(264 bytes of bf16\)$"),
+     r"tensor map strides\[1\]: expected a multiple of 16 bytes below 2\*\*40, got 132 elements "
+     r"\(264 bytes of bf16\)$"),
     ("strides below 2**40 bytes", {"strides": (2**39 - 8, 128, 1)}, {"strides": (2**39, 128, 1)},
      r"tensor map strides\[0\]: expected a multiple of 16 bytes below 2\*\*40, got 549755813888 elements "
      r"\(1099511627776 bytes of bf16\)$"),
@@ -71,7 +72,8 @@ RULES = [
      r"tensor map box: expected 3 entries \(one per dimension of shape\), got 2$"),
     ("inner box spans a multiple of 16 bytes", {"box": (1, 32, 8), "swizzle": "none"},
      {"box": (1, 32, 4), "swizzle": "none"},
-     r"tensor map box\[2\]: expected the innermost box edge to be a multiple of 16 bytes, got 4 bf16 elements \(8 bytes\)$"),
+     r"tensor map box\[2\]: expected the innermost box edge to be a multiple of 16 bytes, "
+     r"got 4 bf16 elements \(8 bytes\)$"),
     ("inner box within the 128B swizzle span", {"box": (1, 32, 64)}, {"box": (1, 32, 128)},
      r"tensor map box\[2\]: expected at most 128 bytes \(the 128B swizzle span\) in the innermost box edge, "
      r"got 128 bf16 elements \(256 bytes\)$"),
@@ -117,15 +119,19 @@ INTERLEAVED_RULES = [
     ("32B interleave needs a 32-byte aligned address", {"address": 0x10020}, {"address": 0x10010},
      r"tensor map address: expected a multiple of 32 bytes, got 0x10010$"),
     ("32B interleave needs 32-byte strides", {"strides": (64 * 144, 144, 1)}, {"strides": (64 * 136, 136, 1)},
-     r"tensor map strides\[1\]: expected a multiple of 32 bytes below 2\*\*40, got 136 elements \(272 bytes of bf16\)$"),
+     r"tensor map strides\[1\]: expected a multiple of 32 bytes below 2\*\*40, got 136 elements "
+     r"\(272 bytes of bf16\)$"),
     ("32B interleave needs the 32B swizzle", {"swizzle": "32B"}, {"swizzle": "128B"},
      r"tensor map swizzle: expected '32B' with interleave '32B', got '128B'$"),
 ]
 
 
-@pytest.mark.parametrize(("base", "ok", "bad", "message"),
-                         [pytest.param(BASE, ok, bad, msg, id=rule) for rule, ok, bad, msg in RULES]
-                         + [pytest.param(INTERLEAVED, ok, bad, msg, id=rule) for rule, ok, bad, msg in INTERLEAVED_RULES])
+_CASES = [pytest.param(BASE, ok, bad, msg, id=rule) for rule, ok, bad, msg in RULES] + [
+    pytest.param(INTERLEAVED, ok, bad, msg, id=rule) for rule, ok, bad, msg in INTERLEAVED_RULES
+]
+
+
+@pytest.mark.parametrize(("base", "ok", "bad", "message"), _CASES)
 def test_each_rule_accepts_one_case_and_refuses_the_other_before_the_driver(
     base: dict[str, Any], ok: dict[str, Any], bad: dict[str, Any], message: str
 ) -> None:
