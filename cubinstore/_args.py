@@ -16,35 +16,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from cubinstore import _abi
 from cubinstore.errors import BadArgumentError, ParamLayoutError
 
 
-# (size, alignment) of each manifest parameter type in the device-side layout;
-# the same rules a C compiler applies to the kernel's parameter list.
-_SIZE_ALIGN: Final[dict[str, tuple[int, int]]] = {
-    "i32": (4, 4),
-    "u32": (4, 4),
-    "f32": (4, 4),
-    "i64": (8, 8),
-    "u64": (8, 8),
-    "f64": (8, 8),
-    "ptr": (8, 8),
-    "tensormap": (128, 64),  # CUtensorMap: 128 bytes, alignas(64)
-}
-PARAM_TYPES: Final[frozenset[str]] = frozenset(_SIZE_ALIGN)
+PARAM_TYPES: Final[frozenset[str]] = frozenset(_abi.SCALAR_TYPES)
 TENSORMAP_BYTES: Final = 128
 
 _INT_RANGE: Final[dict[str, tuple[int, int]]] = {
+    "i8": (-(2**7), 2**7 - 1),
+    "u8": (0, 2**8 - 1),
+    "i16": (-(2**15), 2**15 - 1),
+    "u16": (0, 2**16 - 1),
     "i32": (-(2**31), 2**31 - 1),
     "u32": (0, 2**32 - 1),
     "i64": (-(2**63), 2**63 - 1),
     "u64": (0, 2**64 - 1),
 }
 _STRUCT: Final[dict[str, str]] = {
+    "i8": "<b",
+    "u8": "<B",
+    "i16": "<h",
+    "u16": "<H",
     "i32": "<i",
     "u32": "<I",
     "i64": "<q",
     "u64": "<Q",
+    "f16": "<e",
     "f32": "<f",
     "f64": "<d",
     "ptr": "<Q",
@@ -59,27 +57,29 @@ _KDL_NAMES: Final[dict[int, str]] = {1: "cpu", 2: "cuda", 3: "cuda_host", 13: "c
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives in the device-side parameter buffer."""
+    """Where one parameter lives in the kernel's parameter space (offset from the bank's start)."""
 
     offset: int
     size: int
 
 
-def expected_layout(kernel_id: str, entry: str, types: Sequence[str]) -> tuple[ParamSlot, ...]:
-    """The layout the declared types imply: each parameter at its natural alignment."""
-    slots: list[ParamSlot] = []
-    offset = 0
+def _types(kernel_id: str, entry: str, types: Sequence[str]) -> list[_abi.ParamType]:
+    parsed = []
     for index, name in enumerate(types):
-        if name not in _SIZE_ALIGN:
-            raise BadArgumentError(
-                f"kernel {kernel_id!r} entry {entry!r} parameter {index}: "
-                f"unknown parameter type {name!r}, expected one of {sorted(PARAM_TYPES)}"
-            )
-        size, align = _SIZE_ALIGN[name]
-        offset += -offset % align
-        slots.append(ParamSlot(offset, size))
-        offset += size
-    return tuple(slots)
+        try:
+            parsed.append(_abi.param_type(name))
+        except BadArgumentError as exc:
+            raise BadArgumentError(f"kernel {kernel_id!r} entry {entry!r} parameter {index}: {exc}") from None
+    return parsed
+
+
+def expected_layout(
+    kernel_id: str, entry: str, types: Sequence[str], arch: str | _abi.Arch
+) -> tuple[ParamSlot, ...]:
+    """The layout the compiler gives the declared types on ``arch`` (``cubinstore._abi``'s rule)."""
+    parsed = _types(kernel_id, entry, types)
+    offsets = _abi.param_layout(parsed, arch if isinstance(arch, _abi.Arch) else _abi.Arch.parse(arch))
+    return tuple(ParamSlot(o, t.size) for o, t in zip(offsets, parsed))
 
 
 def check_layout(
@@ -87,30 +87,31 @@ def check_layout(
     entry: str,
     types: Sequence[str],
     actual: Sequence[tuple[int, int]],
+    arch: str | _abi.Arch,
+    offsets: Sequence[int] | None = None,
 ) -> tuple[ParamSlot, ...]:
-    """Compare the declared types with the CUBIN's real (offset, size) list.
+    """Compare the declared parameters with the CUBIN's real (offset, size) list.
 
-    `actual` comes from `cuFuncGetParamInfo`. Its offsets count from where the
-    parameter block sits in the device's parameter space, which need not be 0:
-    a block holding a 64-byte aligned CUtensorMap starts at 112 on sm_90 (seen on
-    an H200), so offsets are compared relative to the first parameter's. Layout
-    cannot tell i32 from f32 or ptr from i64 (same size and alignment); it does
-    catch a wrong count, a 4-byte type declared where the kernel takes 8, and a
-    misplaced tensormap.
+    ``actual`` comes from ``cuFuncGetParamInfo`` (the driver reads the CUBIN's .nv.info);
+    ``offsets`` are the manifest's, which the build checked against the same CUBIN, else the
+    ABI rule's. Layout cannot tell i32 from f32 or ptr from i64 (same size and alignment); it
+    does catch a wrong count, a wrong size, and a parameter the compiler placed elsewhere.
     """
-    expected = expected_layout(kernel_id, entry, types)
+    parsed = _types(kernel_id, entry, types)
+    if offsets is None:
+        offsets = _abi.param_layout(parsed, arch if isinstance(arch, _abi.Arch) else _abi.Arch.parse(arch))
+    expected = tuple(ParamSlot(o, t.size) for o, t in zip(offsets, parsed))
     if len(actual) != len(expected):
         raise ParamLayoutError(
             f"kernel {kernel_id!r} entry {entry!r}: manifest declares {len(expected)} parameters "
             f"({', '.join(types)}), the CUBIN's function takes {len(actual)}"
         )
-    base = actual[0][0] if actual else 0
     for index, (slot, (offset, size), name) in enumerate(zip(expected, actual, types)):
-        if slot.offset != offset - base or slot.size != size:
+        if slot.offset != offset or slot.size != size:
             raise ParamLayoutError(
                 f"kernel {kernel_id!r} entry {entry!r} parameter {index}: manifest declares {name} "
                 f"({slot.size} bytes at offset {slot.offset}), the CUBIN's function has "
-                f"{size} bytes at offset {offset - base}"
+                f"{size} bytes at offset {offset}"
             )
     return expected
 
@@ -152,27 +153,29 @@ def pack_args(
     `device` is the ordinal the kernel is loaded on; device memory handed in
     as `ptr` must live there. `pointer_device` answers the device of a raw
     pointer taken from a `__cuda_array_interface__` object that names none.
+    The driver copies each value from its `kernelParams` pointer to the offset
+    the CUBIN gives it, so this host buffer only needs natural alignment.
     """
     if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
         raise BadArgumentError(
             f"kernel {kernel_id!r} entry {entry!r}: expected args as a list or tuple, got {_type_name(args)}"
         )
     types = tuple(types)
-    offsets, total = _plan(types) if PARAM_TYPES.issuperset(types) else _plan_or_raise(kernel_id, entry, types)
+    offsets, sizes, total = _plan(kernel_id, entry, types)
     if len(args) != len(types):
         raise BadArgumentError(
             f"kernel {kernel_id!r} entry {entry!r}: expected {len(types)} arguments "
             f"({', '.join(types)}), got {len(args)}"
         )
-    # Over-allocate so the base can sit on a 64-byte boundary, as a tensormap needs.
-    buffer = (ctypes.c_ubyte * (total + 64))()
+    # Over-allocate so the base can sit on a 128-byte boundary, as a tensormap prefers.
+    buffer = (ctypes.c_ubyte * (total + 128))()
     address = ctypes.addressof(buffer)
-    shift = -address % 64
+    shift = -address % 128
     view = memoryview(buffer).cast("B")
     keepalive: list[Any] = []
     torch_tensor: Any | None = None
     cupy_array: Any | None = None
-    for index, (name, offset, value) in enumerate(zip(types, offsets, args)):
+    for index, (name, offset, size, value) in enumerate(zip(types, offsets, sizes, args)):
         at = shift + offset
         if name == "ptr":
             raw, kind, extra = _pointer(_Where(kernel_id, entry, index), value, device, pointer_device)
@@ -188,8 +191,10 @@ def pack_args(
             view[at : at + TENSORMAP_BYTES] = _tensormap(_Where(kernel_id, entry, index), value)
         elif name in _INT_RANGE:
             struct.pack_into(_STRUCT[name], view, at, _integer(_Where(kernel_id, entry, index), name, value))
+        elif name.startswith("struct:"):
+            view[at : at + size] = _struct_bytes(_Where(kernel_id, entry, index), name, size, value)
         else:
-            view[at : at + _SIZE_ALIGN[name][0]] = _floating(_Where(kernel_id, entry, index), name, value)
+            view[at : at + size] = _floating(_Where(kernel_id, entry, index), name, value)
     view.release()
     pointers = None
     if offsets:
@@ -198,16 +203,18 @@ def pack_args(
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(types: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
-    """(offsets, total bytes) of a parameter list of known types; cached, as launches repeat."""
-    slots = expected_layout("", "", types)
-    total = slots[-1].offset + slots[-1].size if slots else 0
-    return tuple(s.offset for s in slots), total
+def _plan(kernel_id: str, entry: str, types: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(host offsets, sizes, total bytes) of a parameter list; cached, as launches repeat.
 
-
-def _plan_or_raise(kernel_id: str, entry: str, types: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
-    expected_layout(kernel_id, entry, types)  # raises, naming the unknown type
-    raise AssertionError("unreachable: an unknown type was not reported")
+    An unknown type raises here, naming the kernel, entry and parameter (errors are not cached).
+    """
+    parsed = _types(kernel_id, entry, types)
+    offsets, cursor = [], 0
+    for t in parsed:
+        cursor += -cursor % t.align
+        offsets.append(cursor)
+        cursor += t.size
+    return tuple(offsets), tuple(t.size for t in parsed), cursor
 
 
 class _Where:
@@ -245,11 +252,40 @@ def _floating(where: _Where, name: str, value: Any) -> bytes:
     if isinstance(value, bool) or not _is_real(value):
         raise BadArgumentError(f"{where}: expected {name}, got {_type_name(value)}")
     number = float(value)
+    if name == "bf16":
+        return _bf16_bytes(where, number)
     try:
         return struct.pack(_STRUCT[name], number)
     except OverflowError:
         # struct refuses finite doubles beyond float32's range rather than round to inf.
         raise BadArgumentError(f"{where}: expected {name}, got {number!r}, out of range for {name}") from None
+
+
+def _bf16_bytes(where: _Where, number: float) -> bytes:
+    """The bfloat16 nearest ``number`` (round to nearest even), as the device stores it."""
+    try:
+        (bits,) = struct.unpack("<I", struct.pack("<f", number))
+    except OverflowError:
+        raise BadArgumentError(f"{where}: expected bf16, got {number!r}, out of range for bf16") from None
+    if number != number:  # NaN: keep it a quiet NaN
+        return struct.pack("<H", 0x7FC0)
+    bits += 0x7FFF + ((bits >> 16) & 1)
+    if (bits >> 16) & 0x7FFF == 0x7F80 and abs(number) != float("inf"):
+        raise BadArgumentError(f"{where}: expected bf16, got {number!r}, out of range for bf16")
+    return struct.pack("<H", (bits >> 16) & 0xFFFF)
+
+
+def _struct_bytes(where: _Where, name: str, size: int, value: Any) -> bytes:
+    """A struct passed by value: ``size`` bytes, or a ctypes structure of that size."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    elif isinstance(value, (ctypes.Structure, ctypes.Union, ctypes.Array)):
+        data = ctypes.string_at(ctypes.addressof(value), ctypes.sizeof(value))
+    else:
+        raise BadArgumentError(f"{where}: expected {name} as bytes or a ctypes structure, got {_type_name(value)}")
+    if len(data) != size:
+        raise BadArgumentError(f"{where}: expected {name} of {size} bytes, got {_type_name(value)} of {len(data)} bytes")
+    return data
 
 
 def _is_real(value: Any) -> bool:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import struct
 import threading
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any, Final
+from typing import Any
 
 from cubinstore.errors import CudaError
 
@@ -25,11 +24,6 @@ _driver: ModuleType | None = None
 _init_error: str | None = None
 _primary: dict[int, int] = {}  # device ordinal -> retained primary context handle
 
-# ELF facts about CUBINs, from the files nvcc 12.x/13.x writes (ABI version 8).
-_ELF_MAGIC: Final = b"\x7fELF"
-_ELFCLASS64: Final = 2
-_EM_CUDA: Final = 190
-_CUDA_ELF_ABI_V8: Final = 8
 
 
 def driver() -> ModuleType:
@@ -121,6 +115,18 @@ def device_attribute(ordinal: int, name: str) -> int:
     return int(check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name}) on device {ordinal}"))
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(ordinal: int) -> int:
+    """The device's multiprocessor count, queried once per device."""
+    count = _sm_counts.get(ordinal)
+    if count is None:
+        count = device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+        _sm_counts[ordinal] = count
+    return count
+
+
 def compute_capability(ordinal: int) -> tuple[int, int]:
     return (
         device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
@@ -200,25 +206,6 @@ def function_attribute(func: int, name: str, what: str) -> int:
     drv = driver()
     attr = getattr(drv.CUfunction_attribute, name)
     return int(check(drv.cuFuncGetAttribute(attr, drv.CUfunction(func)), f"cuFuncGetAttribute({name}) for {what}"))
-
-
-def cubin_sm(data: bytes) -> int | None:
-    """The SM number a CUBIN was built for, read from its ELF header.
-
-    Returns None for an ELF ABI version whose flag layout is not known here.
-    Raises ValueError when the bytes are not a 64-bit CUDA ELF at all.
-    """
-    if len(data) < 64 or data[:4] != _ELF_MAGIC:
-        raise ValueError("not an ELF file (bad magic)")
-    if data[4] != _ELFCLASS64:
-        raise ValueError(f"expected a 64-bit ELF, got ELF class {data[4]}")
-    (machine,) = struct.unpack_from("<H", data, 0x12)
-    if machine != _EM_CUDA:
-        raise ValueError(f"expected ELF machine {_EM_CUDA} (CUDA), got {machine}")
-    if data[8] != _CUDA_ELF_ABI_V8:
-        return None
-    (flags,) = struct.unpack_from("<I", data, 0x30)
-    return (flags >> 8) & 0xFF
 
 
 def versions() -> dict[str, str]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore import _cuda
+from cubinstore import _abi, _cuda
 from cubinstore._args import ParamSlot, check_layout, pack_args
 from cubinstore._digest import Digest, show
 from cubinstore.errors import (
@@ -36,7 +36,7 @@ from cubinstore.errors import (
     KernelNotFoundError,
     ManifestError,
 )
-from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
+from cubinstore.manifest import KernelSpec, Manifest, arch_compatible
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
@@ -83,8 +83,8 @@ class _Function:
     lock: threading.Lock = field(default_factory=threading.Lock)
     dynamic_smem_limit: int = _DEFAULT_DYNAMIC_SMEM
     non_portable_cluster: bool = False
-    # (declared types) -> checked layout; one digest may be named by several manifests.
-    layouts: dict[tuple[str, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
+    # (declared types, offsets) -> checked layout; one digest may be named by several manifests.
+    layouts: dict[tuple[Any, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,10 +150,10 @@ class Library:
         spec = self.manifest.select(id_or_family, cc, **params)
         module = _load(spec, ordinal, cc, self.store)
         functions: dict[str, _Function] = {}
-        for entry, types in spec.entries.items():
-            fn = module.functions[entry]
-            _check_function_layout(spec, entry, types, fn, ordinal)
-            functions[entry] = fn
+        for symbol in spec.entries:
+            fn = module.functions[symbol]
+            _check_function_layout(spec, symbol, fn, ordinal)
+            functions[symbol] = fn
         return Kernel(spec, ordinal, functions, module.load_seconds)
 
 
@@ -210,11 +210,8 @@ def _load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store) -> 
 
 def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
     """The bytes must be a CUDA ELF built for the SM the manifest names."""
-    try:
-        sm = _cuda.cubin_sm(data)
-    except ValueError as exc:
-        raise ManifestError(f"kernel {spec.id!r} ({spec.digest}) is not a CUBIN: {exc}") from None
-    major, minor, _ = parse_arch(spec.arch)
+    sm = _abi.CubinImage(data, f"kernel {spec.id!r} ({spec.digest})").sm
+    major, minor = _abi.Arch.parse(spec.arch).compute_capability
     if sm is not None and sm != major * 10 + minor:
         raise ManifestError(
             f"kernel {spec.id!r} ({spec.digest}): manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}"
@@ -251,16 +248,15 @@ def _param_info(fn: _Function, spec: KernelSpec, entry: str) -> list[tuple[int, 
     return out
 
 
-def _check_function_layout(
-    spec: KernelSpec, entry: str, types: Sequence[str], fn: _Function, ordinal: int
-) -> tuple[ParamSlot, ...]:
-    key = tuple(types)
+def _check_function_layout(spec: KernelSpec, symbol: str, fn: _Function, ordinal: int) -> tuple[ParamSlot, ...]:
+    entry = spec.entry_specs[symbol]
+    key = (entry.types, entry.offsets)
     with fn.lock:
         layout = fn.layouts.get(key)
         if layout is None:
             with _cuda.on_device(ordinal):
-                actual = _param_info(fn, spec, entry)
-            layout = check_layout(spec.id, entry, key, actual)
+                actual = _param_info(fn, spec, symbol)
+            layout = check_layout(spec.id, entry.name, entry.types, actual, spec.arch, entry.offsets)
             fn.layouts[key] = layout
         return layout
 
@@ -307,28 +303,43 @@ class Kernel:
         self,
         entry: str,
         *,
-        grid: int | Sequence[int],
-        block: int | Sequence[int],
         args: Sequence[Any],
-        shared_mem: int = 0,
+        grid: int | Sequence[int] | None = None,
+        block: int | Sequence[int] | None = None,
+        shared_mem: int | None = None,
         cluster: int | Sequence[int] | None = None,
         stream: Any = None,
+        pdl: bool = False,
     ) -> None:
-        """Launch `entry` asynchronously on `stream`.
+        """Launch `entry` (its symbol or readable name) asynchronously on `stream`.
 
-        `grid` counts blocks (with a cluster too); `shared_mem` is dynamic shared memory
-        in bytes. `stream` is a raw handle, a torch/CuPy stream or any `__cuda_stream__`
-        object; None means torch's current stream when an argument is a torch tensor
-        (CuPy's for a CuPy array), else the legacy default stream.
+        Geometry the caller leaves out comes from the manifest's launch geometry for the
+        entry (block, dynamic shared memory, cluster, and the grid rule evaluated over the
+        integer `args` and the device's SM count). `grid` counts blocks (with a cluster too);
+        `shared_mem` is dynamic shared memory in bytes. `stream` is a raw handle, a
+        torch/CuPy stream or any `__cuda_stream__` object; None means torch's current stream
+        when torch is imported (CuPy's for a CuPy array argument when torch is not), else the
+        legacy default stream. `pdl` sets programmatic stream serialization, so the kernel
+        may start before the previous one on the stream ends (it must call
+        `cudaGridDependencySynchronize` before reading that kernel's output).
         """
         spec = self._spec
         name = f"{spec.id!r} entry {entry!r}"
-        fn = self._functions.get(entry)
-        if fn is None:
-            raise KernelNotFoundError(
-                f"kernel {spec.id!r} has no entry {entry!r}; entries: {', '.join(spec.entries)}"
-            )
-        types = spec.entries[entry]
+        info = spec.entry(entry)
+        fn = self._functions[info.symbol]
+        geometry = info.launch
+        if block is None:
+            if geometry is None:
+                raise BadArgumentError(f"kernel {name}: pass block=, the manifest declares no launch geometry for it")
+            block = geometry.block
+        if grid is None:
+            grid = None if geometry is None else geometry.grid_for(args, self._sm_count_for_rule(geometry))
+            if grid is None:
+                raise BadArgumentError(f"kernel {name}: pass grid=, the manifest declares no grid rule for it")
+        if shared_mem is None:
+            shared_mem = 0 if geometry is None else geometry.shared_mem
+        if cluster is None and geometry is not None:
+            cluster = geometry.cluster
         grid3 = _dims(name, "grid", grid)
         block3 = _dims(name, "block", block, limit=1024)
         cluster3 = None if cluster is None else _dims(name, "cluster", cluster)
@@ -340,32 +351,42 @@ class Kernel:
             )
         drv = _cuda.driver()
         with _cuda.on_device(self._device):
-            packed = pack_args(spec.id, entry, types, args, device=self._device, pointer_device=_cuda.pointer_device)
+            packed = pack_args(spec.id, info.name, info.types, args, device=self._device, pointer_device=_cuda.pointer_device)
             if shared_mem > fn.dynamic_smem_limit:
-                self._raise_smem_limit(fn, entry, shared_mem)
+                self._raise_smem_limit(fn, info.name, shared_mem)
             if cluster3 is not None:
-                self._allow_cluster(fn, entry, cluster3)
+                self._allow_cluster(fn, info.name, cluster3)
             handle = _stream_handle(stream, packed, self._device, name)
             config = drv.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = grid3
             config.blockDimX, config.blockDimY, config.blockDimZ = block3
             config.sharedMemBytes = shared_mem
             config.hStream = drv.CUstream(handle)
+            attrs = []
             if cluster3 is not None:
                 attr = drv.CUlaunchAttribute()
                 attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
                 attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster3
-                config.attrs = [attr]
-                config.numAttrs = 1
-            else:
-                config.numAttrs = 0
+                attrs.append(attr)
+            if pdl:
+                attr = drv.CUlaunchAttribute()
+                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value.programmaticStreamSerializationAllowed = 1
+                attrs.append(attr)
+            config.attrs = attrs
+            config.numAttrs = len(attrs)
             _cuda.check(
                 drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0),
                 f"cuLaunchKernelEx of kernel {name} on device {self._device} "
-                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3})",
+                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3}, pdl {pdl})",
             )
         # The driver copied the parameters during the call; `packed` may go now.
         del packed
+
+    def _sm_count_for_rule(self, geometry: _abi.LaunchGeometry) -> int | None:
+        if geometry.grid is None or all(isinstance(g, int) for g in geometry.grid):
+            return None
+        return _cuda.sm_count(self._device)
 
     def _raise_smem_limit(self, fn: _Function, entry: str, shared_mem: int) -> None:
         drv = _cuda.driver()
@@ -414,8 +435,10 @@ class Kernel:
 def _stream_handle(stream: Any, packed: Any, device: int, name: str) -> int:
     """A raw CUstream handle for `stream` (see `Kernel.launch`)."""
     if stream is None:
-        if packed.torch_tensor is not None:
-            torch = sys.modules["torch"]  # a torch tensor exists, so torch is imported
+        # torch's current stream whenever torch is in the process, so a launch orders with
+        # torch's work (and CUDA-graph capture) even when no argument is a tensor.
+        torch = sys.modules.get("torch")
+        if torch is not None and (packed.torch_tensor is not None or packed.cupy_array is None):
             return int(torch.cuda.current_stream(device).cuda_stream)
         if packed.cupy_array is not None:
             cupy = sys.modules["cupy"]

@@ -1,7 +1,9 @@
-"""The kernel manifest (schema ``cubinstore/manifest/v1``): parsing, validation, lookup, arch selection.
+"""The kernel manifest (schemas ``cubinstore/manifest/v2``, and ``v1`` read only): parsing,
+validation, lookup, arch selection.
 
-A manifest is untrusted input until ``Manifest.from_bytes`` has validated every
-field; after that its ``KernelSpec`` values are frozen and safe to use.
+A manifest is untrusted input until ``Manifest.from_bytes`` has validated every field; after
+that its ``KernelSpec`` values are frozen and safe to use. The facts it is checked against
+(parameter types, the layout rule, the arch grammar, ids, limits) live in ``cubinstore._abi``.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from cubinstore import _abi
+from cubinstore._abi import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Arch, LaunchGeometry, dumps_canonical, kernel_id
 from cubinstore._digest import Digest, show
 from cubinstore.errors import (
     BadArgumentError,
@@ -32,6 +35,8 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "PARAM_TYPES",
     "SCHEMA",
+    "SCHEMA_V1",
+    "EntrySpec",
     "KernelSpec",
     "Manifest",
     "arch_compatible",
@@ -42,31 +47,30 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-SCHEMA = "cubinstore/manifest/v1"
-PARAM_TYPES = frozenset({"i32", "u32", "i64", "u64", "f32", "f64", "ptr", "tensormap"})
-# Bounds so a hostile manifest cannot make us allocate without limit.
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
-MAX_BLOB_SIZE = 1024 * 1024 * 1024
+SCHEMA = "cubinstore/manifest/v2"
+SCHEMA_V1 = "cubinstore/manifest/v1"
+_SCHEMAS = (SCHEMA, SCHEMA_V1)
+#: The scalar parameter type names (``struct:<size>:<align>`` is allowed too).
+PARAM_TYPES = frozenset(_abi.SCALAR_TYPES)
 
 _TOP_KEYS = frozenset({"schema", "kernels"})
 _KERNEL_KEYS = frozenset({"id", "family", "params", "arch", "digest", "size", "entries", "target"})
-_ARCH_RE = re.compile(r"sm_([1-9][0-9]{1,2})(a?)", re.ASCII)
+_ENTRY_KEYS = frozenset({"name", "params", "offsets", "launch"})
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # Family names and string parameter values become id segments: no '/', no spaces.
 _WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
 _LABEL_RE = re.compile(r"//[A-Za-z0-9_.+/-]*(?::[A-Za-z0-9_.+/=,@~-]+)?", re.ASCII)
+# A readable C++ name: printable ASCII, e.g. "ns::gemm<ns::bf16, 128, 256>".
+_READABLE_RE = re.compile(r"[ -~]{1,1024}", re.ASCII)
 
 ParamValue = str | int
 ComputeCapability = tuple[int, int]
 
 
 def parse_arch(arch: object) -> tuple[int, int, bool]:
-    """``"sm_90a"`` -> ``(9, 0, True)``; ``"sm_100"`` -> ``(10, 0, False)``."""
-    match = _ARCH_RE.fullmatch(arch) if isinstance(arch, str) else None
-    if match is None:
-        raise BadArgumentError(f"invalid arch {show(arch)}: expected 'sm_<major><minor>' with optional 'a', e.g. 'sm_90a'")
-    digits, specific = match.groups()
-    return int(digits[:-1]), int(digits[-1]), specific == "a"
+    """``"sm_90a"`` -> ``(9, 0, True)``: the arch grammar of ``cubinstore._abi.Arch``."""
+    parsed = Arch.parse(arch)
+    return parsed.major, parsed.minor, parsed.suffix == "a"
 
 
 def _check_cc(cc: object) -> ComputeCapability:
@@ -79,40 +83,42 @@ def _check_cc(cc: object) -> ComputeCapability:
     return cc
 
 
-def arch_compatible(arch: str, cc: ComputeCapability) -> bool:
+def arch_compatible(arch: str | Arch, cc: ComputeCapability) -> bool:
     """Whether a CUBIN built for ``arch`` loads on a GPU of compute capability ``cc``.
 
-    ``sm_XYa`` (arch-specific features, e.g. wgmma) runs only on X.Y exactly;
-    ``sm_XY`` runs on major X with minor >= Y. CUBINs never cross a major version.
+    ``sm_XYa`` runs only on X.Y exactly; ``sm_XYf`` and ``sm_XY`` on major X with minor >= Y.
+    CUBINs never cross a major version.
     """
-    major, minor, specific = parse_arch(arch)
-    cc = _check_cc(cc)
-    if specific:
-        return (major, minor) == cc
-    return major == cc[0] and cc[1] >= minor
+    parsed = arch if isinstance(arch, Arch) else Arch.parse(arch)
+    return parsed.runs_on(_check_cc(cc))
 
 
-def _render_param(key: str, value: ParamValue) -> str:
-    return value if isinstance(value, str) else f"{key}{value}"
+@dataclass(frozen=True)
+class EntrySpec:
+    """One kernel entry of a CUBIN: its symbol, readable name, parameter types and layout."""
 
+    symbol: str  # what the driver looks up (the mangled name, or an extern "C" name)
+    name: str  # the readable (demangled) name; the symbol itself for extern "C" entries
+    types: tuple[str, ...]
+    offsets: tuple[int, ...] | None  # None in v1 manifests: then the ABI rule gives them
+    launch: LaunchGeometry | None = None
 
-def kernel_id(family: str, params: Mapping[str, ParamValue], arch: str) -> str:
-    """``<family>/<param values in the mapping's (grid) order>/<arch>``; an int renders as ``<key><value>``."""
-    return "/".join([family, *(_render_param(k, v) for k, v in params.items()), arch])
-
-
-def dumps_canonical(doc: Mapping[str, Any]) -> bytes:
-    """Canonical manifest JSON: sorted keys, kernels sorted by id, compact separators, UTF-8, one newline."""
-    doc = dict(doc)
-    if isinstance(doc.get("kernels"), list):
-        doc["kernels"] = sorted(doc["kernels"], key=lambda k: str(k.get("id", "")) if isinstance(k, Mapping) else "")
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return text.encode("utf-8") + b"\n"
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "params": list(self.types)}
+        if self.offsets is not None:
+            out["offsets"] = list(self.offsets)
+        if self.launch is not None:
+            out["launch"] = self.launch.to_json()
+        return out
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries."""
+    """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries.
+
+    ``entries`` maps each entry symbol to its parameter types; ``entry_specs`` has the rest
+    (readable name, offsets, launch geometry); ``entry(name)`` resolves either name.
+    """
 
     id: str
     family: str
@@ -122,19 +128,25 @@ class KernelSpec:
     size: int
     entries: Mapping[str, tuple[str, ...]]
     target: str
+    entry_specs: Mapping[str, EntrySpec] = field(default_factory=dict, compare=False)
     _key: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a spec shared between threads cannot change under a loader.
+        specs = dict(self.entry_specs)
+        for symbol, types in self.entries.items():
+            specs.setdefault(symbol, EntrySpec(symbol, symbol, tuple(types), None, None))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
-        object.__setattr__(
-            self, "entries", MappingProxyType({k: tuple(v) for k, v in self.entries.items()})
-        )
+        object.__setattr__(self, "entries", MappingProxyType({s: e.types for s, e in specs.items()}))
+        object.__setattr__(self, "entry_specs", MappingProxyType(specs))
+        names = {e.name: e for e in specs.values()}
+        names.update(specs)
+        object.__setattr__(self, "_names", MappingProxyType(names))
         object.__setattr__(
             self,
             "_key",
             (self.id, self.family, tuple(sorted(self.params.items())), self.arch, self.digest, self.size,
-             tuple(sorted(self.entries.items())), self.target),
+             tuple(sorted((s, e.to_json().__repr__()) for s, e in specs.items())), self.target),
         )
 
     def __eq__(self, other: object) -> bool:
@@ -145,11 +157,25 @@ class KernelSpec:
 
     @property
     def compute_capability(self) -> ComputeCapability:
-        major, minor, _ = parse_arch(self.arch)
-        return major, minor
+        return Arch.parse(self.arch).compute_capability
+
+    def entry(self, name: str) -> EntrySpec:
+        """The entry whose symbol or readable name is ``name``."""
+        spec = self._names.get(name)  # type: ignore[attr-defined]
+        if spec is None:
+            readable = ", ".join(e.name for e in self.entry_specs.values())
+            raise KernelNotFoundError(f"kernel {self.id!r} has no entry {name!r}; entries: {readable}")
+        return spec
+
+    def _entry_json(self, entry: EntrySpec) -> dict[str, Any]:
+        out = entry.to_json()
+        if entry.offsets is None:  # read from a v1 manifest: v2 records the rule's offsets
+            types = [_abi.param_type(t) for t in entry.types]
+            out["offsets"] = list(_abi.param_layout(types, Arch.parse(self.arch)))
+        return out
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest JSON object of this kernel."""
+        """The manifest (v2) JSON object of this kernel."""
         return {
             "id": self.id,
             "family": self.family,
@@ -157,7 +183,7 @@ class KernelSpec:
             "arch": self.arch,
             "digest": str(self.digest),
             "size": self.size,
-            "entries": {k: list(v) for k, v in self.entries.items()},
+            "entries": {s: self._entry_json(e) for s, e in self.entry_specs.items()},
             "target": self.target,
         }
 
@@ -182,8 +208,9 @@ def _reject_constant(name: str) -> Any:
 class _Checker:
     """Builds ``invalid manifest <source>: <field>: expected X, got Y`` errors."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, schema: str = SCHEMA) -> None:
         self.source = source
+        self.schema = schema
 
     def fail(self, where: str, message: str) -> ManifestError:
         return ManifestError(f"invalid manifest {self.source}: {where}: {message}")
@@ -219,9 +246,9 @@ class _Checker:
 
         arch = obj["arch"]
         try:
-            parse_arch(arch)
+            Arch.parse(arch)
         except BadArgumentError:
-            raise self.fail(f"{where}.arch", f"expected 'sm_<digits>' with optional 'a' (e.g. 'sm_90a'), got {show(arch)}") from None
+            raise self.fail(f"{where}.arch", f"expected 'sm_<digits>' with optional 'a' or 'f' (e.g. 'sm_90a'), got {show(arch)}") from None
 
         if not isinstance(kid, str):
             raise self.fail(f"{where}.id", f"expected a string, got {show(kid)}")
@@ -244,19 +271,17 @@ class _Checker:
         entries = obj["entries"]
         if not isinstance(entries, dict) or not entries:
             raise self.fail(f"{where}.entries", f"expected a non-empty object of entry name -> parameter types, got {show(entries)}")
-        checked_entries: dict[str, tuple[str, ...]] = {}
-        for name, types in entries.items():
+        parsed_arch = Arch.parse(arch)
+        specs: dict[str, EntrySpec] = {}
+        names: dict[str, str] = {}
+        for name, value in entries.items():
             if not _IDENT_RE.fullmatch(name):
                 raise self.fail(f"{where}.entries", f"expected C identifiers as entry names, got {show(name)}")
-            if not isinstance(types, list):
-                raise self.fail(f"{where}.entries.{name}", f"expected a list of parameter types, got {show(types)}")
-            for pos, type_ in enumerate(types):
-                if not isinstance(type_, str) or type_ not in PARAM_TYPES:
-                    raise self.fail(
-                        f"{where}.entries.{name}[{pos}]",
-                        f"expected one of {' '.join(sorted(PARAM_TYPES))}, got {show(type_)}",
-                    )
-            checked_entries[name] = tuple(types)
+            entry = self._entry(f"{where}.entries.{name}", name, value, parsed_arch)
+            if entry.name in names and names[entry.name] != name:
+                raise self.fail(f"{where}.entries.{name}.name", f"{show(entry.name)} also names entry {show(names[entry.name])}")
+            names[entry.name] = name
+            specs[name] = entry
 
         target = obj["target"]
         if (
@@ -267,21 +292,130 @@ class _Checker:
             raise self.fail(f"{where}.target", f"expected a Bazel label like '//pkg:name', got {show(target)}")
 
         return KernelSpec(
-            id=kid, family=family, params=params, arch=arch, digest=digest,
-            size=size, entries=checked_entries, target=target,
+            id=kid, family=family, params=params, arch=arch, digest=digest, size=size,
+            entries={n: e.types for n, e in specs.items()}, target=target, entry_specs=specs,
         )
+
+    def _entry(self, where: str, symbol: str, value: object, arch: Arch) -> EntrySpec:
+        """One entry: a v1 list of types, or a v2 object with name, params, offsets, launch."""
+        if self.schema == SCHEMA_V1:
+            if not isinstance(value, list):
+                raise self.fail(where, f"expected a list of parameter types, got {show(value)}")
+            return EntrySpec(symbol, symbol, self._types(where, value), None, None)
+        if not isinstance(value, dict):
+            raise self.fail(where, f"expected an object with name, params and offsets, got {show(value)}")
+        unknown = sorted(set(value) - _ENTRY_KEYS)
+        if unknown:
+            raise self.fail(where, f"unknown key {show(unknown[0])}; allowed keys: {', '.join(sorted(_ENTRY_KEYS))}")
+        for key in ("name", "params", "offsets"):
+            if key not in value:
+                raise self.fail(where, f"missing key {show(key)}")
+        name = value["name"]
+        if not isinstance(name, str) or not _READABLE_RE.fullmatch(name):
+            raise self.fail(f"{where}.name", f"expected a readable name (printable ASCII, 1..1024), got {show(name)}")
+        if not isinstance(value["params"], list):
+            raise self.fail(f"{where}.params", f"expected a list of parameter types, got {show(value['params'])}")
+        types = self._types(f"{where}.params", value["params"])
+        offsets = value["offsets"]
+        if (not isinstance(offsets, list) or len(offsets) != len(types)
+                or any(isinstance(o, bool) or not isinstance(o, int) or o < 0 for o in offsets)):
+            raise self.fail(f"{where}.offsets", f"expected {len(types)} non-negative integers, got {show(offsets)}")
+        if arch.major in _abi.PARAM_BANK_OFFSET:
+            rule = _abi.param_layout([_abi.param_type(t) for t in types], arch)
+            if tuple(offsets) != rule:
+                raise self.fail(f"{where}.offsets", f"expected {list(rule)} (the layout {arch} gives these types), got {offsets}")
+        launch = None
+        if value.get("launch") is not None:
+            try:
+                launch = LaunchGeometry.from_json(value["launch"], f"{where}.launch")
+            except BadArgumentError as exc:
+                raise ManifestError(f"invalid manifest {self.source}: {exc}") from None
+        return EntrySpec(symbol, name, types, tuple(offsets), launch)
+
+    def _types(self, where: str, types: list[Any]) -> tuple[str, ...]:
+        if len(types) > _abi.MAX_PARAMS:
+            raise self.fail(where, f"expected at most {_abi.MAX_PARAMS} parameters, got {len(types)}")
+        for pos, type_ in enumerate(types):
+            try:
+                _abi.param_type(type_)
+            except BadArgumentError:
+                raise self.fail(f"{where}[{pos}]", f"expected one of {_abi.type_grammar()}, got {show(type_)}") from None
+        return tuple(types)
 
     def _check_id(self, where: str, kid: str, family: str, params: Mapping[str, ParamValue], arch: str) -> None:
         parts = kid.split("/")
-        expected = kernel_id(family, params, arch)
-        # Canonical JSON sorts params, so grid order is lost: compare the middle segments as a multiset.
+        rendered = sorted(_abi.render_param(k, v) for k, v in params.items())
         if (
             len(parts) != len(params) + 2
             or parts[0] != family
             or parts[-1] != arch
-            or Counter(parts[1:-1]) != Counter(_render_param(k, v) for k, v in params.items())
+            or sorted(parts[1:-1]) != rendered
         ):
+            expected = kernel_id(family, params, arch)
             raise self.fail(where, f"expected '<family>/<param values>/<arch>' consistent with family, params and arch (e.g. {show(expected)}), got {show(kid)}")
+
+    def identities(self, specs: tuple[KernelSpec, ...]) -> None:
+        """Identity is (family, params, arch): one kernel each, and one id order per family.
+
+        Canonical JSON sorts ``params``, so the grid's order survives only in the ids: every
+        id of a family must render its params in one order, or two spellings of one kernel
+        could both be accepted and ``select`` would pick one silently.
+        """
+        seen: dict[tuple[Any, ...], int] = {}
+        orders: dict[str, tuple[list[set[str]], int]] = {}
+        for i, spec in enumerate(specs):
+            identity = (spec.family, tuple(sorted(spec.params.items())), spec.arch)
+            if identity in seen:
+                first = specs[seen[identity]]
+                raise self.fail(
+                    f"kernels[{i}] (id {show(spec.id)})",
+                    f"same family, params and arch as kernels[{seen[identity]}] (id {show(first.id)})",
+                )
+            seen[identity] = i
+            segments = spec.id.split("/")[1:-1]
+            if spec.family not in orders:
+                orders[spec.family] = ([set(spec.params) for _ in segments], i)
+            candidates, first_index = orders[spec.family]
+            if set(spec.params) != set(specs[first_index].params):
+                raise self.fail(
+                    f"kernels[{i}] (id {show(spec.id)}).params",
+                    f"expected the keys of family {show(spec.family)} ({', '.join(sorted(specs[first_index].params))}), "
+                    f"got {', '.join(sorted(spec.params))}",
+                )
+            for pos, segment in enumerate(segments):
+                candidates[pos] &= {k for k, v in spec.params.items() if _abi.render_param(k, v) == segment}
+            if not _has_order(candidates):
+                raise self.fail(
+                    f"kernels[{i}] (id {show(spec.id)}).id",
+                    f"renders the params of family {show(spec.family)} in another order than kernels[{first_index}] "
+                    f"(id {show(specs[first_index].id)}); ids follow the grid's order",
+                )
+
+
+def _upgrade_v1_entries(obj: dict[str, Any]) -> dict[str, Any]:
+    entries = obj.get("entries")
+    if not isinstance(entries, dict) or not all(isinstance(v, list) for v in entries.values()):
+        return obj
+    try:
+        arch = Arch.parse(obj.get("arch"))
+        obj["entries"] = {
+            name: {"name": name, "params": types,
+                   "offsets": list(_abi.param_layout([_abi.param_type(t) for t in types], arch))}
+            for name, types in entries.items()
+        }
+    except BadArgumentError:
+        pass  # left as is: validation names the bad field
+    return obj
+
+
+def _has_order(candidates: list[set[str]]) -> bool:
+    """Whether each position can take a distinct key from its candidates (a small matching)."""
+    def place(pos: int, used: frozenset[str]) -> bool:
+        if pos == len(candidates):
+            return True
+        return any(place(pos + 1, used | {k}) for k in candidates[pos] - used)
+
+    return place(0, frozenset())
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,6 +427,9 @@ class Manifest:
     source: str
     kernels: tuple[KernelSpec, ...] = field(repr=False)
     _by_id: Mapping[str, KernelSpec] = field(repr=False)
+    schema: str = SCHEMA
+    _by_family: Mapping[str, tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)
+    _by_stem: Mapping[str, tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)  # id without arch
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -329,25 +466,36 @@ class Manifest:
         unknown = sorted(set(doc) - _TOP_KEYS)
         if unknown:
             raise check.fail("top level", f"unknown key {show(unknown[0])}; allowed keys: kernels, schema")
-        if doc.get("schema") != SCHEMA:
-            raise check.fail("schema", f"expected {SCHEMA!r}, got {show(doc.get('schema'))}")
+        schema = doc.get("schema")
+        if schema not in _SCHEMAS:
+            raise check.fail("schema", f"expected {SCHEMA!r} or {SCHEMA_V1!r}, got {show(schema)}")
+        check.schema = schema
         kernels = doc.get("kernels")
         if not isinstance(kernels, list) or not kernels:
             raise check.fail("kernels", f"expected a non-empty list, got {show(kernels)}")
         specs = tuple(check.kernel(i, k) for i, k in enumerate(kernels))
         by_id: dict[str, KernelSpec] = {}
+        by_family: dict[str, list[KernelSpec]] = {}
+        by_stem: dict[str, list[KernelSpec]] = {}
         sizes: dict[Digest, tuple[int, str]] = {}
         for i, spec in enumerate(specs):
             if spec.id in by_id:
                 raise check.fail(f"kernels[{i}].id", f"duplicate id {show(spec.id)}")
             by_id[spec.id] = spec
+            by_family.setdefault(spec.family, []).append(spec)
+            by_stem.setdefault(spec.id.rsplit("/", 1)[0], []).append(spec)
             seen = sizes.setdefault(spec.digest, (spec.size, spec.id))
             if seen[0] != spec.size:
                 raise check.fail(
                     f"kernels[{i}] (id {show(spec.id)}).size",
                     f"{spec.digest} has size {seen[0]} in kernel {show(seen[1])}, got {spec.size}",
                 )
-        return cls(raw=raw, digest=Digest.of(raw), source=source, kernels=specs, _by_id=MappingProxyType(by_id))
+        check.identities(specs)
+        return cls(
+            raw=raw, digest=Digest.of(raw), source=source, kernels=specs, _by_id=MappingProxyType(by_id),
+            schema=schema, _by_family=MappingProxyType({f: tuple(v) for f, v in by_family.items()}),
+            _by_stem=MappingProxyType({f: tuple(v) for f, v in by_stem.items()}),
+        )
 
     @classmethod
     def from_path(cls, path: str | Path) -> Manifest:
@@ -382,8 +530,11 @@ class Manifest:
 
     @classmethod
     def build(cls, kernels: Iterable[KernelSpec | Mapping[str, Any]], *, source: str = "<built>") -> Manifest:
-        """Canonical manifest of ``kernels`` (specs or JSON objects), validated like any other."""
-        objs = [k.to_json() if isinstance(k, KernelSpec) else dict(k) for k in kernels]
+        """Canonical manifest of ``kernels`` (specs or JSON objects), validated like any other.
+
+        A JSON object's entries may be v1 lists of types: they get the ABI rule's offsets.
+        """
+        objs = [k.to_json() if isinstance(k, KernelSpec) else _upgrade_v1_entries(dict(k)) for k in kernels]
         return cls.from_bytes(dumps_canonical({"schema": SCHEMA, "kernels": objs}), source=source)
 
     # -- queries --------------------------------------------------------------------------------
@@ -416,8 +567,8 @@ class Manifest:
     def find(self, family: str, **params: ParamValue) -> list[KernelSpec]:
         """Kernels of ``family`` whose params include every given ``key=value``, all archs, sorted by id."""
         return sorted(
-            (k for k in self.kernels
-             if k.family == family and all(key in k.params and k.params[key] == v for key, v in params.items())),
+            (k for k in self._by_family.get(family, ())
+             if all(key in k.params and k.params[key] == v for key, v in params.items())),
             key=lambda k: k.id,
         )
 
@@ -434,8 +585,7 @@ class Manifest:
             if params:
                 raise BadArgumentError(f"select({family_or_id!r}): a full kernel id takes no params, got {sorted(params)}")
         else:
-            prefix = family_or_id + "/"
-            candidates = [k for k in self.kernels if k.id.startswith(prefix) and k.id.count("/") == family_or_id.count("/") + 1]
+            candidates = list(self._by_stem.get(family_or_id, ()))
             if candidates and params:
                 candidates = [k for k in candidates if all(k.params.get(p) == v for p, v in params.items())]
             elif not candidates:
@@ -461,6 +611,7 @@ class Manifest:
                 f"select({family_or_id!r}) is ambiguous: {len(variants)} parameter sets match; "
                 f"pass {', '.join(differing)}"
             )
-        best = max(compatible, key=lambda k: (parse_arch(k.arch)[1], parse_arch(k.arch)[2]))
+        # The highest minor not above the GPU's, then the most specific (a, then f, then plain).
+        best = max(compatible, key=lambda k: (Arch.parse(k.arch).minor, Arch.parse(k.arch).preference))
         _log.debug("selected %s (%s) for compute capability %d.%d", best.id, best.digest, cc[0], cc[1])
         return best

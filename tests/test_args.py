@@ -76,37 +76,52 @@ def test_param_types_match_the_manifest_schema() -> None:
 
 
 def test_axpy_f32_layout_packs_naturally_aligned() -> None:
-    assert expected_layout(KID, ENTRY, AXPY) == (ParamSlot(0, 4), ParamSlot(4, 4), ParamSlot(8, 8), ParamSlot(16, 8))
+    assert expected_layout(KID, ENTRY, AXPY, "sm_90a") == (ParamSlot(0, 4), ParamSlot(4, 4), ParamSlot(8, 8), ParamSlot(16, 8))
 
 
 def test_axpy_f64_layout_pads_the_scalar_to_eight() -> None:
-    layout = expected_layout("axpy/f64/vec4/sm_90a", "axpy_f64", ("i32", "f64", "ptr", "ptr"))
+    layout = expected_layout("axpy/f64/vec4/sm_90a", "axpy_f64", ("i32", "f64", "ptr", "ptr"), "sm_90a")
     assert layout == (ParamSlot(0, 4), ParamSlot(8, 8), ParamSlot(16, 8), ParamSlot(24, 8))
 
 
-def test_tensormap_sits_on_a_64_byte_boundary() -> None:
-    layout = expected_layout("gemm/x/sm_90a", "gemm", ("tensormap", "i32", "tensormap", "ptr"))
-    assert layout == (ParamSlot(0, 128), ParamSlot(128, 4), ParamSlot(192, 128), ParamSlot(320, 8))
+def test_tensormap_is_aligned_in_the_parameter_bank_not_the_block() -> None:
+    # sm_90 parameters start at bank offset 0x210: a 128-byte aligned map lands at 112, 240, ...
+    layout = expected_layout("gemm/x/sm_90a", "gemm", ("tensormap", "i32", "tensormap", "ptr"), "sm_90a")
+    assert layout == (ParamSlot(112, 128), ParamSlot(240, 4), ParamSlot(368, 128), ParamSlot(496, 8))
+    # sm_80's bank starts at 0x160.
+    assert expected_layout("k", "e", ("i32", "tensormap"), "sm_80") == (ParamSlot(0, 4), ParamSlot(32, 128))
 
 
 def test_unknown_type_is_a_typed_error_naming_the_parameter() -> None:
-    with pytest.raises(BadArgumentError, match=r"^kernel 'axpy/f32/vec4/sm_90a' entry 'axpy_f32' parameter 1: unknown parameter type 'f16'"):
-        expected_layout(KID, ENTRY, ("i32", "f16"))
+    with pytest.raises(BadArgumentError, match=r"^kernel 'axpy/f32/vec4/sm_90a' entry 'axpy_f32' parameter 1: invalid parameter type 'f17'"):
+        expected_layout(KID, ENTRY, ("i32", "f17"), "sm_90a")
 
 
 def test_matching_layout_passes_and_returns_the_slots() -> None:
     # The (offset, size) list cuFuncGetParamInfo reports for axpy_f32.
-    assert check_layout(KID, ENTRY, AXPY, [(0, 4), (4, 4), (8, 8), (16, 8)])[3] == ParamSlot(16, 8)
+    assert check_layout(KID, ENTRY, AXPY, [(0, 4), (4, 4), (8, 8), (16, 8)], "sm_90a")[3] == ParamSlot(16, 8)
 
 
-def test_offsets_count_from_the_first_parameter() -> None:
+def test_gemm_layout_as_the_h200_reported_it_passes() -> None:
     # cuFuncGetParamInfo for the sm_90a GEMM (two CUtensorMaps first), as an H200 reported it.
     gemm = ("tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32")
     real = [(112, 128), (240, 128), (368, 8), (376, 4), (380, 4), (384, 4), (392, 8), (400, 8), (408, 4)]
-    assert check_layout("gemm/x/sm_90a", "gemm_bf16_tn", gemm, real)[6] == ParamSlot(280, 8)
+    assert check_layout("gemm/x/sm_90a", "gemm_bf16_tn", gemm, real, "sm_90a")[6] == ParamSlot(392, 8)
     shifted_wrong = [(112, 128), (240, 128), (368, 8), (376, 4), (380, 4), (384, 4), (388, 8), (396, 8), (404, 4)]
-    with pytest.raises(ParamLayoutError, match=r"^kernel 'gemm/x/sm_90a' entry 'gemm_bf16_tn' parameter 6: manifest declares ptr \(8 bytes at offset 280\), the CUBIN's function has 8 bytes at offset 276$"):
-        check_layout("gemm/x/sm_90a", "gemm_bf16_tn", gemm, shifted_wrong)
+    with pytest.raises(ParamLayoutError, match=r"^kernel 'gemm/x/sm_90a' entry 'gemm_bf16_tn' parameter 6: manifest declares ptr \(8 bytes at offset 392\), the CUBIN's function has 8 bytes at offset 388$"):
+        check_layout("gemm/x/sm_90a", "gemm_bf16_tn", gemm, shifted_wrong, "sm_90a")
+
+
+def test_scalars_before_a_tensormap_match_the_compiler() -> None:
+    # The case the old rule got wrong: k(int*, u32, u32, u32, CUtensorMap x3) on sm_90.
+    types = ("ptr", "u32", "u32", "u32", "tensormap", "tensormap", "tensormap")
+    real = [(0, 8), (8, 4), (12, 4), (16, 4), (112, 128), (240, 128), (368, 128)]
+    assert [s.offset for s in check_layout("k", "e", types, real, "sm_90a")] == [0, 8, 12, 16, 112, 240, 368]
+
+
+def test_manifest_offsets_are_what_is_compared() -> None:
+    with pytest.raises(ParamLayoutError, match=r"^kernel 'k' entry 'e' parameter 1: manifest declares i32 \(4 bytes at offset 8\)"):
+        check_layout("k", "e", ("i32", "i32"), [(0, 4), (4, 4)], "sm_90a", offsets=(0, 8))
 
 
 def test_declared_f32_where_cubin_takes_f64_is_caught() -> None:
@@ -115,17 +130,58 @@ def test_declared_f32_where_cubin_takes_f64_is_caught() -> None:
         r"^kernel 'axpy/f32/vec4/sm_90a' entry 'axpy_f32' parameter 1: manifest declares f32 "
         r"\(4 bytes at offset 4\), the CUBIN's function has 8 bytes at offset 8$"
     )):
-        check_layout(KID, ENTRY, AXPY, real_f64)
+        check_layout(KID, ENTRY, AXPY, real_f64, "sm_90a")
 
 
 def test_wrong_parameter_count_is_caught() -> None:
     with pytest.raises(ParamLayoutError, match=r"^kernel 'axpy/f32/vec4/sm_90a' entry 'axpy_f32': manifest declares 4 parameters \(i32, f32, ptr, ptr\), the CUBIN's function takes 3$"):
-        check_layout(KID, ENTRY, AXPY, [(0, 4), (4, 4), (8, 8)])
+        check_layout(KID, ENTRY, AXPY, [(0, 4), (4, 4), (8, 8)], "sm_90a")
 
 
 def test_tensormap_declared_where_cubin_has_a_pointer_is_caught() -> None:
-    with pytest.raises(ParamLayoutError, match=r"^kernel 'g' entry 'e' parameter 1: manifest declares tensormap \(128 bytes at offset 64\)"):
-        check_layout("g", "e", ("ptr", "tensormap"), [(0, 8), (8, 8)])
+    with pytest.raises(ParamLayoutError, match=r"^kernel 'g' entry 'e' parameter 1: manifest declares tensormap \(128 bytes at offset 112\)"):
+        check_layout("g", "e", ("ptr", "tensormap"), [(0, 8), (8, 8)], "sm_90a")
+
+
+def test_struct_by_value_from_bytes_and_ctypes() -> None:
+    class Params(ctypes.Structure):
+        _fields_ = [("m", ctypes.c_uint32), ("n", ctypes.c_uint32), ("alpha", ctypes.c_float)]
+
+    value = Params(7, 9, 1.5)
+    packed = pack_args("k", "e", ("i32", "struct:12:4"), [1, value], device=0)
+    assert slot_bytes(packed, 1, 12) == struct.pack("<IIf", 7, 9, 1.5)
+    packed = pack_args("k", "e", ("struct:12:4",), [b"x" * 12], device=0)
+    assert slot_bytes(packed, 0, 12) == b"x" * 12
+    with pytest.raises(BadArgumentError, match=r"^kernel 'k' entry 'e' parameter 0: expected struct:12:4 of 12 bytes, got bytes of 8 bytes"):
+        pack_args("k", "e", ("struct:12:4",), [b"x" * 8], device=0)
+    with pytest.raises(BadArgumentError, match=r"^kernel 'k' entry 'e' parameter 0: expected struct:12:4 as bytes or a ctypes structure, got int"):
+        pack_args("k", "e", ("struct:12:4",), [3], device=0)
+
+
+@pytest.mark.parametrize("spelling, message", [
+    ("struct:12:8", "a struct's size must be a multiple of its alignment"),
+    ("struct:0:4", "expected one of"),
+    ("struct:12:3", "expected one of"),
+    ("struct:99999:1", "at most 4096 bytes"),
+])
+def test_bad_struct_types_are_refused(spelling: str, message: str) -> None:
+    with pytest.raises(BadArgumentError, match=rf"^kernel 'k' entry 'e' parameter 0: invalid parameter type '{spelling}'.*{message}"):
+        pack_args("k", "e", (spelling,), [b""], device=0)
+
+
+@pytest.mark.parametrize("type_, value, raw", [
+    ("i8", -3, struct.pack("<b", -3)), ("u8", 250, b"\xfa"), ("i16", -300, struct.pack("<h", -300)),
+    ("u16", 65535, b"\xff\xff"), ("f16", 1.5, struct.pack("<e", 1.5)), ("bf16", 1.0, b"\x80\x3f"),
+    ("bf16", -2.5, b"\x20\xc0"), ("bf16", 1.00390625, b"\x80\x3f"),  # ties round to even
+])
+def test_small_scalars_pack_as_the_device_reads_them(type_: str, value: Any, raw: bytes) -> None:
+    packed = pack_args("k", "e", (type_,), [value], device=0)
+    assert slot_bytes(packed, 0, len(raw)) == raw
+
+
+def test_bf16_out_of_range_is_refused() -> None:
+    with pytest.raises(BadArgumentError, match=r"^kernel 'k' entry 'e' parameter 0: expected bf16, got 3.4e\+38, out of range for bf16"):
+        pack_args("k", "e", ("bf16",), [3.4e38], device=0)
 
 
 def test_layout_error_is_a_manifest_error() -> None:
@@ -292,8 +348,8 @@ def test_dlpack_managed_memory_is_accepted_on_any_device() -> None:
 def test_tensormap_bytes_are_copied_to_an_aligned_slot() -> None:
     raw = bytes(range(128))
     packed = pack_args("g", "e", ("i32", "tensormap", "ptr"), [7, TensorMapLike(raw), 0x1000], device=0)
-    assert packed.pointers[1] % 64 == 0
-    assert packed.pointers[1] - packed.pointers[0] == 64
+    assert packed.pointers[1] % 128 == 0
+    assert packed.pointers[1] - packed.pointers[0] == 128
     assert slot_bytes(packed, 1, 128) == raw
     assert slot_bytes(packed, 2, 8) == struct.pack("<Q", 0x1000)
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cubinstore import _cuda, launch
+from cubinstore import _abi, _cuda, launch
 from cubinstore.errors import CudaError, ParamLayoutError
 from cubinstore.errors import (
     BadArgumentError,
@@ -123,8 +123,8 @@ def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 
 def test_cubin_header_names_the_sm_it_was_built_for(cubins: dict[str, bytes]) -> None:
-    assert _cuda.cubin_sm(cubins["sm_80"]) == 80
-    assert _cuda.cubin_sm(cubins["sm_90a"]) == 90
+    assert _abi.CubinImage(cubins["sm_80"], "sm_80").sm == 80
+    assert _abi.CubinImage(cubins["sm_90a"], "sm_90a").sm == 90
 
 
 def test_cubin_labelled_with_the_wrong_arch_is_refused_before_loading(cubins: dict[str, bytes]) -> None:
@@ -136,12 +136,12 @@ def test_cubin_labelled_with_the_wrong_arch_is_refused_before_loading(cubins: di
         launch._check_cubin_header(spec, data)
 
 
-@pytest.mark.parametrize(("data", "why"), [(b"\0" * 4096, "bad magic"), (b"\x7fELF\x01" + b"\0" * 100, "expected a 64-bit ELF")])
+@pytest.mark.parametrize(("data", "why"), [(b"\0" * 4096, "bad magic"), (b"\x7fELF\x01" + b"\0" * 100, "expected a 64-bit little-endian ELF")])
 def test_bytes_that_are_not_a_cubin_are_refused_before_loading(data: bytes, why: str) -> None:
     from cubinstore._digest import Digest
 
     spec = _axpy_manifest(str(Digest.of(data)), len(data)).kernels[0]
-    with pytest.raises(ManifestError, match=r"^kernel 'axpy/f32/vec4/sm_90a' \(sha256:[0-9a-f]{64}\) is not a CUBIN: .*" + why):
+    with pytest.raises(ManifestError, match=r"^kernel 'axpy/f32/vec4/sm_90a' \(sha256:[0-9a-f]{64}\): .*" + why):
         launch._check_cubin_header(spec, data)
 
 

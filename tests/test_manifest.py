@@ -56,6 +56,15 @@ def doc_with(**changes: Any) -> dict[str, Any]:
 
 _DELETE = object()
 
+# A v2 kernel: a templated entry with its mangled symbol, readable name, offsets and launch geometry.
+V2_KERNEL: dict[str, Any] = {
+    "id": "tgemm/bf16/bm128/sm_90a", "family": "tgemm", "params": {"dtype": "bf16", "bm": 128}, "arch": "sm_90a",
+    "digest": f"sha256:{HEX}", "size": len(DATA), "target": "//kernels/tgemm:tgemm_bf16_bm128_sm_90a",
+    "entries": {"_ZN2ns4gemmILi128EEEvj14CUtensorMap_st": {
+        "name": "ns::gemm<128>", "params": ["u32", "tensormap", "struct:12:4"], "offsets": [0, 112, 240],
+        "launch": {"block": [384, 1, 1], "shared_mem": 1024, "grid": ["min(sm_count, cdiv(args[0], 128))"]}}},
+}
+
 
 def parse(doc: Any) -> Manifest:
     return Manifest.from_bytes(json.dumps(doc).encode(), source="m.json")
@@ -112,7 +121,7 @@ BAD_FIELDS = [
     (dict(entries={}), "kernels[0] (id 'axpy/f32/vec4/sm_90a').entries: expected a non-empty object"),
     (dict(entries={"axpy f32": ["i32"]}), "kernels[0] (id 'axpy/f32/vec4/sm_90a').entries: expected C identifiers as entry names, got 'axpy f32'"),
     (dict(entries={"1axpy": ["i32"]}), "kernels[0] (id 'axpy/f32/vec4/sm_90a').entries: expected C identifiers"),
-    (dict(entries={"axpy_f32": ["int"]}), "kernels[0] (id 'axpy/f32/vec4/sm_90a').entries.axpy_f32[0]: expected one of f32 f64 i32 i64 ptr tensormap u32 u64, got 'int'"),
+    (dict(entries={"axpy_f32": ["int"]}), "kernels[0] (id 'axpy/f32/vec4/sm_90a').entries.axpy_f32[0]: expected one of i8 u8 i16 u16 i32 u32 i64 u64 f16 bf16 f32 f64 ptr tensormap struct:<size>:<align>, got 'int'"),
     (dict(entries={"axpy_f32": "i32"}), "kernels[0] (id 'axpy/f32/vec4/sm_90a').entries.axpy_f32: expected a list of parameter types"),
     (dict(target="kernels/axpy:x"), "kernels[0] (id 'axpy/f32/vec4/sm_90a').target: expected a Bazel label like '//pkg:name', got 'kernels/axpy:x'"),
     (dict(target="//kernels/../etc:x"), "kernels[0] (id 'axpy/f32/vec4/sm_90a').target: expected a Bazel label"),
@@ -134,8 +143,8 @@ def test_each_malformed_field_is_rejected_naming_field_and_value(changes: dict[s
 @pytest.mark.parametrize(
     "raw, message",
     [
-        (b'{"schema": "cubinstore/manifest/v2", "kernels": []}', "schema: expected 'cubinstore/manifest/v1', got 'cubinstore/manifest/v2'"),
-        (b'{"kernels": []}', "schema: expected 'cubinstore/manifest/v1', got None"),
+        (b'{"schema": "cubinstore/manifest/v3", "kernels": []}', "schema: expected 'cubinstore/manifest/v2' or 'cubinstore/manifest/v1', got 'cubinstore/manifest/v3'"),
+        (b'{"kernels": []}', "schema: expected 'cubinstore/manifest/v2' or 'cubinstore/manifest/v1', got None"),
         (b'{"schema": "cubinstore/manifest/v1", "kernels": []}', "kernels: expected a non-empty list, got []"),
         (b'{"schema": "cubinstore/manifest/v1", "kernels": {}}', "kernels: expected a non-empty list, got {}"),
         (b'{"schema": "cubinstore/manifest/v1", "kernels": [1]}', "kernels[0]: expected an object, got int"),
@@ -172,18 +181,66 @@ def test_one_digest_with_two_sizes_is_rejected() -> None:
         parse(doc)
 
 
-def test_id_params_may_be_in_any_order_because_canonical_json_sorts_keys() -> None:
+def test_a_single_kernel_id_may_order_its_params_either_way() -> None:
     kernel = good_kernel()
     kernel["id"] = "axpy/vec4/f32/sm_90a"
     m = parse({"schema": "cubinstore/manifest/v1", "kernels": [kernel]})
     assert m.kernels[0].id == "axpy/vec4/f32/sm_90a"
 
 
-def test_build_writes_canonical_json_and_round_trips() -> None:
+def test_permuted_ids_of_one_kernel_identity_are_rejected() -> None:
+    # Identity is (family, params, arch): two spellings of one kernel would make select() pick one silently.
+    doc = doc_with()
+    twin = good_kernel()
+    twin["id"] = "axpy/vec4/f32/sm_90a"
+    doc["kernels"].append(twin)
+    with pytest.raises(ManifestError, match=(
+        r"^invalid manifest m\.json: kernels\[1\] \(id 'axpy/vec4/f32/sm_90a'\): same family, params and arch "
+        r"as kernels\[0\] \(id 'axpy/f32/vec4/sm_90a'\)")):
+        parse(doc)
+
+
+def test_ids_of_one_family_must_follow_one_grid_order() -> None:
+    doc = doc_with()
+    other = good_kernel()
+    other.update(id="axpy/vec4/f64/sm_90a", params={"dtype": "f64", "vec": 4})
+    doc["kernels"].append(other)
+    with pytest.raises(ManifestError, match=(
+        r"^invalid manifest m\.json: kernels\[1\] \(id 'axpy/vec4/f64/sm_90a'\)\.id: renders the params of family "
+        r"'axpy' in another order than kernels\[0\]")):
+        parse(doc)
+
+
+def test_family_order_check_handles_equal_string_values() -> None:
+    # {"a": "f32", "b": "f32"} fits either order; the next kernel decides which.
+    def kernel(a: str, b: str) -> dict[str, Any]:
+        k = good_kernel()
+        k.update(id=f"axpy/{a}/{b}/sm_90a", params={"a": a, "b": b})
+        return k
+
+    m = parse({"schema": "cubinstore/manifest/v1", "kernels": [kernel("f32", "f32"), kernel("f32", "f64"), kernel("f64", "f32")]})
+    assert len(m) == 3
+
+
+def test_v1_manifests_still_load_and_rebuild_as_v2() -> None:
     m = parse(doc_with())
+    assert m.schema == "cubinstore/manifest/v1"
+    (k,) = m.kernels
+    entry = k.entry("axpy_f32")
+    assert (entry.symbol, entry.name, entry.types, entry.offsets, entry.launch) == (
+        "axpy_f32", "axpy_f32", ("i32", "f32", "ptr", "ptr"), None, None)
     built = Manifest.build(m.kernels)
-    assert built.raw == dumps_canonical({"schema": "cubinstore/manifest/v1", "kernels": [good_kernel()]})
-    assert built.raw.endswith(b"}\n") and b", " not in built.raw
+    assert built.schema == "cubinstore/manifest/v2"
+    assert json.loads(built.raw)["kernels"][0]["entries"] == {
+        "axpy_f32": {"name": "axpy_f32", "params": ["i32", "f32", "ptr", "ptr"], "offsets": [0, 4, 8, 16]}}
+
+
+def test_build_writes_canonical_json_and_round_trips() -> None:
+    m = Manifest.build([V2_KERNEL])
+    assert m.raw == dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": [V2_KERNEL]})
+    assert m.raw.endswith(b"}\n") and b"\": " not in m.raw
+    built = Manifest.build(m.kernels)
+    assert built.raw == m.raw
     assert Manifest.from_bytes(built.raw).kernels == m.kernels
     assert built.digest == Digest.of(built.raw)
     assert kernel_id("axpy", {"dtype": "f32", "vec": 4}, "sm_90a") == "axpy/f32/vec4/sm_90a"
@@ -230,6 +287,9 @@ ARCH_TABLE = [
     ("sm_100", (10, 3), True),
     ("sm_120", (12, 1), True),
     ("sm_120a", (12, 1), False),
+    ("sm_100f", (10, 3), True),  # family-specific: that major, minor at least
+    ("sm_103f", (10, 0), False),
+    ("sm_100f", (11, 0), False),
 ]
 
 
@@ -238,7 +298,7 @@ def test_arch_compatibility_table(arch: str, cc: tuple[int, int], ok: bool) -> N
     assert arch_compatible(arch, cc) is ok
 
 
-@pytest.mark.parametrize("bad", ["sm_9", "sm_090", "SM_90", "sm_90f", "", "sm_９０"])
+@pytest.mark.parametrize("bad", ["sm_9", "sm_090", "SM_90", "sm_90b", "", "sm_９０", "sm_05", "sm_1000", "sm_90af"])
 def test_malformed_arch_is_a_bad_argument(bad: str) -> None:
     with pytest.raises(BadArgumentError, match=r"^invalid arch"):
         arch_compatible(bad, (9, 0))
@@ -258,7 +318,9 @@ def multi_arch_manifest(archs: list[str], dtypes: tuple[str, ...] = ("f32",)) ->
             kernels.append({
                 "id": f"axpy/{dtype}/vec4/{arch}", "family": "axpy", "params": {"dtype": dtype, "vec": 4},
                 "arch": arch, "digest": str(Digest.of(data)), "size": len(data),
-                "entries": {f"axpy_{dtype}": ["i32", "f32", "ptr", "ptr"]}, "target": f"//kernels/axpy:axpy_{dtype}_vec4_{arch}",
+                "entries": {f"axpy_{dtype}": {"name": f"axpy_{dtype}", "params": ["i32", "f32", "ptr", "ptr"],
+                                               "offsets": [0, 4, 8, 16]}},
+                "target": f"//kernels/axpy:axpy_{dtype}_vec4_{arch}",
             })
     return Manifest.build(kernels, source="multi.json")
 
