@@ -389,3 +389,171 @@ class CubinImage:
             if attr == _EIATTR_PARAM_CBANK and len(value) >= 8:
                 return struct.unpack_from("<IHH", value, 0)[1]
         return None
+
+
+# -- launch geometry --------------------------------------------------------------------------
+# A family declares how its entries are launched; the manifest carries it per entry, with the
+# grid point's values filled in. `block`, `shared_mem` and `cluster` are integers (the build
+# evaluates integer arithmetic such as "({bm} + {bn}) * {bk} * 2"); `grid` items may stay
+# rules evaluated at launch over the call's integer arguments `args[i]` and the device's
+# `sm_count`, with + - * // % min max cdiv.
+_RULE_FUNCS: Final[Mapping[str, Any]] = {"min": min, "max": max, "cdiv": lambda a, b: -(-a // b)}
+MAX_RULE_CHARS: Final = 256
+
+
+class _RuleError(Exception):
+    pass
+
+
+def _compile_rule(text: str) -> Any:
+    import ast  # only the build and a manifest with rules need it
+
+    if len(text) > MAX_RULE_CHARS:
+        raise _RuleError(f"longer than {MAX_RULE_CHARS} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        raise _RuleError(f"not an expression ({exc.msg})") from None
+    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+
+    def build(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            value = node.value
+            return lambda env: value
+        if isinstance(node, ast.Name) and node.id == "sm_count":
+            return lambda env: env["sm_count"]
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "args"
+                and isinstance(node.slice, ast.Constant) and type(node.slice.value) is int):
+            index = node.slice.value
+            return lambda env: env["arg"](index)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            op, left, right = ops[type(node.op)], build(node.left), build(node.right)
+            return lambda env: op(left(env), right(env))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            inner = build(node.operand)
+            return lambda env: -inner(env)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _RULE_FUNCS
+                and not node.keywords and node.args):
+            func, items = _RULE_FUNCS[node.func.id], [build(a) for a in node.args]
+            return lambda env: func(*(f(env) for f in items))
+        raise _RuleError(
+            f"{ast.unparse(node)!r} is not allowed; use integers, args[<i>], sm_count, + - * // %, "
+            f"min, max, cdiv"
+        )
+
+    return build(tree.body)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rule(text: str) -> Any:
+    return _compile_rule(text)
+
+
+def _no_args(index: int) -> int:
+    raise _RuleError(f"uses args[{index}], which only a launch has")
+
+
+def eval_rule(text: str, *, args: Sequence[Any] | None = None, sm_count: int | None = None) -> int:
+    """Evaluate one geometry rule; raises ``BadArgumentError`` naming the rule."""
+    def arg(index: int) -> int:
+        if args is None:
+            return _no_args(index)
+        if not 0 <= index < len(args):
+            raise _RuleError(f"args[{index}] does not exist: the launch has {len(args)} arguments")
+        value = args[index]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _RuleError(f"args[{index}] is {type(value).__name__}, expected an int")
+        return value
+
+    def count() -> int:
+        if sm_count is None:
+            raise _RuleError("uses sm_count, which only a launch has")
+        return sm_count
+
+    class _Env(dict):  # sm_count is looked up lazily so a constant rule never needs a device
+        def __missing__(self, key: str) -> int:
+            return count()
+
+    try:
+        value = _rule(text)(_Env(arg=arg))
+    except _RuleError as exc:
+        raise BadArgumentError(f"launch rule {text!r}: {exc}") from None
+    except ZeroDivisionError:
+        raise BadArgumentError(f"launch rule {text!r}: division by zero") from None
+    return value
+
+
+def check_rule(text: str) -> None:
+    """Raise ``BadArgumentError`` unless ``text`` is a well-formed rule."""
+    try:
+        _rule(text)
+    except _RuleError as exc:
+        raise BadArgumentError(f"launch rule {text!r}: {exc}") from None
+
+
+def _dims3(value: Any, where: str, *, limit: int) -> tuple[int, int, int]:
+    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if (not isinstance(items, (list, tuple)) or not 1 <= len(items) <= 3
+            or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limit for v in items)):
+        raise BadArgumentError(f"{where}: expected 1 to 3 integers in [1, {limit}], got {value!r}")
+    padded = [*items, 1, 1][:3]
+    return padded[0], padded[1], padded[2]
+
+
+@dataclass(frozen=True)
+class LaunchGeometry:
+    """How an entry is launched when the caller gives no geometry (manifest v2 ``launch``)."""
+
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+    cluster: tuple[int, int, int] | None = None
+    grid: tuple[int | str, ...] | None = None  # ints, or rules over args[i] and sm_count
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> LaunchGeometry:
+        if not isinstance(obj, dict):
+            raise BadArgumentError(f"{where}: expected an object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"block", "shared_mem", "cluster", "grid"})
+        if unknown:
+            raise BadArgumentError(f"{where}: unknown key {unknown[0]!r}; allowed: block, cluster, grid, shared_mem")
+        if "block" not in obj:
+            raise BadArgumentError(f"{where}: missing key 'block'")
+        block = _dims3(obj["block"], f"{where}.block", limit=1024)
+        smem = obj.get("shared_mem", 0)
+        if isinstance(smem, bool) or not isinstance(smem, int) or not 0 <= smem <= 1 << 20:
+            raise BadArgumentError(f"{where}.shared_mem: expected an integer in [0, {1 << 20}], got {smem!r}")
+        cluster = None if obj.get("cluster") is None else _dims3(obj["cluster"], f"{where}.cluster", limit=16)
+        grid = obj.get("grid")
+        if grid is not None:
+            if not isinstance(grid, list) or not 1 <= len(grid) <= 3:
+                raise BadArgumentError(f"{where}.grid: expected a list of 1 to 3 integers or rules, got {grid!r}")
+            for i, item in enumerate(grid):
+                if isinstance(item, str):
+                    try:
+                        check_rule(item)
+                    except BadArgumentError as exc:
+                        raise BadArgumentError(f"{where}.grid[{i}]: {exc}") from None
+                elif isinstance(item, bool) or not isinstance(item, int) or not 1 <= item < 2**31:
+                    raise BadArgumentError(f"{where}.grid[{i}]: expected a positive integer or a rule, got {item!r}")
+            grid = tuple(grid)
+        return cls(block, smem, cluster, grid)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"block": list(self.block), "shared_mem": self.shared_mem}
+        if self.cluster is not None:
+            out["cluster"] = list(self.cluster)
+        if self.grid is not None:
+            out["grid"] = list(self.grid)
+        return out
+
+    def grid_for(self, args: Sequence[Any], sm_count: int | None) -> tuple[int, int, int] | None:
+        """The grid for one launch, or None when the family declares no grid rule."""
+        if self.grid is None:
+            return None
+        dims = [item if isinstance(item, int) else eval_rule(item, args=args, sm_count=sm_count) for item in self.grid]
+        for d, item in zip(dims, self.grid):
+            if not 1 <= d < 2**31:
+                raise BadArgumentError(f"launch rule {item!r} gave grid dimension {d}, expected 1 .. 2**31-1")
+        padded = [*dims, 1, 1][:3]
+        return padded[0], padded[1], padded[2]
