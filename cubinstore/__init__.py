@@ -8,12 +8,15 @@ Nothing here imports CUDA; the GPU side loads lazily.
 
 from __future__ import annotations
 
+import logging
+
 from cubinstore._digest import Digest
 from cubinstore.errors import (
     BadArgumentError,
     BundleError,
     CubinstoreError,
     CudaError,
+    ExpiredReleaseError,
     IncompatibleArchError,
     IntegrityError,
     KernelNotFoundError,
@@ -22,7 +25,10 @@ from cubinstore.errors import (
     MissingBlobError,
     ParamLayoutError,
     RemoteUnavailableError,
+    RollbackError,
     StoreError,
+    TrustError,
+    UnsafeStoreError,
 )
 from cubinstore.launch import Kernel, Library, open
 from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
@@ -31,12 +37,17 @@ from cubinstore.tensormap import TensorMap
 
 __version__ = "0.1.0"
 
+# A library logs, the application decides what is shown: without this, Python's last-resort
+# handler prints our warnings to stderr when the application configured no logging.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
 __all__ = [
     "BadArgumentError",
     "BundleError",
     "CubinstoreError",
     "CudaError",
     "Digest",
+    "ExpiredReleaseError",
     "IncompatibleArchError",
     "IntegrityError",
     "Kernel",
@@ -49,10 +60,13 @@ __all__ = [
     "MissingBlobError",
     "ParamLayoutError",
     "RemoteUnavailableError",
+    "RollbackError",
     "Store",
     "StoreError",
     "StoreStats",
     "TensorMap",
+    "TrustError",
+    "UnsafeStoreError",
     "arch_compatible",
     "open",
     "parse_arch",

@@ -1,23 +1,30 @@
 """Offline bundles: a plain tar of ``manifest.json`` and ``cas/<hex>`` for each blob of its closure.
 
-``unpack`` trusts nothing in the tar: member names, types and sizes are checked
-against a fixed layout, every blob is hashed against its name and against the
-manifest, and nothing is written to the store until the whole bundle has verified.
+``unpack`` trusts nothing in the tar: the manifest must come first (so ``--expect`` is
+checked before any blob), member names, types and sizes are checked against a fixed
+layout and the manifest before any data is read, every blob is streamed and hashed
+against its name, and nothing enters the CAS until the whole bundle has verified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
+import os
 import re
 import tarfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
+from typing import BinaryIO
 
 from cubinstore._digest import Digest, show
-from cubinstore._files import atomic_file
+from cubinstore._files import atomic_file, open_regular
 from cubinstore._local import LocalStore
-from cubinstore.errors import BundleError, StoreError
+from cubinstore._maint import pin as pin_manifest
+from cubinstore._maint import pins_lock
+from cubinstore.errors import BundleError, ManifestError, StoreError
 from cubinstore.manifest import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
 from cubinstore.store import Store
 
@@ -29,6 +36,8 @@ MANIFEST_NAME = "manifest.json"
 _BLOB_RE = re.compile(r"cas/([0-9a-f]{64})", re.ASCII)
 _MAX_MEMBERS = 100_000
 _MAX_TOTAL = 16 * 1024 * 1024 * 1024
+_CHUNK = 1 << 20
+_MAX_READ = _CHUNK + 512  # one chunk of member data (or one 512-byte header) per read
 
 Progress = Callable[[int, int, int], None]  # (done, total, bytes so far)
 
@@ -68,95 +77,173 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
     return total
 
 
-def _read_members(path: Path) -> tuple[bytes, dict[str, bytes]]:
-    manifest_raw: bytes | None = None
-    blobs: dict[str, bytes] = {}
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
-    if size > _MAX_TOTAL:
-        raise BundleError(f"bundle {path} is {size} bytes, more than the {_MAX_TOTAL} allowed")
-    try:
-        # Plain tar only: no decompression bombs, and member sizes come from headers we check.
-        with tarfile.open(path, mode="r:") as tar:
-            count = 0
-            while True:
-                member = tar.next()
-                if member is None:
-                    break
-                count += 1
-                if count > _MAX_MEMBERS:
-                    raise BundleError(f"bundle {path} has more than {_MAX_MEMBERS} members")
-                name = member.name
-                match = _BLOB_RE.fullmatch(name)
-                if name != MANIFEST_NAME and match is None:
-                    raise BundleError(f"bundle {path}: unexpected member {show(name)}; expected {MANIFEST_NAME} and cas/<64 hex>")
-                if not member.isreg():
-                    raise BundleError(f"bundle {path}: member {show(name)} is not a regular file")
-                limit = MAX_MANIFEST_BYTES if match is None else MAX_BLOB_SIZE
-                if member.size > limit or member.size <= 0:
-                    raise BundleError(f"bundle {path}: member {show(name)} has size {member.size}, expected 1..{limit}")
-                if (match is None and manifest_raw is not None) or (match is not None and match.group(1) in blobs):
-                    raise BundleError(f"bundle {path}: duplicate member {show(name)}")
-                handle = tar.extractfile(member)
-                if handle is None:
-                    raise BundleError(f"bundle {path}: cannot read member {show(name)}")
-                data = handle.read(member.size)
-                if len(data) != member.size:
-                    raise BundleError(f"bundle {path}: member {show(name)} truncated: {len(data)} of {member.size} bytes")
-                if match is None:
-                    manifest_raw = data
-                else:
-                    blobs[match.group(1)] = data
-    except BundleError:
-        raise
-    except (tarfile.TarError, EOFError, ValueError, UnicodeError, OverflowError) as exc:
-        raise BundleError(f"bundle {path} is not a valid tar file: {exc}") from exc
-    except OSError as exc:
-        raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
-    if manifest_raw is None:
-        raise BundleError(f"bundle {path} has no {MANIFEST_NAME}")
-    return manifest_raw, blobs
+class _BoundedReads(io.RawIOBase):
+    """The bundle file, refusing any single read larger than ``_MAX_READ``.
 
-
-def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
-           progress: Progress | None = None) -> Manifest:
-    """Verify the whole bundle at ``path``, then store the manifest and every blob in ``local``.
-
-    ``expect`` pins the manifest digest: a bundle with any other manifest is rejected.
+    tarfile reads a GNU long-name or PAX header's whole declared size in one call; a
+    header declaring gigabytes would be read into memory before we see the member.
+    Every read this module makes itself is chunked, so a large read can only be such a header.
     """
-    path = Path(path)
-    manifest_raw, blobs = _read_members(path)
-    manifest = Manifest.from_bytes(manifest_raw, source=f"{path}:{MANIFEST_NAME}")
+
+    def __init__(self, f: BinaryIO, path: Path) -> None:
+        super().__init__()
+        self._f = f
+        self._path = path
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        if n is None or n < 0 or n > _MAX_READ:
+            raise BundleError(f"bundle {self._path}: a header declares {n} bytes of metadata; refusing to read it")
+        return self._f.read(n)
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+def _check_member(member: tarfile.TarInfo, path: Path) -> re.Match[str] | None:
+    """The member's blob-name match (None for the manifest); refuses anything else."""
+    name = member.name
+    match = _BLOB_RE.fullmatch(name)
+    if name != MANIFEST_NAME and match is None:
+        raise BundleError(f"bundle {path}: unexpected member {show(name)}; expected {MANIFEST_NAME} and cas/<64 hex>")
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        raise BundleError(f"bundle {path}: member {show(name)} is not a regular file")
+    if member.issparse():  # a sparse member declares far more bytes than the file holds
+        raise BundleError(f"bundle {path}: member {show(name)} is a sparse file; bundles hold plain files only")
+    return match
+
+
+def _read_manifest(tar: tarfile.TarFile, path: Path, expect: Digest | None) -> Manifest:
+    member = tar.next()
+    if member is None or member.name != MANIFEST_NAME:
+        raise BundleError(f"bundle {path} has no {MANIFEST_NAME} as its first member"
+                          + (f" (found {show(member.name)})" if member is not None else ""))
+    _check_member(member, path)
+    if not 0 < member.size <= MAX_MANIFEST_BYTES:
+        raise BundleError(f"bundle {path}: member {show(member.name)} has size {member.size}, expected 1..{MAX_MANIFEST_BYTES}")
+    handle = tar.extractfile(member)
+    if handle is None:
+        raise BundleError(f"bundle {path}: cannot read member {show(member.name)}")
+    raw = b"".join(iter(lambda: handle.read(_CHUNK), b""))
+    if len(raw) != member.size:
+        raise BundleError(f"bundle {path}: member {show(member.name)} truncated: {len(raw)} of {member.size} bytes")
+    manifest = Manifest.from_bytes(raw, source=f"{path}:{MANIFEST_NAME}")
+    # Checked before any blob is read: a bundle of another release costs nothing.
     if expect is not None and manifest.digest != expect:
         raise BundleError(f"bundle {path}: manifest is {manifest.digest}, expected {expect}")
-    needed = {digest.hex: (digest, size) for digest, size in manifest.blobs}
-    extra = sorted(set(blobs) - set(needed))
-    if extra:
-        raise BundleError(f"bundle {path}: blob sha256:{extra[0]} is not referenced by its manifest")
-    for hex_, (digest, size) in needed.items():
-        data = blobs.get(hex_)
-        ids = ", ".join(k.id for k in manifest.kernels if k.digest == digest)
-        if data is None:
-            raise BundleError(f"bundle {path}: missing blob {digest} ({ids})")
-        if len(data) != size:
-            raise BundleError(f"bundle {path}: blob {digest} ({ids}) has {len(data)} bytes, expected {size}")
-        actual = Digest.of(data)
-        if actual != digest:
-            raise BundleError(f"bundle {path}: blob cas/{hex_} ({ids}) hashes to {actual}; the bundle was modified")
-    # Everything verified: now write. A failure here leaves only complete, verified entries.
-    written = 0
-    try:
-        local.write(manifest.digest, manifest.raw)
-        for i, (hex_, (digest, _size)) in enumerate(sorted(needed.items())):
-            local.write(digest, blobs[hex_])
-            written += len(blobs[hex_])
-            if progress:
-                progress(i + 1, len(needed), written)
-    except StoreError as exc:
-        raise StoreError(f"unpacking {path} into {local.root}: {exc}") from exc
-    _log.debug("unpacked %s (%d blobs) from %s into %s", manifest.digest, len(needed), path, local.root)
     return manifest
 
 
+def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: LocalStore,
+                 staged: list[tuple[str, Digest]], progress: Progress | None) -> None:
+    """Stream each blob member into a staging file, verifying size and hash as it goes."""
+    needed = {digest.hex: (digest, size) for digest, size in manifest.blobs}
+    declared = sum(size for _, size in needed.values())
+    if declared > _MAX_TOTAL:
+        raise BundleError(f"bundle {path}: its manifest names {declared} bytes of blobs, more than the {_MAX_TOTAL} allowed")
+    count = 1
+    done = 0
+    while True:
+        member = tar.next()
+        if member is None:
+            break
+        count += 1
+        if count > _MAX_MEMBERS:
+            raise BundleError(f"bundle {path} has more than {_MAX_MEMBERS} members")
+        match = _check_member(member, path)
+        if match is None:
+            raise BundleError(f"bundle {path}: duplicate member {show(member.name)}")
+        hex_ = match.group(1)
+        if hex_ not in needed:
+            raise BundleError(f"bundle {path}: blob sha256:{hex_} is not referenced by its manifest")
+        if any(d.hex == hex_ for _, d in staged):
+            raise BundleError(f"bundle {path}: duplicate member {show(member.name)}")
+        digest, size = needed[hex_]
+        ids = ", ".join(k.id for k in manifest.kernels if k.digest == digest)
+        if member.size != size:  # checked on the header: nothing read yet
+            raise BundleError(f"bundle {path}: blob {digest} ({ids}) has {member.size} bytes, expected {size}")
+        handle = tar.extractfile(member)
+        if handle is None:
+            raise BundleError(f"bundle {path}: cannot read member {show(member.name)}")
+        out, tmp = local.new_staged()
+        staged.append((tmp, digest))
+        hasher = hashlib.sha256()
+        got = 0
+        with out:
+            while chunk := handle.read(_CHUNK):
+                hasher.update(chunk)
+                out.write(chunk)
+                got += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if got != size:
+            raise BundleError(f"bundle {path}: member {show(member.name)} truncated: {got} of {size} bytes")
+        if hasher.hexdigest() != hex_:
+            raise BundleError(f"bundle {path}: blob cas/{hex_} ({ids}) hashes to sha256:{hasher.hexdigest()}; "
+                              "the bundle was modified")
+        done += size
+        if progress:
+            progress(len(staged), len(needed), done)
+    missing = sorted(set(needed) - {d.hex for _, d in staged})
+    if missing:
+        digest = needed[missing[0]][0]
+        raise BundleError(f"bundle {path}: missing blob {digest} ({', '.join(k.id for k in manifest.kernels if k.digest == digest)})")
+
+
+def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
+           progress: Progress | None = None, pin: bool = False) -> Manifest:
+    """Verify the bundle at ``path`` member by member, then store the manifest and every blob in ``local``.
+
+    ``expect`` pins the manifest digest: a bundle with any other manifest is rejected before
+    any blob is read. Blobs stream into ``v1/staging`` (memory stays at one chunk) and enter
+    the CAS only once the whole bundle has verified. ``pin`` pins the manifest under the
+    same lock gc takes, so no gc can run between the blobs landing and the pin.
+    """
+    path = Path(path)
+    staged: list[tuple[str, Digest]] = []
+    try:
+        with open_regular(path, "bundle", BundleError) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > _MAX_TOTAL:
+                raise BundleError(f"bundle {path} is {size} bytes, more than the {_MAX_TOTAL} allowed")
+            try:
+                # Plain tar only: no decompression bombs, and member sizes come from headers we check.
+                with tarfile.open(fileobj=_BoundedReads(f, path), mode="r:") as tar:  # type: ignore[arg-type]
+                    manifest = _read_manifest(tar, path, expect)
+                    _stage_blobs(tar, path, manifest, local, staged, progress)
+            except (BundleError, StoreError, ManifestError):
+                raise
+            except (tarfile.TarError, EOFError, ValueError, UnicodeError, OverflowError) as exc:
+                raise BundleError(f"bundle {path} is not a valid tar file: {exc}") from exc
+            except OSError as exc:
+                raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
+        # Everything verified: publish. A failure here leaves only complete, verified entries.
+        try:
+            with pins_lock(local) if pin else nullcontext():
+                local.write(manifest.digest, manifest.raw)
+                while staged:
+                    tmp, digest = staged[0]
+                    local.commit_staged(tmp, digest)
+                    staged.pop(0)
+                if pin:
+                    pin_manifest(local, manifest, locked=True)
+        except StoreError as exc:
+            raise StoreError(f"unpacking {path} into {local.root}: {exc}") from exc
+    finally:
+        for tmp, _digest in staged:
+            local.drop_staged(tmp)
+    _log.debug("unpacked %s (%d blobs) from %s into %s", manifest.digest, len(manifest.blobs), path, local.root)
+    return manifest

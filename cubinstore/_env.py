@@ -17,6 +17,10 @@ CUBINSTORE_HTTP_DEADLINE        seconds  120                               total
 CUBINSTORE_LOCK_TIMEOUT         seconds  600                               longest wait for another process's download
 CUBINSTORE_MEMORY_BYTES         int      268435456                         in-process cache size; 0 disables it
 CUBINSTORE_MANIFEST             str      (none)                            manifest ``cubinstore.ops`` opens by default: a path or ``sha256:<hex>``
+CUBINSTORE_JIT                  bool     true                              a JIT miss may run nvcc; off: only index hits
+CUBINSTORE_HOST_CC              str      gcc                               host compiler (name on /usr/bin:/bin) of Bazel and the JIT
+CUBINSTORE_ALLOW_SHARED_STORE   bool     false                             write to a store whose directories others can write
+CUBINSTORE_TRUST_POLICY         path     (none)                            trust policy for ``channel:NAME`` (signed releases)
 =============================== ======== ================================= ==========================================
 """
 
@@ -34,17 +38,21 @@ from cubinstore.errors import BadArgumentError
 __all__ = [
     "VARIABLES",
     "Variable",
+    "allow_shared_store",
     "disk_cache",
     "home",
     "http_connect_timeout",
     "http_deadline",
     "http_retries",
     "http_timeout",
+    "host_cc",
+    "jit",
     "lock_timeout",
     "manifest",
     "memory_bytes",
     "offline",
     "remotes",
+    "trust_policy",
 ]
 
 
@@ -68,6 +76,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CUBINSTORE_LOCK_TIMEOUT", "seconds", "600", "longest wait for another process's download"),
     Variable("CUBINSTORE_MEMORY_BYTES", "int", "268435456", "in-process cache size; 0 disables it"),
     Variable("CUBINSTORE_MANIFEST", "str", "", "manifest cubinstore.ops opens by default: a path or sha256:<hex>"),
+    Variable("CUBINSTORE_JIT", "bool", "1", "a JIT miss may run nvcc at run time; off: only index hits"),
+    Variable("CUBINSTORE_HOST_CC", "str", "gcc", "host compiler (a name on /usr/bin:/bin) of Bazel and the JIT"),
+    Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", "0",
+             "write to a local store whose directories other users can write (a store shared by a trusted group)"),
+    Variable("CUBINSTORE_TRUST_POLICY", "path", "", "trust policy file for channel:NAME (signed releases)"),
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -195,3 +208,44 @@ def memory_bytes() -> int:
 def manifest() -> str | None:
     """``CUBINSTORE_MANIFEST``: the manifest ``cubinstore.ops`` opens when none was set."""
     return _raw("CUBINSTORE_MANIFEST") or None
+
+
+def allow_shared_store() -> bool:
+    """``CUBINSTORE_ALLOW_SHARED_STORE``: write even where other users can write the store's directories."""
+    return _bool("CUBINSTORE_ALLOW_SHARED_STORE", False)
+
+
+def trust_policy() -> Path | None:
+    """``CUBINSTORE_TRUST_POLICY``: the trust policy file that ``channel:NAME`` is verified against."""
+    return _path("CUBINSTORE_TRUST_POLICY")
+
+
+# -- the JIT (cubinstore.jit) ---------------------------------------------------------------------
+# CUDA_PATH, CUDA_HOME, PATH and CUBINSTORE_HOST_CC mean what they mean to
+# third_party/cuda/cuda_toolkit.bzl, so the JIT finds the toolkit and compiler Bazel would.
+
+def jit() -> bool:
+    """``CUBINSTORE_JIT``: whether a miss may run nvcc at run time (off: index hits only)."""
+    return _bool("CUBINSTORE_JIT", True)
+
+
+def host_cc() -> str:
+    """``CUBINSTORE_HOST_CC``: the host compiler's command name on /usr/bin:/bin (default gcc)."""
+    return _raw("CUBINSTORE_HOST_CC") or "gcc"
+
+
+def cuda_path() -> Path | None:
+    """``CUDA_PATH``: the first place the toolkit is looked for."""
+    return _path("CUDA_PATH")
+
+
+def cuda_home() -> Path | None:
+    """``CUDA_HOME``: the second place the toolkit is looked for."""
+    return _path("CUDA_HOME")
+
+
+def which(command: str) -> str | None:
+    """``command`` looked up on ``$PATH`` (the last place the toolkit is looked for)."""
+    import shutil
+
+    return shutil.which(command, path=os.environ.get("PATH"))

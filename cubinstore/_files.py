@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._digest import Digest
-from cubinstore.errors import IntegrityError, StoreError
+from cubinstore._safedir import NotRegularFile, read_fd
+from cubinstore.errors import BadArgumentError, CubinstoreError, IntegrityError, StoreError
 
-__all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "read_regular", "verify"]
+__all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]
 
 _log = logging.getLogger(__name__)
 
@@ -27,19 +28,15 @@ _READ_FLAGS = (
     | getattr(os, "O_NONBLOCK", 0)
     | getattr(os, "O_BINARY", 0)
 )
-_CHUNK = 1 << 20
-
-
-class NotRegularFile(Exception):
-    """The path is a symlink, directory, FIFO or other non-regular file (never followed or read)."""
 
 
 def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None:
     """Read at most ``limit + 1`` bytes of the regular file at ``path``; None if it does not exist.
 
-    Symlinks are not followed and non-regular files are refused (``NotRegularFile``).
-    Reading one byte past ``limit`` lets the caller see "longer than expected" without
-    reading an arbitrarily large file. ``touch`` bumps mtime, the LRU clock of GC.
+    The last component is not followed if it is a symlink and non-regular files are refused
+    (``NotRegularFile``). For directories others may control (the local store) use
+    ``LocalStore.read_file``, which follows no link at all. Reading one byte past ``limit``
+    lets the caller see "longer than expected" without reading an arbitrarily large file.
     """
     try:
         fd = os.open(path, _READ_FLAGS)
@@ -50,26 +47,32 @@ def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None
             raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
         raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegularFile(f"{path} is not a regular file")
-        chunks: list[bytes] = []
-        total = 0
-        while total <= limit:
-            chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        if touch:
-            try:
-                os.utime(fd if os.utime in os.supports_fd else path)
-            except OSError as exc:  # a read-only shared store still serves reads
-                _log.debug("cannot update mtime of %s: %s", path, exc)
-        return b"".join(chunks)
-    except OSError as exc:
-        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        return read_fd(fd, limit, path=path, touch=touch)
     finally:
         os.close(fd)
+
+
+def open_regular(path: Path, what: str, error: type[CubinstoreError] = BadArgumentError) -> BinaryIO:
+    """Open a file the user named (a manifest, a bundle) for reading, refusing anything not regular.
+
+    Links are followed (``bazel-bin`` is one), but a FIFO, device or directory is refused
+    before any blocking read: the open is non-blocking and the type is checked on the
+    descriptor. Raises ``error`` naming ``what`` and the path.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise error(f"cannot read {what} {path}: it is {kind}; expected a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: str | None = None) -> None:
@@ -117,7 +120,7 @@ def atomic_file(path: Path, *, mode: int = 0o644, durable: bool = True) -> Itera
     """
     directory = path.parent
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".tmp.{path.name}.", dir=directory)
     except OSError as exc:
         raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc

@@ -1,4 +1,9 @@
-"""The local directory store: ``<root>/v1/cas/<first two hex>/<hex>``, one immutable file per blob."""
+"""The local directory store: ``<root>/v1/cas/<first two hex>/<hex>``, one immutable file per blob.
+
+Every path below the root is reached through directory descriptors without following a link
+(``_safedir``), and nothing is written where another user could write (see the README's
+"permission rules").
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,26 @@ import re
 import stat
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from cubinstore import _env
 from cubinstore._digest import Digest
-from cubinstore._files import NotRegularFile, atomic_write, read_regular, verify
+from cubinstore._files import verify
 from cubinstore._layer import Layer, limit_for
-from cubinstore._lock import file_lock
+from cubinstore._lock import file_lock, remove_if_unheld
+from cubinstore._safedir import (
+    TEMP_PREFIX,
+    NotRegularFile,
+    StoreRoot,
+    atomic_file_at,
+    atomic_write_at,
+    fsync_fd,
+    new_temp,
+    read_at,
+)
 from cubinstore.errors import CubinstoreError, StoreError
 
 __all__ = ["Entry", "LocalStore", "STAT_KEYS"]
@@ -26,7 +42,8 @@ _log = logging.getLogger(__name__)
 
 _HEX_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _SHARD_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)
-_TEMP_PREFIX = ".tmp."
+_LOCK_RE = re.compile(r"([0-9a-f]{64})\.lock", re.ASCII)
+_TEMP_PREFIX = TEMP_PREFIX
 MAX_BLOB_SIZE = 1024 * 1024 * 1024  # same bound as the manifest's
 STAT_KEYS = ("hits", "misses", "bytes_fetched", "verification_failures")
 
@@ -45,14 +62,16 @@ class LocalStore(Layer):
     """The embedded default store: a directory, no server.
 
     Entries are written atomically and re-verified on every read; a corrupt entry is
-    moved to ``v1/quarantine`` so the next read refetches it.
+    moved to ``v1/quarantine`` so the next read refetches it. ``allow_shared`` (default
+    ``CUBINSTORE_ALLOW_SHARED_STORE``) permits writing where other users can write.
     """
 
     cache = True
     writable = True
     lockable = True
 
-    def __init__(self, root: str | Path, *, lock_timeout: float | None = None) -> None:
+    def __init__(self, root: str | Path, *, lock_timeout: float | None = None,
+                 allow_shared: bool | None = None) -> None:
         self.root = Path(root).expanduser()
         self.v1 = self.root / "v1"
         self.cas_dir = self.v1 / "cas"
@@ -61,6 +80,7 @@ class LocalStore(Layer):
         self.pins_dir = self.v1 / "pins"
         self.stats_path = self.v1 / "stats.json"
         self.lock_timeout = _env.lock_timeout() if lock_timeout is None else lock_timeout
+        self._fs = StoreRoot(self.root, allow_shared=_env.allow_shared_store() if allow_shared is None else allow_shared)
 
     @property
     def name(self) -> str:
@@ -69,29 +89,81 @@ class LocalStore(Layer):
     def path_for(self, digest: Digest) -> Path:
         return self.cas_dir / digest.hex[:2] / digest.hex
 
+    # -- files below v1/, by directory descriptor ----------------------------------------------
+
+    def read_file(self, parts: tuple[str, ...], name: str, limit: int, *, touch: bool = False) -> bytes | None:
+        """At most ``limit + 1`` bytes of ``v1/<parts>/<name>``; None if absent. Links: ``NotRegularFile``."""
+        with self._fs.dir("v1", *parts) as fd:
+            if fd is None:
+                return None
+            return read_at(fd, name, limit, path=self.v1.joinpath(*parts, name), touch=touch)
+
+    def write_file(self, parts: tuple[str, ...], name: str, data: bytes, *, durable: bool = True) -> None:
+        """Atomically replace ``v1/<parts>/<name>`` with ``data``."""
+        with self._fs.dir("v1", *parts, create=True) as fd:
+            assert fd is not None  # create=True never yields None
+            atomic_write_at(fd, name, self.v1.joinpath(*parts), data, durable=durable)
+
+    @contextmanager
+    def stream_file(self, parts: tuple[str, ...], name: str) -> Iterator[BinaryIO]:
+        """Stream into a temp file renamed to ``v1/<parts>/<name>`` on a clean exit."""
+        with self._fs.dir("v1", *parts, create=True) as fd:
+            assert fd is not None
+            with atomic_file_at(fd, name, self.v1.joinpath(*parts)) as f:
+                yield f
+
+    def remove_file(self, parts: tuple[str, ...], name: str) -> bool:
+        """Remove ``v1/<parts>/<name>``; False if it was not there."""
+        with self._fs.dir("v1", *parts, check=True) as fd:
+            if fd is None:
+                return False
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise StoreError(f"cannot remove {self.v1.joinpath(*parts, name)}: {exc.strerror or exc}") from exc
+            return True
+
+    def list_dir(self, parts: tuple[str, ...]) -> list[tuple[str, os.stat_result]]:
+        """(name, lstat) of everything in ``v1/<parts>``, sorted by name; [] if it does not exist."""
+        with self._fs.dir("v1", *parts) as fd:
+            if fd is None:
+                return []
+            return _list(fd, self.v1.joinpath(*parts))
+
+    def file_lock(self, parts: tuple[str, ...], name: str, timeout: float | None = None,
+                  what: str = "") -> AbstractContextManager[None]:
+        """An exclusive cross-process lock on ``v1/<parts>/<name>``."""
+        return self._locked(parts, name, self.lock_timeout if timeout is None else timeout, what)
+
+    @contextmanager
+    def _locked(self, parts: tuple[str, ...], name: str, timeout: float, what: str) -> Iterator[None]:
+        with self._fs.dir("v1", *parts, create=True) as fd:
+            with file_lock(self.v1.joinpath(*parts, name), timeout, what=what, dir_fd=fd):
+                yield
+
     # -- Layer ----------------------------------------------------------------------------------
 
     def read(self, digest: Digest, size: int | None) -> bytes | None:
-        path = self.path_for(digest)
         try:
-            return read_regular(path, limit_for(size), touch=True)
+            return self.read_file(("cas", digest.hex[:2]), digest.hex, limit_for(size), touch=True)
         except NotRegularFile as exc:
             # Never follow a planted symlink; the next write replaces the link itself.
-            _log.warning("ignoring %s: %s", path, exc)
+            _log.warning("ignoring %s: %s", self.path_for(digest), exc)
             return None
 
     def write(self, digest: Digest, data: bytes) -> None:
         """Store verified bytes; re-hashes so nothing unverified can ever land at a final path."""
         verify(data, digest, None, where="the caller of LocalStore.write")
-        atomic_write(self.path_for(digest), data)
+        self.write_file(("cas", digest.hex[:2]), digest.hex, data)
         _log.debug("stored %s (%d bytes) in %s", digest, len(data), self.root)
 
     def discard(self, digest: Digest, size: int | None, reason: str) -> None:
-        path = self.path_for(digest)
         # Re-check by hash alone before moving anything: another process may already have
         # replaced the bad file, or the caller asked with a wrong size for a good entry.
         try:
-            current = read_regular(path, MAX_BLOB_SIZE)
+            current = self.read_file(("cas", digest.hex[:2]), digest.hex, MAX_BLOB_SIZE)
         except (NotRegularFile, StoreError):
             current = None
         if current is not None:
@@ -101,32 +173,40 @@ class LocalStore(Layer):
                 return
             except CubinstoreError:
                 pass
-        moved = self.quarantine(path)
+        moved = self.quarantine(digest)
         if moved is not None:
             _log.warning("quarantined corrupt entry %s to %s: %s", digest, moved, reason)
 
     def lock(self, digest: Digest) -> AbstractContextManager[None]:
-        return file_lock(self.lock_dir / digest.hex[:2] / f"{digest.hex}.lock", self.lock_timeout, what=str(digest))
+        return self.file_lock(("locks", digest.hex[:2]), f"{digest.hex}.lock", what=str(digest))
 
     # -- inspection and maintenance -------------------------------------------------------------
 
-    def quarantine(self, path: Path) -> Path | None:
-        """Move ``path`` out of the CAS (kept for forensics); None if it had already gone."""
-        target = self.quarantine_dir / f"{path.name}.{time.time_ns()}.{os.getpid()}"
-        try:
-            self.quarantine_dir.mkdir(parents=True, exist_ok=True)
-            os.replace(path, target)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise StoreError(f"cannot quarantine {path} to {target}: {exc.strerror or exc}") from exc
-        return target
+    def quarantine(self, digest: Digest | Path) -> Path | None:
+        """Move an entry (by digest, or its CAS path) out of the CAS, kept for forensics; None if gone."""
+        name = digest.hex if isinstance(digest, Digest) else digest.name
+        if not _HEX_RE.fullmatch(name):
+            raise StoreError(f"cannot quarantine {digest}: not a CAS entry name")
+        target = f"{name}.{time.time_ns()}.{os.getpid()}"
+        with self._fs.dir("v1", "cas", name[:2], check=True) as src:
+            if src is None:
+                return None
+            with self._fs.dir("v1", "quarantine", create=True) as dst:
+                try:
+                    os.replace(name, target, src_dir_fd=src, dst_dir_fd=dst)
+                except FileNotFoundError:
+                    return None
+                except OSError as exc:
+                    raise StoreError(
+                        f"cannot quarantine {self.cas_dir / name[:2] / name} to {self.quarantine_dir / target}: "
+                        f"{exc.strerror or exc}"
+                    ) from exc
+        return self.quarantine_dir / target
 
     def status(self, digest: Digest, size: int | None) -> str:
         """``"ok"``, ``"missing"`` or ``"corrupt"`` for one entry, changing nothing (for ``ls``)."""
-        limit = limit_for(size)
         try:
-            data = read_regular(self.path_for(digest), limit)
+            data = self.read_file(("cas", digest.hex[:2]), digest.hex, limit_for(size))
         except NotRegularFile:
             return "corrupt"
         if data is None:
@@ -141,28 +221,14 @@ class LocalStore(Layer):
         """Entries at well-formed final paths, and everything else under ``cas/`` (strays, temps, links)."""
         entries: list[Entry] = []
         strays: list[Path] = []
-        try:
-            shards = sorted(os.scandir(self.cas_dir), key=lambda e: e.name)
-        except FileNotFoundError:
-            return entries, strays
-        except OSError as exc:
-            raise StoreError(f"cannot list {self.cas_dir}: {exc.strerror or exc}") from exc
-        for shard in shards:
-            if not (_SHARD_RE.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False)):
-                strays.append(Path(shard.path))
+        for shard, st in self.list_dir(("cas",)):
+            if not (_SHARD_RE.fullmatch(shard) and stat.S_ISDIR(st.st_mode)):
+                strays.append(self.cas_dir / shard)
                 continue
-            for item in sorted(os.scandir(shard.path), key=lambda e: e.name):
-                path = Path(item.path)
-                try:
-                    st = item.stat(follow_symlinks=False)
-                except FileNotFoundError:  # removed by a concurrent gc or quarantine
-                    continue
-                if (
-                    _HEX_RE.fullmatch(item.name)
-                    and item.name[:2] == shard.name
-                    and stat.S_ISREG(st.st_mode)
-                ):
-                    entries.append(Entry(Digest(item.name), path, st.st_size, st.st_mtime))
+            for name, st in self.list_dir(("cas", shard)):
+                path = self.cas_dir / shard / name
+                if _HEX_RE.fullmatch(name) and name[:2] == shard and stat.S_ISREG(st.st_mode):
+                    entries.append(Entry(Digest(name), path, st.st_size, st.st_mtime))
                 else:
                     strays.append(path)
         return entries, strays
@@ -171,36 +237,69 @@ class LocalStore(Layer):
         """Remove temp files left by killed writers (only old ones: a live writer may own a new one)."""
         removed: list[Path] = []
         cutoff = time.time() - older_than
-        _, strays = self.scan()
-        for path in strays:
-            try:
-                st = path.lstat()
-            except FileNotFoundError:
+        for shard, st in self.list_dir(("cas",)):
+            if not (_SHARD_RE.fullmatch(shard) and stat.S_ISDIR(st.st_mode)):
                 continue
-            if path.name.startswith(_TEMP_PREFIX) and stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                try:
-                    path.unlink()
-                except FileNotFoundError:
+            for name, st in self.list_dir(("cas", shard)):
+                if name.startswith(_TEMP_PREFIX) and stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                    if self.remove_file(("cas", shard), name):
+                        removed.append(self.cas_dir / shard / name)
+                        _log.info("removed stale temp file %s", self.cas_dir / shard / name)
+        return removed
+
+    def clean_locks(self) -> int:
+        """Remove the lock files of absent entries that no process holds; how many went."""
+        removed = 0
+        for shard, st in self.list_dir(("locks",)):
+            if not (_SHARD_RE.fullmatch(shard) and stat.S_ISDIR(st.st_mode)):
+                continue
+            present = {name for name, _ in self.list_dir(("cas", shard))}
+            with self._fs.dir("v1", "locks", shard, check=True) as fd:
+                if fd is None:
                     continue
-                removed.append(path)
-                _log.info("removed stale temp file %s", path)
+                for name, st in _list(fd, self.lock_dir / shard):
+                    match = _LOCK_RE.fullmatch(name)
+                    if match and stat.S_ISREG(st.st_mode) and match.group(1) not in present and remove_if_unheld(fd, name):
+                        removed += 1
         return removed
 
     def remove(self, digest: Digest) -> bool:
+        return self.remove_file(("cas", digest.hex[:2]), digest.hex)
+
+    # -- staging: verify many blobs first, publish them together (unpack) ----------------------
+
+    def new_staged(self) -> tuple[BinaryIO, str]:
+        """A fresh temp file in ``v1/staging`` to stream a blob into, and its name."""
+        with self._fs.dir("v1", "staging", create=True) as fd:
+            assert fd is not None
+            tmp_fd, name = new_temp(fd, "blob", self.v1 / "staging")
+        os.fchmod(tmp_fd, 0o644)  # the final mode of a CAS entry: it is renamed as is
+        return os.fdopen(tmp_fd, "wb"), name
+
+    def commit_staged(self, name: str, digest: Digest) -> None:
+        """Rename a staged temp file (verified by the caller, re-checked here by size) to its CAS entry."""
+        with self._fs.dir("v1", "staging", check=True) as src, \
+                self._fs.dir("v1", "cas", digest.hex[:2], create=True) as dst:
+            if src is None:
+                raise StoreError(f"staged file {self.v1 / 'staging' / name} for {digest} vanished")
+            try:
+                os.replace(name, digest.hex, src_dir_fd=src, dst_dir_fd=dst)
+            except OSError as exc:
+                raise StoreError(f"cannot store {digest} at {self.path_for(digest)}: {exc.strerror or exc}") from exc
+            fsync_fd(dst, self.cas_dir / digest.hex[:2])
+
+    def drop_staged(self, name: str) -> None:
         try:
-            self.path_for(digest).unlink()
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise StoreError(f"cannot remove {self.path_for(digest)}: {exc.strerror or exc}") from exc
-        return True
+            self.remove_file(("staging",), name)
+        except StoreError as exc:
+            _log.warning("cannot remove staged file %s: %s", self.v1 / "staging" / name, exc)
 
     # -- persistent counters (for `cubinstore stats`) -------------------------------------------
 
     def read_stats(self) -> dict[str, int]:
         counts = dict.fromkeys(STAT_KEYS, 0)
         try:
-            data = read_regular(self.stats_path, 1 << 16)
+            data = self.read_file((), "stats.json", 1 << 16)
         except (NotRegularFile, StoreError) as exc:
             _log.warning("ignoring unreadable stats file %s: %s", self.stats_path, exc)
             return counts
@@ -223,14 +322,28 @@ class LocalStore(Layer):
         if not any(delta.values()):
             return
         try:
-            with file_lock(self.v1 / "stats.lock", 5.0, what="stats"):
+            with self.file_lock((), "stats.lock", 5.0, what="stats"):
                 counts = self.read_stats()
                 for key, value in delta.items():
                     counts[key] = counts.get(key, 0) + value
-                atomic_write(self.stats_path, json.dumps(counts, sort_keys=True).encode() + b"\n", durable=False)
+                self.write_file((), "stats.json", json.dumps(counts, sort_keys=True).encode() + b"\n", durable=False)
         except StoreError as exc:
             _log.warning("cannot update stats in %s: %s", self.stats_path, exc)
 
     def iter_digests(self) -> Iterator[Digest]:
         entries, _ = self.scan()
         return (e.digest for e in entries)
+
+
+def _list(fd: int, where: Path) -> list[tuple[str, os.stat_result]]:
+    items: list[tuple[str, os.stat_result]] = []
+    try:
+        listing = sorted(os.scandir(fd), key=lambda e: e.name)  # scandir dups fd itself
+    except OSError as exc:
+        raise StoreError(f"cannot list {where}: {exc.strerror or exc}") from exc
+    for item in listing:
+        try:
+            items.append((item.name, item.stat(follow_symlinks=False)))
+        except FileNotFoundError:  # removed by a concurrent gc or quarantine
+            continue
+    return items

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cubinstore.errors import LockTimeoutError, StoreError
 
-__all__ = ["file_lock"]
+__all__ = ["file_lock", "remove_if_unheld"]
 
 _log = logging.getLogger(__name__)
 
@@ -41,27 +41,34 @@ _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os,
 
 
 @contextmanager
-def file_lock(path: Path, timeout: float, *, what: str = "") -> Iterator[None]:
+def file_lock(path: Path, timeout: float, *, what: str = "", dir_fd: int | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (created if needed) for the ``with`` body.
 
-    Polls with backoff rather than blocking so the timeout needs no signals. The
-    lock is released when the descriptor closes, including when the process dies.
+    With ``dir_fd`` the lock file is ``path.name`` in that directory (``path`` only names it in
+    messages), so no link on the way is followed. Polls with backoff rather than blocking so
+    the timeout needs no signals. The lock is released when the descriptor closes, including
+    when the process dies.
     """
     deadline = time.monotonic() + timeout
     delay = 0.002
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StoreError(f"cannot create lock directory {path.parent}: {exc.strerror or exc}") from exc
+    target: str | Path = path
+    if dir_fd is None:
+        try:
+            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create lock directory {path.parent}: {exc.strerror or exc}") from exc
+    else:
+        target = path.name
     while True:
         try:
-            fd = os.open(path, _OPEN_FLAGS, 0o644)
+            fd = os.open(target, _OPEN_FLAGS, 0o644, dir_fd=dir_fd)
         except OSError as exc:
             raise StoreError(f"cannot open lock file {path}: {exc.strerror or exc}") from exc
         if _try_lock(fd):
-            # Someone may have replaced the lock file after we opened it; our lock would then guard nothing.
+            # gc may have removed (or someone replaced) the file after we opened it; our lock
+            # would then guard nothing, so retry on the file now at that name.
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(path))
+                same = os.path.samestat(os.fstat(fd), os.stat(target, dir_fd=dir_fd, follow_symlinks=False))
             except FileNotFoundError:
                 same = False
             if same:
@@ -77,5 +84,29 @@ def file_lock(path: Path, timeout: float, *, what: str = "") -> Iterator[None]:
     _log.debug("locked %s", path)
     try:
         yield
+    finally:
+        os.close(fd)
+
+
+def remove_if_unheld(dir_fd: int, name: str) -> bool:
+    """Remove the lock file ``name`` in ``dir_fd`` if no process holds it; True if removed.
+
+    The file is unlinked while we hold its lock, so a process that opened it before the
+    unlink and locks it after sees (by ``samestat``) that it is gone and retries on a new one.
+    """
+    try:
+        fd = os.open(name, _OPEN_FLAGS & ~os.O_CREAT, dir_fd=dir_fd)
+    except OSError:
+        return False  # gone already, or a link: never ours to remove
+    try:
+        if not _try_lock(fd):
+            return False
+        try:
+            if not os.path.samestat(os.fstat(fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
+                return False
+            os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            return False
+        return True
     finally:
         os.close(fd)

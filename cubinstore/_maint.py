@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubinstore._digest import Digest
-from cubinstore._files import NotRegularFile, atomic_write, read_regular, verify
+from cubinstore._files import NotRegularFile, verify
 from cubinstore._local import Entry, LocalStore
 from cubinstore.errors import CubinstoreError, IntegrityError, StoreError
 from cubinstore.manifest import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
 
-__all__ = ["GcResult", "VerifyReport", "gc", "pin", "pinned", "unpin", "verify_store"]
+__all__ = ["GcResult", "VerifyReport", "gc", "pin", "pinned", "pins_lock", "unpin", "verify_store"]
 
 _log = logging.getLogger(__name__)
 
@@ -23,43 +23,40 @@ _PIN_RE = re.compile(r"([0-9a-f]{64})\.json", re.ASCII)
 
 
 # -- pins -----------------------------------------------------------------------------------------
+# Pins and gc are serialised by one lock (v1/pins.lock): gc re-reads the pins and evicts while
+# holding it, so a pin that returned is honoured by every eviction that follows.
 
-def pin(local: LocalStore, manifest: Manifest) -> Path:
+def pins_lock(local: LocalStore) -> AbstractContextManager[None]:
+    """The lock ``pin``, ``unpin``, ``unpack --pin`` and ``gc``'s eviction hold."""
+    return local.file_lock((), "pins.lock", what="pins (gc or pin running)")
+
+
+def pin(local: LocalStore, manifest: Manifest, *, locked: bool = False) -> Path:
     """Protect ``manifest`` and its closure from ``gc``. The pin file is the manifest itself,
-    so its closure is known even if the manifest's CAS entry is lost."""
-    path = local.pins_dir / f"{manifest.digest.hex}.json"
-    atomic_write(path, manifest.raw)
-    local.write(manifest.digest, manifest.raw)
-    return path
+    so its closure is known even if the manifest's CAS entry is lost. ``locked``: the caller
+    already holds ``pins_lock``."""
+    with nullcontext() if locked else pins_lock(local):
+        local.write_file(("pins",), f"{manifest.digest.hex}.json", manifest.raw)
+        local.write(manifest.digest, manifest.raw)
+    return local.pins_dir / f"{manifest.digest.hex}.json"
 
 
 def unpin(local: LocalStore, digest: Digest) -> bool:
-    try:
-        (local.pins_dir / f"{digest.hex}.json").unlink()
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise StoreError(f"cannot remove pin {digest} in {local.pins_dir}: {exc.strerror or exc}") from exc
-    return True
+    with pins_lock(local):
+        return local.remove_file(("pins",), f"{digest.hex}.json")
 
 
 def pinned(local: LocalStore) -> list[Manifest]:
     """Every pinned manifest. A damaged pin raises ``StoreError``: GC must not guess a closure."""
     manifests: list[Manifest] = []
-    try:
-        names = sorted(os.listdir(local.pins_dir))
-    except FileNotFoundError:
-        return manifests
-    except OSError as exc:
-        raise StoreError(f"cannot list pins in {local.pins_dir}: {exc.strerror or exc}") from exc
-    for name in names:
+    for name, _st in local.list_dir(("pins",)):
         path = local.pins_dir / name
         match = _PIN_RE.fullmatch(name)
         if match is None:
             _log.warning("ignoring stray file %s in the pins directory", path)
             continue
         try:
-            raw = read_regular(path, MAX_MANIFEST_BYTES)
+            raw = local.read_file(("pins",), name, MAX_MANIFEST_BYTES)
             if raw is None:  # unpinned concurrently
                 continue
             digest = Digest(match.group(1))
@@ -83,38 +80,41 @@ class GcResult:
     evicted: list[Entry] = field(default_factory=list)
     quarantine_removed: int = 0
     temps_removed: int = 0
+    locks_removed: int = 0
 
 
 def gc(local: LocalStore, max_bytes: int) -> GcResult:
     """Evict least recently used entries (mtime, bumped on every read) until the CAS uses at most
-    ``max_bytes``; entries referenced by pinned manifests (and the manifests) are never evicted."""
-    protected: set[Digest] = set()
-    for manifest in pinned(local):
-        protected.add(manifest.digest)
-        protected.update(digest for digest, _ in manifest.blobs)
+    ``max_bytes``; entries referenced by pinned manifests (and the manifests) are never evicted.
+
+    The scan runs unlocked (it may be slow); the pins are read, and entries evicted, under
+    ``pins_lock``. Lock files of absent entries that no process holds are removed last.
+    """
     result = GcResult(temps_removed=len(local.clean_temps()))
-    try:
-        quarantined = list(os.scandir(local.quarantine_dir))
-    except FileNotFoundError:
-        quarantined = []
-    for item in quarantined:
+    for name, _st in local.list_dir(("quarantine",)):
         try:
-            os.unlink(item.path)
-            result.quarantine_removed += 1
-        except OSError as exc:
-            _log.warning("cannot remove quarantined file %s: %s", item.path, exc)
+            if local.remove_file(("quarantine",), name):
+                result.quarantine_removed += 1
+        except StoreError as exc:
+            _log.warning("cannot remove quarantined file %s: %s", local.quarantine_dir / name, exc)
     entries, _ = local.scan()
     total = sum(e.size for e in entries)
     result.total_before = total
-    result.pinned_bytes = sum(e.size for e in entries if e.digest in protected)
-    for entry in sorted((e for e in entries if e.digest not in protected), key=lambda e: (e.mtime, e.digest.hex)):
-        if total <= max_bytes:
-            break
-        if local.remove(entry.digest):
-            result.evicted.append(entry)
-            _log.debug("evicted %s (%d bytes)", entry.digest, entry.size)
-        total -= entry.size
+    with pins_lock(local):
+        protected: set[Digest] = set()
+        for manifest in pinned(local):
+            protected.add(manifest.digest)
+            protected.update(digest for digest, _ in manifest.blobs)
+        result.pinned_bytes = sum(e.size for e in entries if e.digest in protected)
+        for entry in sorted((e for e in entries if e.digest not in protected), key=lambda e: (e.mtime, e.digest.hex)):
+            if total <= max_bytes:
+                break
+            if local.remove(entry.digest):
+                result.evicted.append(entry)
+                _log.debug("evicted %s (%d bytes)", entry.digest, entry.size)
+            total -= entry.size
     result.total_after = total
+    result.locks_removed = local.clean_locks()
     return result
 
 
@@ -146,13 +146,13 @@ def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] |
         report.checked += 1
         path = local.path_for(digest)
         try:
-            data = read_regular(path, size if size is not None else MAX_BLOB_SIZE)
+            data = local.read_file(("cas", digest.hex[:2]), digest.hex, size if size is not None else MAX_BLOB_SIZE)
             if data is None:
                 report.missing.append(digest)
                 continue
             verify(data, digest, size, where=str(path))
         except (IntegrityError, NotRegularFile) as exc:
-            moved = local.quarantine(path)
+            moved = local.quarantine(digest)
             report.corrupt.append((digest, str(exc), moved))
             _log.info("corrupt %s: %s; quarantined to %s", digest, exc, moved)  # the caller reports it
             continue

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from cubinstore import _env
@@ -25,6 +26,7 @@ from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
     IntegrityError,
+    LockTimeoutError,
     MissingBlobError,
     RemoteUnavailableError,
     StoreError,
@@ -122,7 +124,7 @@ class Store:
         found = self._try(digest, size, name, range(min(lock_at + 1, len(self.layers))), outcomes, errors)
         lock = self.layers[lock_at].lock(digest) if found is None and lock_at + 1 < len(self.layers) else None
         if lock is not None:
-            with lock:
+            with _or_unlocked(lock, self.layers[lock_at], digest, strict=self.strict):
                 # Another process may have filled the blob while we waited for the lock.
                 found = self._try(digest, size, name, range(lock_at, len(self.layers)), outcomes, errors)
                 # Store before releasing the lock, or a waiter re-checks too early and downloads again.
@@ -228,6 +230,30 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store([{', '.join(layer.name for layer in self.layers)}])"
+
+
+@contextmanager
+def _or_unlocked(lock: AbstractContextManager[None], layer: Layer, digest: Digest, *, strict: bool) -> Iterator[None]:
+    """Hold ``lock``; if it cannot even be taken (a read-only or refused store, not a timeout),
+    go on without it: the lock only orders writes into that layer, and those will fail too,
+    so the blob is fetched into the layers that can take it (memory)."""
+    try:
+        lock.__enter__()
+    except LockTimeoutError:
+        raise
+    except StoreError as exc:
+        if strict:
+            raise
+        _log.debug("cannot lock %s in %s (%s): fetching without storing it there", digest, layer.name, exc)
+        yield
+        return
+    try:
+        yield
+    except BaseException as exc:
+        if not lock.__exit__(type(exc), exc, exc.__traceback__):
+            raise
+    else:
+        lock.__exit__(None, None, None)
 
 
 def _for(name: str | None) -> str:

@@ -1,0 +1,249 @@
+"""Paths below a store root opened through directory descriptors, never following a link.
+
+``O_NOFOLLOW`` on a path guards only its last component: a symlinked ``v1``, ``cas/<hh>``,
+``locks/<hh>``, ``pins`` or ``quarantine`` would redirect every write, rename and unlink
+below it. So every operation walks from the root one component at a time
+(``openat(dir_fd, name, O_DIRECTORY | O_NOFOLLOW)``) and then acts on a name relative to
+the last descriptor. The root itself is followed (the user chose it); nothing below is.
+
+Before anything is created, renamed, locked or removed, each directory on the way is
+checked: writable by group or others, or owned by another user (not root), means another
+local user could swap or delete entries, so writes are refused with ``UnsafeStoreError``
+unless the store was declared shared (``CUBINSTORE_ALLOW_SHARED_STORE``). Reads need no
+such check: every byte read is verified by digest.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
+
+from cubinstore.errors import StoreError, UnsafeStoreError
+
+__all__ = ["DIR_MODE", "StoreRoot", "atomic_file_at", "atomic_write_at", "fsync_fd", "read_at"]
+
+_log = logging.getLogger(__name__)
+
+DIR_MODE = 0o755  # explicit: mkdir's default 0o777 under umask 002 would make a group-writable store
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK so a FIFO planted at an entry name cannot hang open(); regular files ignore it.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_CHUNK = 1 << 20
+TEMP_PREFIX = ".tmp."
+
+
+class NotRegularFile(Exception):
+    """The name is a symlink, directory, FIFO or other non-regular file (never followed or read)."""
+
+
+class StoreRoot:
+    """The root directory of a local store; ``dir(*parts)`` opens a directory below it safely."""
+
+    def __init__(self, root: Path, *, allow_shared: bool) -> None:
+        self.root = root
+        self.allow_shared = allow_shared
+
+    @contextmanager
+    def dir(self, *parts: str, create: bool = False, check: bool = False) -> Iterator[int | None]:
+        """A descriptor of ``root/parts...``, or None when it does not exist (and not ``create``).
+
+        ``create`` makes missing directories (mode 0755); ``create`` or ``check`` verifies that
+        no directory on the way is writable by another user. A symlink or non-directory on
+        the way is an ``UnsafeStoreError`` when writing and a miss (None, logged) when reading.
+        """
+        fd = self._open(parts, create=create, check=check or create)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _open(self, parts: tuple[str, ...], *, create: bool, check: bool) -> int | None:
+        path = self.root
+        try:
+            fd = os.open(path, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.makedirs(path, DIR_MODE, exist_ok=True)
+                fd = os.open(path, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+            except OSError as exc:
+                raise StoreError(f"cannot create store directory {path}: {exc.strerror or exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot open store directory {path}: {exc.strerror or exc}") from exc
+        try:
+            if check:
+                self._check(fd, path)
+            for part in parts:
+                path = path / part
+                parent, fd = fd, None  # _step closes the parent, whatever happens
+                fd = self._step(parent, part, path, create=create, check=check)
+                if fd is None:
+                    return None
+                if check:
+                    self._check(fd, path)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        return fd
+
+    def _step(self, parent: int, name: str, path: Path, *, create: bool, check: bool) -> int | None:
+        """Open ``name`` below ``parent`` (closing ``parent``): the child's descriptor or None."""
+        try:
+            for _ in range(2):
+                try:
+                    return os.open(name, _DIR_FLAGS, dir_fd=parent)
+                except FileNotFoundError:
+                    if not create:
+                        return None
+                    try:
+                        os.mkdir(name, DIR_MODE, dir_fd=parent)
+                    except FileExistsError:
+                        pass  # another process made it first
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                message = (
+                    f"{path} is a symlink or not a directory; cubinstore never follows links inside "
+                    f"its store (remove it, or point CUBINSTORE_HOME at the real directory)"
+                )
+                if create or check:
+                    raise UnsafeStoreError(f"refusing to use {message}") from exc
+                _log.warning("ignoring %s", message)
+                return None
+            raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
+        finally:
+            os.close(parent)
+
+    def _check(self, fd: int, path: Path) -> None:
+        if self.allow_shared:
+            return
+        st = os.fstat(fd)
+        problems = []
+        if st.st_mode & 0o022:
+            problems.append(f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} "
+                            f"(mode {stat.S_IMODE(st.st_mode):#o})")
+        if hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0):
+            problems.append(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+        if problems:
+            raise UnsafeStoreError(
+                f"refusing to write to the store at {self.root}: {path} is {' and '.join(problems)}, so another "
+                f"local user could replace or delete its entries; run `chmod go-w {path}` (and chown it), or set "
+                "CUBINSTORE_ALLOW_SHARED_STORE=1 if everyone who can write it is trusted"
+            )
+
+
+def read_at(dir_fd: int, name: str, limit: int, *, path: Path, touch: bool = False) -> bytes | None:
+    """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd``; None if absent.
+
+    A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock).
+    """
+    try:
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+            raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
+        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
+    try:
+        return read_fd(fd, limit, path=path, touch=touch)
+    finally:
+        os.close(fd)
+
+
+def read_fd(fd: int, limit: int, *, path: Path, touch: bool = False) -> bytes:
+    """Read at most ``limit + 1`` bytes from the open regular file ``fd`` (``NotRegularFile`` otherwise)."""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+        chunks: list[bytes] = []
+        total = 0
+        while total <= limit:
+            chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if touch:
+            try:
+                os.utime(fd)
+            except OSError as exc:  # a read-only shared store still serves reads
+                _log.debug("cannot update mtime of %s: %s", path, exc)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def fsync_fd(fd: int, what: Path) -> None:
+    """Make a rename in the directory ``fd`` durable; best effort (not every filesystem supports it)."""
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        _log.debug("cannot fsync directory %s: %s", what, exc)
+
+
+def unlink_quiet(dir_fd: int, name: str, path: Path) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        _log.warning("cannot remove temp file %s: %s", path, exc)
+
+
+def new_temp(dir_fd: int, name: str, directory: Path) -> tuple[int, str]:
+    """Create a fresh temp file beside ``name`` (mode 0600, never through a link): (fd, its name)."""
+    for _ in range(100):
+        tmp = f"{TEMP_PREFIX}{name}.{secrets.token_hex(6)}"
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o600, dir_fd=dir_fd), tmp
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc
+    raise StoreError(f"cannot create a temp file in {directory}: every name tried exists")
+
+
+@contextmanager
+def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644,
+                   durable: bool = True) -> Iterator[BinaryIO]:
+    """Stream into a temp file in ``dir_fd``; on a clean exit fsync it and rename it to ``name``.
+
+    Any exception removes the temp file; an ``OSError`` becomes a ``StoreError`` naming the path
+    (an old file at ``name`` is unchanged).
+    """
+    path = directory / name
+    fd, tmp = new_temp(dir_fd, name, directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+            os.fchmod(f.fileno(), mode)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException as exc:
+        unlink_quiet(dir_fd, tmp, directory / tmp)
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise
+    if durable:
+        fsync_fd(dir_fd, directory)
+
+
+def atomic_write_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644,
+                    durable: bool = True) -> None:
+    """``atomic_file_at`` for bytes already in memory."""
+    with atomic_file_at(dir_fd, name, directory, mode=mode, durable=durable) as f:
+        f.write(data)
