@@ -205,3 +205,122 @@ def test_truncated_and_random_bundles_raise_only_typed_errors(packed, tmp_path: 
     report_entries = entries(target.root)
     for path in report_entries:  # anything stored came from a bundle that fully verified
         assert Digest.of(path.read_bytes()).hex == path.name
+
+
+# -- memory bombs: declared sizes are checked on headers, data is streamed -------------------------
+
+def _octal(value: int, width: int) -> bytes:
+    return f"{value:0{width - 1}o}".encode() + b"\0"
+
+
+def gnu_sparse_member(name: str, declared: int, stored: bytes) -> bytes:
+    """A GNU sparse header ('S') whose map says ``declared`` bytes, most of them a hole."""
+    info = tarfile.TarInfo(name)
+    info.size = len(stored)
+    info.mode = 0o444
+    header = bytearray(info.tobuf(format=tarfile.GNU_FORMAT))
+    header[156] = ord("S")
+    # One sparse entry: the stored bytes sit at the very end of a `declared`-byte file.
+    header[386:398] = _octal(declared - len(stored), 12)
+    header[398:410] = _octal(len(stored), 12)
+    header[482] = 0  # no extended sparse headers
+    header[483:495] = _octal(declared, 12)  # the real (declared) size
+    header[148:156] = b"        "
+    header[148:156] = f"{sum(header):06o}".encode() + b"\0 "
+    return bytes(header) + stored + b"\0" * (-len(stored) % 512)
+
+
+_UNPACK_UNDER_A_MEMORY_LIMIT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]), int(sys.argv[3])))
+from cubinstore import CubinstoreError
+from cubinstore._bundle import unpack
+from cubinstore.store import LocalStore
+try:
+    unpack(sys.argv[1], LocalStore(sys.argv[2]))
+except CubinstoreError as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(3)
+print("unpacked")
+"""
+
+
+def run_unpack_limited(bundle: Path, home: Path, limit: int = 768 << 20):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", _UNPACK_UNDER_A_MEMORY_LIMIT, str(bundle), str(home), str(limit)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+
+
+def test_a_sparse_member_declaring_a_gigabyte_is_refused_without_reading_it(packed, tmp_path: Path, tools) -> None:
+    release, manifest, out = packed
+    items = members(out)
+    # A manifest that names a 1 GiB blob, and a 10 KiB sparse member that claims to be it.
+    stored = b"\x7fELF" + bytes(10_000)
+    declared = 1 << 30
+    fake = tools.kernel_doc("axpy", {"dtype": "f32", "vec": 1}, "sm_90a", stored)
+    fake["size"] = declared
+    doc = {"schema": "cubinstore/manifest/v1", "kernels": [fake]}
+    raw = tools.canonical(doc)
+    bundle = tmp_path / "sparse.tar"
+    head = tarfile.TarInfo("manifest.json")
+    head.size = len(raw)
+    with open(bundle, "wb") as f:
+        f.write(head.tobuf(format=tarfile.GNU_FORMAT) + raw + b"\0" * (-len(raw) % 512))
+        f.write(gnu_sparse_member(f"cas/{fake['digest'].split(':')[1]}", declared, stored))
+        f.write(b"\0" * 1024)
+    assert bundle.stat().st_size < 20_000
+    result = run_unpack_limited(bundle, tmp_path / "home")
+    assert result.returncode == 3, (result.returncode, result.stdout, result.stderr[-2000:])
+    assert result.stdout.startswith(f"BundleError bundle {bundle}: member 'cas/") and "sparse" in result.stdout
+    assert entries(tmp_path / "home") == []
+
+
+def test_a_large_blob_is_streamed_not_held_in_memory(tmp_path: Path, tools) -> None:
+    data = b"\x7fELF" + random.Random(1).randbytes((96 << 20) - 4)  # larger than the memory limit allows twice
+    doc = {"schema": "cubinstore/manifest/v1", "kernels": [tools.kernel_doc("axpy", {"dtype": "f32", "vec": 1}, "sm_90a", data)]}
+    raw = tools.canonical(doc)
+    bundle = tmp_path / "big.tar"
+    with tarfile.open(bundle, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, body in (("manifest.json", raw), (f"cas/{Digest.of(data).hex}", data)):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    del data
+    # Python and the package need well under 100 MiB of address space beyond the baseline;
+    # holding the member whole (or twice, as bytes and as a joined copy) would not fit.
+    result = run_unpack_limited(bundle, tmp_path / "home", limit=(96 + 80) << 20)
+    assert result.returncode == 0, (result.stdout, result.stderr[-2000:])
+    assert result.stdout == "unpacked\n"
+    assert len(entries(tmp_path / "home")) == 2
+
+
+def test_expect_is_checked_before_any_blob_is_read(packed, tmp_path: Path) -> None:
+    release, manifest, out = packed
+    items = members(out)
+    # The blob members are links (refused when read); a bundle of another release is refused on its manifest alone.
+    links = []
+    for info, _ in items[1:]:
+        link = tarfile.TarInfo(info.name)
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        links.append((link, None))
+    items = [items[0], *links]
+    bad = tmp_path / "other.tar"
+    rewrite(bad, items)
+    other = Digest.of(b"another manifest")
+    with pytest.raises(BundleError, match=rf"^bundle {bad}: manifest is {manifest.digest}, expected {other}"):
+        unpack(bad, LocalStore(tmp_path / "target"), expect=other)
+
+
+def test_a_member_whose_header_size_differs_from_the_manifest_is_refused_before_reading(packed, tmp_path: Path) -> None:
+    release, manifest, out = packed
+    items = members(out)
+    info, data = items[1]
+    items[1] = (info, data + bytes(1 << 20))  # the header now says 1 MiB more than the manifest does
+    bad = tmp_path / "bigger.tar"
+    rewrite(bad, items)
+    digest, size = next((d, s) for d, s in manifest.blobs if d.hex == info.name[4:])
+    with pytest.raises(BundleError, match=rf"^bundle {bad}: blob {digest} \(.*\) has {size + (1 << 20)} bytes, expected {size}"):
+        unpack(bad, LocalStore(tmp_path / "target"))
