@@ -7,9 +7,11 @@ without its fast accumulation. Two ways to get the kernels:
   # CUBINs of a Bazel build, through cubinstore (launch geometry from the manifest)
   PYTHONPATH=. python benchmarks/bench_tgemm.py --manifest bazel-bin/kernels/manifest.json
 
-  # CUBINs compiled by hand (files tgemm_<dtype>_bm<BM>_bn<BN>_bk<BK>_stages<S>.cubin), loaded
-  # with cuda.bindings directly, with the geometry formulas of kernels/tgemm/README.md
-  python benchmarks/bench_tgemm.py --cubins DIR [--only NAME] [--check]
+  # without Bazel: render kernels/tgemm/tgemm.cu.tmpl per point and compile with nvcc (any host
+  # with nvcc 13 and the nvidia-cutlass wheel), then, on the GPU host, load the CUBINs with
+  # cuda.bindings directly and launch with the geometry formulas of kernels/tgemm/README.md
+  python benchmarks/bench_tgemm.py --compile DIR
+  python benchmarks/bench_tgemm.py --cubins DIR [--only REGEX] [--check]
 
 `--check` first runs every instantiation on tail shapes (fresh random inputs, output poisoned
 with NaN, float64 reference) and prints ||D - ref|| / ||ref||, and whether a second launch on
@@ -25,7 +27,9 @@ import ctypes
 import json
 import math
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +102,34 @@ def point_from_name(name: str) -> Point:
         raise SystemExit(f"bench_tgemm: cannot read a grid point from CUBIN name {name!r}")
     dtype, *ints = found.groups()
     return Point(dtype, *map(int, ints))
+
+
+# -- compile (no Bazel) ----------------------------------------------------------------------------
+
+
+def render(point: Point) -> str:
+    """The translation unit of one point: the template with each `{param}` replaced literally."""
+    text = (ROOT / "kernels" / "tgemm" / "tgemm.cu.tmpl").read_text()
+    for key, value in point.params.items():
+        text = text.replace("{" + key + "}", str(value))
+    return text
+
+
+def compile_grid(out: Path, nvcc: str) -> None:
+    import cutlass_library  # nvidia-cutlass ships the headers inside its Python package
+
+    include = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    out.mkdir(parents=True, exist_ok=True)
+    for row in GRID:
+        point = Point(*row)
+        src = out / f"{point.name}.cu"
+        src.write_text(render(point))
+        cmd = [nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr", f"-I{ROOT}",
+               f"-I{include}", str(src), "-o", str(out / f"{point.name}.cubin")]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"nvcc failed for {point.name} (exit {done.returncode}):\n{done.stderr}")
+        print(f"{point.name:44s} {(out / f'{point.name}.cubin').stat().st_size:7d} bytes", flush=True)
 
 
 # -- tensor maps -----------------------------------------------------------------------------------
@@ -256,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--manifest", type=Path, help="a manifest (bazel-bin/kernels/manifest.json)")
     src.add_argument("--cubins", type=Path, help="a directory of tgemm_<point>.cubin files")
+    src.add_argument("--compile", type=Path, metavar="DIR", help="compile GRID into DIR with nvcc, then stop")
+    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     parser.add_argument("--only", default=None, help="regex over instantiation names; 'none' times only the peers")
     parser.add_argument("--check", action="store_true", help="first check correctness on tail shapes")
     parser.add_argument("--no-time", action="store_true", help="skip timing")
@@ -264,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    if args.compile is not None:
+        compile_grid(args.compile, args.nvcc)
+        return
 
     import torch
 
