@@ -15,6 +15,7 @@ __all__ = [
     "ExpiredReleaseError",
     "IncompatibleArchError",
     "IntegrityError",
+    "JitCompileError",
     "KernelNotFoundError",
     "LockTimeoutError",
     "ManifestError",
@@ -100,3 +101,7 @@ class RollbackError(TrustError):
 
 class ExpiredReleaseError(TrustError):
     """A validly signed release record has passed its expiry (a frozen or stale channel)."""
+
+
+class JitCompileError(CubinstoreError):
+    """nvcc refused a JIT translation unit; the message holds the command (relative paths) and nvcc's output."""

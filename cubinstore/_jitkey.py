@@ -1,0 +1,632 @@
+"""The JIT key: xxh3-128 over content only (source, include trees, toolkit, host compiler, flags, arch).
+
+A key never contains an absolute path, a user, a host name or a time. Include trees are
+keyed by the relative path and content of every file under them (symlinks followed, so a
+symlinked and a copied tree give one key); the toolkit and the host compiler by the
+digests of the files that compile. Each tree is hashed once per process; a stat
+fingerprint (device, inode, size, mtime, ctime of every file) lets a fresh process reuse the
+content hash a previous one computed, as git's index does. Fingerprints are local facts
+kept under ``<store>/v1/jit/stat/``: they decide whether to re-read files, never the key.
+
+``xxhash`` is imported here and only here: ``import cubinstore`` stays standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import xxhash
+
+from cubinstore import _env
+from cubinstore._abi import Arch, dumps_canonical, merge_flags
+from cubinstore._digest import show
+from cubinstore._files import atomic_write, read_regular
+from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
+
+__all__ = [
+    "ACTION_ENV",
+    "HostCompiler",
+    "JitKey",
+    "KeyParts",
+    "SCHEME",
+    "Toolkit",
+    "Tree",
+    "clear_caches",
+    "find_toolkit",
+    "host_compiler",
+    "make_key",
+    "tree",
+    "xxh3",
+]
+
+_log = logging.getLogger(__name__)
+
+# Bumped when the command shape or what the key covers changes, so old entries stop matching.
+SCHEME: Final = "cubinstore-jit-v1"
+# The environment of the Bazel rule's actions (tools/private/rules/cuda_cubin.bzl).
+ACTION_PATH: Final = "/usr/bin:/bin"
+ACTION_ENV: Final[Mapping[str, str]] = {"PATH": ACTION_PATH, "LC_ALL": "C"}
+# What third_party/cuda/cuda_toolkit.bzl makes the compile actions' inputs.
+TOOL_FILES: Final = ("bin/nvcc", "bin/nvcc.profile", "bin/cudafe++", "bin/ptxas", "bin/fatbinary", "nvvm/bin/cicc")
+TOOL_TREES: Final = ("nvvm/libdevice", "include")
+# A file modified this close to the fingerprint could change again within the clock's
+# granularity without changing its mtime (git's "racy" entries): never cache those.
+_RACY_NS: Final = 2_000_000_000
+
+
+def xxh3(data: bytes) -> str:
+    """``xxh3:<32 hex>``: the 128-bit xxh3 of ``data``, the spelling of every JIT key part."""
+    return "xxh3:" + xxhash.xxh3_128_hexdigest(data)
+
+
+# -- trees ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tree:
+    """The content of a directory: each file's relative path and content hash."""
+
+    key: str  # xxh3 of the canonical listing
+    # relative path (with '/') -> xxh3 or sha256 of the content; None when the stat cache gave
+    # the key and the listing stays on disk (``load_tree``) until ``explain`` wants it.
+    files: Mapping[str, str] | None = field(repr=False, default=None)
+
+    @property
+    def listing(self) -> bytes:
+        if self.files is None:
+            raise ValueError(f"tree {self.key}: listing not loaded")
+        return _listing_bytes(self.files)
+
+
+def _listing_bytes(files: Mapping[str, str]) -> bytes:
+    return dumps_canonical({"schema": "cubinstore/jit-tree/v1", "files": dict(files)})
+
+
+def _walk(root: Path, what: str) -> list[tuple[str, str, os.stat_result]]:
+    """(relative path, absolute path, stat) of every regular file under ``root``, symlinks followed.
+
+    A directory reached twice through symlinks (a cycle, or two links to one place) is
+    listed under its first path only, so a link loop cannot make the walk endless.
+    """
+    out: list[tuple[str, str, os.stat_result]] = []
+    seen: set[tuple[int, int]] = set()
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        raise BadArgumentError(f"{what} {root}: cannot read: {exc.strerror or exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise BadArgumentError(f"{what} {root}: not a directory")
+    stack = [("", str(root))]
+    seen.add((st.st_dev, st.st_ino))
+    while stack:
+        rel_dir, abs_dir = stack.pop()
+        try:
+            items = list(os.scandir(abs_dir))
+        except OSError as exc:
+            raise BadArgumentError(f"{what} {root}: cannot list {rel_dir or '.'}: {exc.strerror or exc}") from exc
+        for item in items:
+            rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
+            try:
+                st = item.stat(follow_symlinks=True)
+            except FileNotFoundError:
+                _log.debug("%s %s: skipping dangling link %s", what, root, rel)
+                continue
+            except OSError as exc:
+                raise BadArgumentError(f"{what} {root}: cannot stat {rel}: {exc.strerror or exc}") from exc
+            if stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    stack.append((rel, item.path))
+            elif stat.S_ISREG(st.st_mode):
+                out.append((rel, item.path, st))
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+def _fingerprint(files: Sequence[tuple[str, str, os.stat_result]]) -> str:
+    h = xxhash.xxh3_128()
+    for rel, _, st in files:
+        h.update(f"{rel}\0{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _is_racy(files: Sequence[tuple[str, str, os.stat_result]]) -> bool:
+    now = time.time_ns()
+    return any(now - max(st.st_mtime_ns, st.st_ctime_ns) < _RACY_NS for _, _, st in files)
+
+
+def _hash_file(path: str, hasher: Callable[[bytes], str]) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hasher(f.read())
+    except OSError as exc:
+        raise StoreError(f"cannot read {path} to hash it: {exc.strerror or exc}") from exc
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+_HASHERS: Final[Mapping[str, Callable[[bytes], str]]] = {"xxh3": xxh3, "sha256": _sha256}
+
+_tree_cache: dict[tuple[str, str], Tree] = {}
+_toolkit_cache: dict[str, Toolkit] = {}
+_host_cache: dict[str, HostCompiler] = {}
+_cache_lock = threading.Lock()
+
+
+def clear_caches() -> None:
+    """Forget every tree, toolkit and host identity hashed in this process (files changed under it)."""
+    with _cache_lock:
+        _tree_cache.clear()
+        _toolkit_cache.clear()
+        _host_cache.clear()
+
+
+class _StatCache:
+    """``<store>/v1/jit/stat/<xxh3 of what>.json``: the last fingerprint of a tree and its listing's key.
+
+    Best effort: an unreadable or stale entry only means the files are hashed again.
+    """
+
+    def __init__(self, jit_dir: Path | None) -> None:
+        self.jit_dir = jit_dir
+
+    def _path(self, name: str) -> Path | None:
+        if self.jit_dir is None:
+            return None
+        return self.jit_dir / "stat" / (xxhash.xxh3_128_hexdigest(name.encode("utf-8", "surrogateescape")) + ".json")
+
+    def get(self, name: str, fingerprint: str) -> dict[str, Any] | None:
+        path = self._path(name)
+        if path is None:
+            return None
+        try:
+            raw = read_regular(path, 1 << 20)
+            doc = json.loads(raw) if raw else None
+        except (CubinstoreError, ValueError, OSError, Exception) as exc:  # noqa: BLE001 - a cache, never fatal
+            _log.debug("ignoring stat cache %s: %s", path, exc)
+            return None
+        if isinstance(doc, dict) and doc.get("fingerprint") == fingerprint:
+            return doc
+        return None
+
+    def put(self, name: str, doc: Mapping[str, Any]) -> None:
+        path = self._path(name)
+        if path is None:
+            return
+        try:
+            atomic_write(path, json.dumps(dict(doc), sort_keys=True).encode(), durable=False)
+        except StoreError as exc:
+            _log.debug("cannot write stat cache %s: %s", path, exc)
+
+
+def tree_path(jit_dir: Path, key: str) -> Path:
+    hex_ = key.split(":", 1)[1]
+    return jit_dir / "trees" / hex_[:2] / f"{hex_}.json"
+
+
+def store_tree(jit_dir: Path | None, t: Tree) -> None:
+    """Keep a tree's listing (content-addressed, written once) so ``explain`` can diff two trees."""
+    if jit_dir is None or t.files is None or not t.key.startswith("xxh3:"):
+        return
+    path = tree_path(jit_dir, t.key)
+    if path.exists():
+        return
+    try:
+        atomic_write(path, t.listing, durable=False)
+    except StoreError as exc:
+        _log.warning("cannot keep the listing of tree %s: %s", t.key, exc)
+
+
+def load_tree(jit_dir: Path, key: str) -> Tree | None:
+    """A stored listing, checked against its key; None when absent or damaged."""
+    if not re.fullmatch(r"xxh3:[0-9a-f]{32}", key):
+        return None
+    try:
+        raw = read_regular(tree_path(jit_dir, key), 64 << 20)
+    except Exception as exc:  # noqa: BLE001 - explain degrades to "listing not kept"
+        _log.debug("cannot read tree %s: %s", key, exc)
+        return None
+    if raw is None or xxh3(raw) != key:
+        return None
+    try:
+        files = json.loads(raw)["files"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return Tree(key, files) if isinstance(files, dict) else None
+
+
+def _known_tree(jit_dir: Path, key: object) -> Tree | None:
+    """The tree a stat-cache entry names, if its listing is still kept (not re-read: a fresh
+    process pays for a stat walk, not for parsing the listing)."""
+    if not isinstance(key, str) or not re.fullmatch(r"xxh3:[0-9a-f]{32}", key):
+        return None
+    return Tree(key) if tree_path(jit_dir, key).is_file() else None
+
+
+def _tree_from_files(files: Sequence[tuple[str, str, os.stat_result]], algo: str) -> Tree:
+    hasher = _HASHERS[algo]
+    listing = {rel: _hash_file(path, hasher) for rel, path, _ in files}
+    return Tree(xxh3(_listing_bytes(listing)), listing)
+
+
+def tree(root: str | os.PathLike[str], *, jit_dir: Path | None = None, algo: str = "xxh3",
+         cached: bool = True, what: str = "include root") -> Tree:
+    """The content key of the directory ``root`` (computed once per process when ``cached``).
+
+    ``jit_dir`` (``<store>/v1/jit``) enables the cross-process stat cache and keeps the
+    listing for ``explain``. ``algo="sha256"`` and ``cached=False`` exist for the benchmark.
+    """
+    if algo not in _HASHERS:
+        raise BadArgumentError(f"tree hash: expected one of {', '.join(_HASHERS)}, got {show(algo)}")
+    real = os.path.realpath(root)
+    if cached:
+        with _cache_lock:
+            hit = _tree_cache.get((real, algo))
+        if hit is not None:
+            return hit
+    files = _walk(Path(real), what)
+    result: Tree | None = None
+    stat_cache = _StatCache(jit_dir if cached and algo == "xxh3" else None)
+    fingerprint = _fingerprint(files) if stat_cache.jit_dir is not None else ""
+    doc = stat_cache.get(f"tree\0{real}", fingerprint) if fingerprint else None
+    if doc is not None and jit_dir is not None:
+        result = _known_tree(jit_dir, doc.get("tree"))
+    if result is None:
+        result = _tree_from_files(files, algo)
+        if fingerprint:
+            store_tree(jit_dir, result)
+            if not _is_racy(files):
+                stat_cache.put(f"tree\0{real}", {"fingerprint": fingerprint, "tree": result.key})
+    if cached:
+        with _cache_lock:
+            _tree_cache[(real, algo)] = result
+    return result
+
+
+# -- the toolkit ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Toolkit:
+    """The CUDA toolkit the JIT compiles with: where it is (never keyed) and what it is (keyed)."""
+
+    root: Path  # resolved; used to run nvcc, never part of a key
+    source: str  # which search step found it, e.g. "$CUDA_PATH"
+    version: str  # e.g. "13.0.88"
+    files: Tree  # the files that compile, by relative path
+
+    @property
+    def identity(self) -> dict[str, str]:
+        return {"version": self.version, "files": self.files.key}
+
+
+def _is_toolkit(root: Path) -> bool:
+    return (root / "bin" / "nvcc").is_file() and (root / "nvvm" / "bin" / "cicc").is_file()
+
+
+def locate_toolkit() -> tuple[Path, str]:
+    """The toolkit root, searched like ``third_party/cuda/cuda_toolkit.bzl``: $CUDA_PATH, $CUDA_HOME,
+    /usr/local/cuda, the toolkit of nvcc on $PATH. Raises ``BadArgumentError`` listing what was tried."""
+    tried: list[str] = []
+    candidates: list[tuple[str | None, str]] = []
+    for name, value in (("CUDA_PATH", _env.cuda_path()), ("CUDA_HOME", _env.cuda_home())):
+        candidates.append((str(value), f"${name}") if value else (None, f"${name} (unset)"))
+    candidates.append(("/usr/local/cuda", "default location"))
+    nvcc = _env.which("nvcc")
+    if nvcc:
+        candidates.append((str(Path(os.path.realpath(nvcc)).parent.parent), "nvcc on $PATH"))
+    else:
+        candidates.append((None, "nvcc on $PATH (not found)"))
+    for root, source in candidates:
+        if root is None:
+            tried.append(source)
+            continue
+        if _is_toolkit(Path(root)):
+            return Path(os.path.realpath(root)), source
+        tried.append(f"{root} from {source} (no bin/nvcc and nvvm/bin/cicc)")
+    raise BadArgumentError(
+        f"no CUDA toolkit found for the JIT. Tried, in order: {'; '.join(tried)}. Set CUDA_PATH to the toolkit's root."
+    )
+
+
+_VERSION_RE: Final = re.compile(r"release [0-9.]+, V([0-9][0-9.]*)")
+
+
+def _run_checked(argv: Sequence[str], what: str) -> str:
+    try:
+        out = subprocess.run(list(argv), capture_output=True, text=True, env=dict(ACTION_ENV), timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BadArgumentError(f"{what}: cannot run {' '.join(argv)}: {exc}") from exc
+    if out.returncode != 0:
+        raise BadArgumentError(f"{what}: {' '.join(argv)} exited with {out.returncode}: {(out.stderr or out.stdout).strip()[:500]}")
+    return out.stdout
+
+
+def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+    files: list[tuple[str, str, os.stat_result]] = []
+    for rel in TOOL_FILES:
+        path = root / rel
+        try:
+            files.append((rel, str(path), os.stat(path)))
+        except FileNotFoundError:
+            continue  # e.g. no fatbinary in a trimmed toolkit: nvcc -cubin does not run it
+    for sub in TOOL_TREES:
+        if (root / sub).is_dir():
+            files.extend((f"{sub}/{rel}", path, st) for rel, path, st in _walk(root / sub, "CUDA toolkit"))
+    files.sort(key=lambda t: t[0])
+    return files
+
+
+def find_toolkit(*, jit_dir: Path | None = None) -> Toolkit:
+    """The toolkit and its identity, once per process (and once per machine with ``jit_dir``)."""
+    root, source = locate_toolkit()
+    with _cache_lock:
+        hit = _toolkit_cache.get(str(root))
+    if hit is not None:
+        return hit
+    files = _toolkit_files(root)
+    stat_cache = _StatCache(jit_dir)
+    fingerprint = _fingerprint(files)
+    doc = stat_cache.get(f"toolkit\0{root}", fingerprint)
+    listing = _known_tree(jit_dir, doc.get("files")) if doc is not None and jit_dir is not None else None
+    version = str(doc.get("version", "")) if doc is not None else ""
+    if listing is None or not version:
+        out = _run_checked([str(root / "bin" / "nvcc"), "--version"], "CUDA toolkit")
+        match = _VERSION_RE.search(out)
+        if match is None:
+            raise BadArgumentError(f"CUDA toolkit: cannot read a version from `nvcc --version`: {out.strip()[-200:]}")
+        version = match.group(1)
+        listing = _tree_from_files(files, "xxh3")
+        store_tree(jit_dir, listing)
+        if not _is_racy(files):
+            stat_cache.put(f"toolkit\0{root}", {"fingerprint": fingerprint, "files": listing.key, "version": version})
+    toolkit = Toolkit(root, source, version, listing)
+    with _cache_lock:
+        _toolkit_cache[str(root)] = toolkit
+    return toolkit
+
+
+# -- the host compiler ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostCompiler:
+    """The compiler nvcc preprocesses and compiles host code with (``-ccbin``)."""
+
+    name: str  # the command name on /usr/bin:/bin, what -ccbin gets
+    identity: str  # the text third_party/cuda writes to host_compiler.id
+
+    @property
+    def summary(self) -> str:
+        version = self.identity.split("version:\n", 1)[-1].strip().splitlines()
+        return f"{self.name}: {version[0] if version else '?'}"
+
+
+def _stat_sig(path: str) -> str:
+    st = os.stat(path)
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def host_compiler(*, jit_dir: Path | None = None) -> HostCompiler:
+    """``$CUBINSTORE_HOST_CC`` (default gcc) on /usr/bin:/bin and its identity, like the repository rule."""
+    name = _env.host_cc()
+    if not name or "/" in name:
+        raise BadArgumentError(f"CUBINSTORE_HOST_CC must be a command name on {ACTION_PATH}, got {show(name)}")
+    with _cache_lock:
+        hit = _host_cache.get(name)
+    if hit is not None:
+        return hit
+    binary = next((os.path.realpath(p) for d in ACTION_PATH.split(":") if os.path.isfile(p := os.path.join(d, name))), None)
+    if binary is None:
+        raise BadArgumentError(f"host compiler {show(name)} (CUBINSTORE_HOST_CC) not found on {ACTION_PATH}")
+    stat_cache = _StatCache(jit_dir)
+    cache_name = f"host\0{name}\0{binary}"
+    sig = _stat_sig(binary)
+    identity = None
+    doc = stat_cache.get(cache_name, sig)
+    if doc is not None:
+        front = doc.get("cc1plus")
+        try:
+            if front is None or (isinstance(front, list) and _stat_sig(front[0]) == front[1]):
+                identity = doc.get("identity")
+        except OSError:
+            identity = None
+    if not isinstance(identity, str):
+        lines = [f"name: {name}", f"sha256: {_hash_file(binary, _sha256).split(':', 1)[1]}"]
+        front_end = _run_checked([binary, "-print-prog-name=cc1plus"], "host compiler").strip()
+        front_doc = None
+        if front_end.startswith("/") and os.path.exists(front_end):
+            real_front = os.path.realpath(front_end)
+            lines.append(f"cc1plus sha256: {_hash_file(real_front, _sha256).split(':', 1)[1]}")
+            front_doc = [real_front, _stat_sig(real_front)]
+        lines.append("version:")
+        lines.append(_run_checked([binary, "--version"], "host compiler"))
+        identity = "\n".join(lines)
+        stat_cache.put(cache_name, {"fingerprint": sig, "cc1plus": front_doc, "identity": identity})
+    host = HostCompiler(name, identity)
+    with _cache_lock:
+        _host_cache[name] = host
+    return host
+
+
+# -- flags ----------------------------------------------------------------------------------------
+
+# The command line sets these itself; a caller's copy would change what is compiled or where it goes.
+_RESERVED: Final = (
+    "-o", "--output-file", "-arch", "--gpu-architecture", "-code", "--gpu-code", "-gencode", "--generate-code",
+    "-ccbin", "--compiler-bindir", "-cubin", "--cubin", "-ptx", "--ptx", "-fatbin", "--fatbin", "-c", "--compile",
+    "-E", "--preprocess", "-M", "-MM", "-MD", "-MMD", "-MF", "--dryrun", "-dryrun", "-keep", "--keep",
+    "-keep-dir", "--keep-dir", "-odir", "--output-directory", "-run", "--run", "-lib", "-link", "--link",
+)
+# Options that take a path (to a directory, or a file for the -include forms); longest first, so
+# "-isystem/x" is not read as "-I" + "system/x".
+_PATH_OPTIONS: Final = ("--include-path", "--system-include", "--pre-include", "-isystem", "-include", "-I")
+_GLUED: Final = frozenset({"-isystem", "-include", "-I"})  # also spelled with the path attached: -I/x
+_DIR_OPTIONS: Final = frozenset({"-I", "-isystem", "--include-path", "--system-include"})
+
+
+@dataclass(frozen=True)
+class FlagPath:
+    """An absolute path a flag names, and the relative name the compile uses for it."""
+
+    option: str
+    path: str  # absolute, as given
+    is_dir: bool
+    key: str  # tree key or file content key
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The caller's flags split into what the key sees and what the compile runs."""
+
+    keyed: tuple[str, ...]  # merged defaults + flags, each path replaced by {tree:...}/{file:...}
+    command: tuple[str, ...]  # the same, each path replaced by its relative name in the compile dir
+    paths: tuple[FlagPath, ...]  # paths[i] is compiled as flagpath/<i>
+
+
+def _path_option(flag: str) -> str | None:
+    for o in _PATH_OPTIONS:
+        if flag == o or flag.startswith(o + "=") or (o in _GLUED and flag.startswith(o)):
+            return o
+    return None
+
+
+def _option_of(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def normalize_flags(flags: Sequence[str], *, jit_dir: Path | None) -> Flags:
+    """Check the caller's flags and replace every absolute path by the content key of what it names.
+
+    Raises ``BadArgumentError`` naming the flag for a reserved option (the JIT sets it), a
+    relative path (it would be resolved against a temp directory) or an absolute path
+    anywhere the JIT cannot key it.
+    """
+    if isinstance(flags, (str, bytes)):
+        raise BadArgumentError(f"flags: expected a sequence of strings, got the single string {show(flags)}")
+    items = list(flags)
+    for f in items:
+        if not isinstance(f, str) or not f or "\0" in f or "\n" in f:
+            raise BadArgumentError(f"flags: expected non-empty strings without NUL or newline, got {show(f)}")
+    keyed: list[str] = []
+    command: list[str] = []
+    paths: list[FlagPath] = []
+    i = 0
+    merged = merge_flags(items)
+    while i < len(merged):
+        flag = merged[i]
+        option = _option_of(flag)
+        if option in _RESERVED or option.startswith("-M"):
+            raise BadArgumentError(f"flag {show(flag)}: the JIT sets {option} itself; remove it (arch goes in arch=)")
+        opt = _path_option(flag)
+        if opt is not None:
+            if flag == opt:
+                if i + 1 >= len(merged):
+                    raise BadArgumentError(f"flag {show(flag)}: expects a path after it")
+                value, spelled, i = merged[i + 1], (opt,), i + 2
+            else:
+                value = flag[len(opt) + 1:] if flag.startswith(opt + "=") and opt not in _GLUED else flag[len(opt):]
+                spelled, i = (), i + 1
+            if not os.path.isabs(value):
+                raise BadArgumentError(
+                    f"flag {show(flag)}: {show(value)} is relative; JIT paths must be absolute (they are keyed by content)"
+                )
+            is_dir = opt in _DIR_OPTIONS
+            if is_dir:
+                key = tree(value, jit_dir=jit_dir, what=f"flag {opt}").key
+            else:
+                if not os.path.isfile(value):
+                    raise BadArgumentError(f"flag {show(flag)}: {value} is not a file")
+                key = _hash_file(value, xxh3)
+            paths.append(FlagPath(opt, value, is_dir, key))
+            rel = f"flagpath/{len(paths) - 1}"
+            marker = "{tree:" + key + "}" if is_dir else "{file:" + key + "}"
+            if spelled:
+                keyed.extend([opt, marker])
+                command.extend([opt, rel])
+            else:
+                sep = "=" if flag.startswith(opt + "=") and opt not in _GLUED else ""
+                keyed.append(f"{opt}{sep}{marker}")
+                command.append(f"{opt}{sep}{rel}")
+            continue
+        if flag.startswith("/") or "=/" in flag or ":/" in flag:
+            raise BadArgumentError(
+                f"flag {show(flag)} holds an absolute path the JIT cannot key by content; "
+                "pass include directories in include_dirs or as -I/-isystem"
+            )
+        keyed.append(flag)
+        command.append(flag)
+        i += 1
+    return Flags(tuple(keyed), tuple(command), tuple(paths))
+
+
+# -- the key --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KeyParts:
+    """Everything the key covers, each part a content hash or a value: never a path, user, host or time."""
+
+    scheme: str
+    source: str  # xxh3 of the TU text
+    source_name: str  # the TU's relative name in the compile dir (salts anonymous-namespace symbols)
+    includes: tuple[str, ...]  # tree key of each include root, in -I order
+    flags: tuple[str, ...]  # Flags.keyed
+    arch: str
+    toolkit: Mapping[str, str]  # version, files (tree key)
+    host: Mapping[str, str]  # name, identity (host_compiler.id text)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scheme": self.scheme, "source": self.source, "source_name": self.source_name,
+            "includes": list(self.includes), "flags": list(self.flags), "arch": self.arch,
+            "toolkit": dict(self.toolkit), "host": dict(self.host),
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> KeyParts:
+        return cls(
+            scheme=str(doc["scheme"]), source=str(doc["source"]), source_name=str(doc["source_name"]),
+            includes=tuple(str(x) for x in doc["includes"]), flags=tuple(str(x) for x in doc["flags"]),
+            arch=str(doc["arch"]), toolkit={str(k): str(v) for k, v in doc["toolkit"].items()},
+            host={str(k): str(v) for k, v in doc["host"].items()},
+        )
+
+
+@dataclass(frozen=True)
+class JitKey:
+    """A JIT key: ``hex`` (32 hex, xxh3-128 of the canonical parts) and the parts it was made of."""
+
+    hex: str
+    parts: KeyParts
+
+    def __str__(self) -> str:
+        return "xxh3:" + self.hex
+
+
+def make_key(parts: KeyParts) -> JitKey:
+    return JitKey(xxhash.xxh3_128_hexdigest(dumps_canonical(parts.to_json())), parts)
+
+
+def key_parts(source_text: str, source_name: str, include_trees: Iterable[Tree], flags: Flags, arch: Arch,
+              toolkit: Toolkit, host: HostCompiler) -> KeyParts:
+    return KeyParts(
+        scheme=SCHEME,
+        source=xxh3(source_text.encode("utf-8", "surrogateescape")),
+        source_name=source_name,
+        includes=tuple(t.key for t in include_trees),
+        flags=flags.keyed,
+        arch=str(arch),
+        toolkit=toolkit.identity,
+        host={"name": host.name, "identity": host.identity},
+    )
