@@ -374,6 +374,11 @@ def _parser() -> _Parser:
 
     p = sub.add_parser("stats", help="hits, misses, bytes fetched and verification failures of the local store")
     p.set_defaults(func=_cmd_stats)
+
+    # warmset export|prefetch|list and explain: the JIT's commands, defined beside their logic.
+    from cubinstore import _jitcli
+
+    _jitcli.add_parsers(sub, m_help)
     return parser
 
 
