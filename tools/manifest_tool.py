@@ -1,113 +1,194 @@
 #!/usr/bin/env python3
-"""Writes manifest.json (schema cubinstore/manifest/v1) from the CUBINs a build produced.
+"""Writes a manifest (schema cubinstore/manifest/v2) from the CUBINs a build produced.
 
-Run by the CubinManifest action. Digests and sizes come from the produced bytes. Each
-declared entry must be a global function in its CUBIN whose parameter layout (from the
-CUBIN's .nv.info section) matches the declared parameter types; otherwise the build fails
-naming the kernel, entry and parameter.
+Run by the CubinManifest action (`//tools:manifest_tool`). Everything in the manifest comes
+from the produced bytes and the ABI contract in `cubinstore._abi`, which the runtime imports
+too:
+- digests and sizes are computed here;
+- each declared entry is resolved to a kernel of its CUBIN: by symbol (an extern "C" name or
+  a mangled name) or by its C++ name (`ns::gemm<128, 256>`), demangling the CUBIN's kernels;
+  a kernel is what carries CUDA's entry mark, local (`__global__ static`) or global;
+- each entry's parameters must have the sizes and offsets the ABI's layout rule gives the
+  declared types (checked against the CUBIN's .nv.info), or the build fails naming the
+  kernel, entry and parameter: a layout the runtime would refuse never ships;
+- launch geometry is evaluated (integer arithmetic) and its grid rules checked.
 
 Usage: manifest_tool.py SPEC.json OUT.json
-SPEC.json: {"kernels": [{"id", "family", "params", "arch", "entries", "target", "cubin"}]}
+SPEC.json: {"demangler": CMD, "kernels": [{"id", "family", "params", "arch", "entries",
+            "launch", "target", "cubin"}]}
 """
+
+from __future__ import annotations
 
 import hashlib
 import json
-import struct
+import os
+import re
+import subprocess
 import sys
+from typing import Any
 
-SCHEMA = "cubinstore/manifest/v1"
-PARAM_TYPES = {  # type -> (size, alignment) in bytes
-    "i32": (4, 4), "u32": (4, 4), "i64": (8, 8), "u64": (8, 8),
-    "f32": (4, 4), "f64": (8, 8), "ptr": (8, 8), "tensormap": (128, 64),
-}
-_SHT_SYMTAB = 2
-_STT_FUNC = 2
-_STB_GLOBAL = 1
-_EIFMT_SVAL = 4
-_EIATTR_KPARAM_INFO = 0x17
+# Under Bazel the package's sources are inputs at their workspace paths below the working
+# directory (the execution root); run by hand, they are beside this script's directory.
+for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__file__)))):
+    if os.path.isfile(os.path.join(_root, "cubinstore", "_abi.py")):
+        sys.path.insert(0, _root)
+        break
+
+from cubinstore import _abi  # noqa: E402
+from cubinstore.errors import CubinstoreError  # noqa: E402
+from cubinstore.manifest import Manifest  # noqa: E402
+
+_SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_INT_SUFFIX_RE = re.compile(r"\b(\d+)(?:u|l|ul|lu|ll|ull|llu)\b", re.IGNORECASE)
 
 
 class BuildError(Exception):
     pass
 
 
-class Cubin:
-    """The few ELF facts the checks need: global functions and kernel parameter layouts."""
-
-    def __init__(self, data: bytes, name: str):
-        if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-            raise BuildError(f"{name}: not a 64-bit little-endian ELF file, so not a CUBIN")
-        self._data = data
-        shoff, = struct.unpack_from("<Q", data, 0x28)
-        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-        self._sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-        names = self._sections[shstrndx]
-        self._by_name = {self._str(names, s[0]): s for s in self._sections}
-
-    def _str(self, table, offset: int) -> str:
-        start = table[4] + offset
-        return self._data[start:self._data.index(b"\0", start)].decode()
-
-    def _bytes(self, section) -> bytes:
-        return self._data[section[4]:section[4] + section[5]]
-
-    def global_functions(self) -> set[str]:
-        names = set()
-        for sec in self._sections:
-            if sec[1] != _SHT_SYMTAB:
-                continue
-            strtab = self._sections[sec[6]]
-            body = self._bytes(sec)
-            for off in range(0, len(body), 24):
-                st_name, st_info = struct.unpack_from("<IB", body, off)
-                if st_info & 0xF == _STT_FUNC and st_info >> 4 == _STB_GLOBAL:
-                    names.add(self._str(strtab, st_name))
-        return names
-
-    def param_layout(self, entry: str) -> list[tuple[int, int]]:
-        """(offset, size) of each parameter, in ordinal order."""
-        sec = self._by_name.get(".nv.info." + entry)
-        if sec is None:
-            return []
-        body, pos, params = self._bytes(sec), 0, {}
-        while pos + 4 <= len(body):
-            fmt, attr, value = struct.unpack_from("<BBH", body, pos)
-            pos += 4
-            if fmt != _EIFMT_SVAL:
-                continue
-            if attr == _EIATTR_KPARAM_INFO:
-                _, ordinal, offset, bits = struct.unpack_from("<IHHI", body, pos)
-                params[ordinal] = (offset, (bits >> 18) & 0x3FFF)
-            pos += value
-        return [params[i] for i in sorted(params)]
+def _where(kernel: dict[str, Any]) -> str:
+    return f"kernel '{kernel['id']}' ({kernel['target']})"
 
 
-def check_entries(kernel: dict, cubin: Cubin) -> None:
-    functions = cubin.global_functions()
-    for entry, types in kernel["entries"].items():
-        if entry not in functions:
+def normalize_name(name: str) -> str:
+    """A C++ name in one spelling: no blanks except between words, no integer suffixes."""
+    name = _INT_SUFFIX_RE.sub(r"\1", name)
+    name = re.sub(r"\s+", " ", name.strip())
+    return re.sub(r"\s*([<>,:()*&\[\]])\s*", r"\1", name)
+
+
+def function_name(demangled: str) -> str:
+    """`void ns::f<1, 2>(int, float*)` -> `ns::f<1, 2>`: drop the return type and the parameters."""
+    text = demangled.strip()
+    if text.endswith(")"):
+        depth = 0
+        for i in range(len(text) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(text[i], 0)
+            if depth == 0:
+                text = text[:i]
+                break
+    depth, start = 0, 0
+    for i, c in enumerate(text):
+        if c in "<([":
+            depth += 1
+        elif c in ">)]":
+            depth -= 1
+        elif c == " " and depth == 0:
+            start = i + 1
+    return text[start:].strip()
+
+
+def demangle(command: str, symbols: list[str]) -> dict[str, str]:
+    """Symbol -> readable function name, for the mangled ones, through the build's demangler."""
+    mangled = [s for s in symbols if s.startswith("_Z")]
+    if not mangled:
+        return {}
+    try:
+        done = subprocess.run([command], input="\n".join(mangled) + "\n", capture_output=True, text=True,
+                              timeout=120, check=False)
+    except OSError as exc:
+        raise BuildError(f"cannot run the demangler {command!r}: {exc}") from None
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or len(lines) != len(mangled):
+        raise BuildError(f"demangler {command!r} exited {done.returncode} with {len(lines)} lines for "
+                         f"{len(mangled)} names: {done.stderr.strip()}")
+    return {s: function_name(line) for s, line in zip(mangled, lines)}
+
+
+def resolve_entry(kernel: dict[str, Any], declared: str, cubin: _abi.CubinImage,
+                  readable: dict[str, str]) -> tuple[str, str]:
+    """(symbol, readable name) of the declared entry."""
+    kernels = cubin.kernels
+    if declared in kernels:
+        return declared, readable.get(declared, declared)
+    wanted = normalize_name(declared)
+    matches = sorted(s for s, name in readable.items()
+                     if normalize_name(name) == wanted or normalize_name(name).endswith("::" + wanted))
+    if len(matches) == 1:
+        return matches[0], declared
+    found = ", ".join(f"{readable.get(s, s)} ({s})" for s in sorted(kernels)) or "none"
+    if matches:
+        raise BuildError(f"{_where(kernel)}: entry '{declared}' matches {len(matches)} kernels of its CUBIN: "
+                         f"{', '.join(matches)}; name it by its symbol or fully qualified")
+    raise BuildError(f"{_where(kernel)}: entry '{declared}' is not a kernel of its CUBIN; its kernels: {found}")
+
+
+def check_layout(kernel: dict[str, Any], declared: str, symbol: str, types: list[str],
+                 cubin: _abi.CubinImage, arch: _abi.Arch) -> list[int]:
+    """The offsets of the entry's parameters; fails unless the CUBIN has exactly them."""
+    try:
+        parsed = [_abi.param_type(t) for t in types]
+    except CubinstoreError as exc:
+        raise BuildError(f"{_where(kernel)}: entry '{declared}': {exc}") from None
+    actual = cubin.param_layout(symbol)
+    if len(actual) != len(parsed):
+        raise BuildError(f"{_where(kernel)}: entry '{declared}' takes {len(actual)} parameters, "
+                         f"declared {len(parsed)}: {types}")
+    expected = _abi.param_layout(parsed, arch)
+    for i, ((offset, size), t, want) in enumerate(zip(actual, parsed, expected)):
+        if size != t.size or offset != want:
             raise BuildError(
-                f"kernel '{kernel['id']}' ({kernel['target']}): entry '{entry}' is not a global function "
-                f"of its CUBIN; found: {', '.join(sorted(functions)) or 'none'}")
-        # Offsets are not compared: the compiler pads the parameter block so that 64-byte
-        # aligned parameters (tensor maps) are aligned in the constant bank, not in the block.
-        actual = cubin.param_layout(entry)
-        if len(actual) != len(types):
-            raise BuildError(
-                f"kernel '{kernel['id']}' ({kernel['target']}): entry '{entry}' takes {len(actual)} "
-                f"parameters, declared {len(types)}: {types}")
-        for i, ((offset, size), declared) in enumerate(zip(actual, types)):
-            if size != PARAM_TYPES[declared][0]:
-                raise BuildError(
-                    f"kernel '{kernel['id']}' ({kernel['target']}): entry '{entry}' parameter {i} is "
-                    f"{size} bytes (at offset {offset}), but declared '{declared}' is "
-                    f"{PARAM_TYPES[declared][0]} bytes")
+                f"{_where(kernel)}: entry '{declared}' parameter {i} is {size} bytes at offset {offset}, "
+                f"but declared '{t}' is {t.size} bytes at offset {want} by the layout rule for {arch} "
+                f"(cubinstore/_abi.py); the declaration does not match the kernel's signature")
+    return list(expected)
 
 
-def manifest_entry(kernel: dict) -> dict:
+def _const(kernel: dict[str, Any], where: str, value: Any) -> Any:
+    """A geometry value with placeholders filled: an int, or integer arithmetic to evaluate."""
+    if isinstance(value, list):
+        return [_const(kernel, f"{where}[{i}]", v) for i, v in enumerate(value)]
+    if isinstance(value, str):
+        try:
+            return _abi.eval_rule(value)
+        except CubinstoreError as exc:
+            raise BuildError(f"{_where(kernel)}: launch {where}: {exc}") from None
+    return value
+
+
+def launch_geometry(kernel: dict[str, Any], declared: str) -> dict[str, Any] | None:
+    geometry = kernel.get("launch", {}).get(declared)
+    if geometry is None:
+        return None
+    out = {k: _const(kernel, f"{declared}.{k}", v) for k, v in geometry.items() if k != "grid"}
+    if "grid" in geometry:
+        grid = []
+        for item in geometry["grid"] if isinstance(geometry["grid"], list) else [geometry["grid"]]:
+            try:  # constant arithmetic becomes a number; a rule over args/sm_count stays
+                grid.append(_abi.eval_rule(item) if isinstance(item, str) else item)
+            except CubinstoreError:
+                grid.append(item)
+        out["grid"] = grid
+    try:
+        return _abi.LaunchGeometry.from_json(out, f"{_where(kernel)}: launch of entry '{declared}'").to_json()
+    except CubinstoreError as exc:
+        raise BuildError(str(exc)) from None
+
+
+def manifest_entry(kernel: dict[str, Any], demangler: str) -> dict[str, Any]:
     with open(kernel["cubin"], "rb") as f:
         data = f.read()
-    check_entries(kernel, Cubin(data, kernel["id"]))
+    arch = _abi.Arch.parse(kernel["arch"])
+    try:
+        cubin = _abi.CubinImage(data, _where(kernel))
+        readable = demangle(demangler, sorted(cubin.kernels))
+        entries = {}
+        for declared, types in kernel["entries"].items():
+            symbol, name = resolve_entry(kernel, declared, cubin, readable)
+            if symbol in entries:
+                raise BuildError(f"{_where(kernel)}: entries '{entries[symbol]['name']}' and '{declared}' "
+                                 f"are one kernel, {symbol}")
+            entry = {"name": name, "params": types, "offsets": check_layout(kernel, declared, symbol, types, cubin, arch)}
+            geometry = launch_geometry(kernel, declared)
+            if geometry is not None:
+                entry["launch"] = geometry
+            entries[symbol] = entry
+    except CubinstoreError as exc:  # a malformed CUBIN
+        raise BuildError(str(exc)) from None
+    unknown = sorted(set(kernel.get("launch", {})) - set(kernel["entries"]))
+    if unknown:
+        raise BuildError(f"{_where(kernel)}: launch geometry for '{unknown[0]}', which is not a declared entry")
     return {
         "id": kernel["id"],
         "family": kernel["family"],
@@ -115,7 +196,7 @@ def manifest_entry(kernel: dict) -> dict:
         "arch": kernel["arch"],
         "digest": "sha256:" + hashlib.sha256(data).hexdigest(),
         "size": len(data),
-        "entries": kernel["entries"],
+        "entries": entries,
         "target": kernel["target"],
     }
 
@@ -126,15 +207,13 @@ def main(argv: list[str]) -> int:
         return 2
     with open(argv[1], encoding="utf-8") as f:
         spec = json.load(f)
-    kernels = [manifest_entry(k) for k in spec["kernels"]]
-    ids = [k["id"] for k in kernels]
-    duplicates = sorted({i for i in ids if ids.count(i) > 1})
-    if duplicates:
-        raise BuildError(f"duplicate kernel ids in the manifest: {', '.join(duplicates)}")
-    manifest = {"schema": SCHEMA, "kernels": sorted(kernels, key=lambda k: k["id"])}
-    text = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
-    with open(argv[2], "w", encoding="utf-8") as f:
-        f.write(text)
+    kernels = [manifest_entry(k, spec["demangler"]) for k in spec["kernels"]]
+    try:
+        manifest = Manifest.build(kernels, source="the built manifest")  # the runtime's own validation
+    except CubinstoreError as exc:
+        raise BuildError(str(exc)) from None
+    with open(argv[2], "wb") as f:
+        f.write(manifest.raw)
     return 0
 
 

@@ -10,6 +10,11 @@ The host compiler nvcc preprocesses with (`$CUBINSTORE_HOST_CC`, default `gcc`, 
 name looked up on the actions' fixed PATH `/usr/bin:/bin`) is not an input; its identity
 (its `--version` output, the sha256 of its binary and of gcc's `cc1plus`) is written to
 `host_compiler.id`, which every compile action takes as an input.
+
+The demangler the manifest action resolves C++ entry names with: the toolkit's `bin/cu++filt`
+when it has one (symlinked, so its content is an input), else `$CUBINSTORE_CXXFILT` (default
+binutils' `c++filt`, a command name on the actions' PATH), whose identity is written to
+`demangler.id` the same way.
 """
 
 ACTION_PATH = "/usr/bin:/bin"
@@ -105,23 +110,48 @@ def _host_identity(rctx, host):
     lines.append(_run(rctx, [host.binary, "--version"]))
     return "\n".join(lines)
 
+def _detect_demangler(rctx, toolkit):
+    """The demangler: struct(command, identity); command is the repo path or a name on PATH."""
+    if rctx.path(toolkit.root + "/bin/cu++filt").exists:
+        rctx.symlink(toolkit.root + "/bin/cu++filt", "bin/cu++filt")
+        return struct(command = "", identity = "the toolkit's bin/cu++filt (an input)\n")
+    name = rctx.os.environ.get("CUBINSTORE_CXXFILT", "c++filt")
+    if "/" in name or not name:
+        fail("cuda_toolkit: CUBINSTORE_CXXFILT must be a command name on {}, got '{}'".format(ACTION_PATH, name))
+    for directory in ACTION_PATH.split(":"):
+        candidate = directory + "/" + name
+        if rctx.path(candidate).exists:
+            binary = _realpath(rctx, candidate)
+            version = _run(rctx, [binary, "--version"]).split("\n")[0]
+            return struct(command = name, identity = "name: {}\nsha256: {}\nversion: {}\n".format(
+                name,
+                _sha256(rctx, binary),
+                version,
+            ))
+    fail("cuda_toolkit: no demangler: the toolkit has no bin/cu++filt and '{}' (CUBINSTORE_CXXFILT) is not on {}".format(
+        name,
+        ACTION_PATH,
+    ))
+
 def _cuda_toolkit_impl(rctx):
     toolkit = _detect_toolkit(rctx)
     host = _detect_host_compiler(rctx)
+    demangler = _detect_demangler(rctx, toolkit)
     for f in _TOOL_FILES:
         if rctx.path(toolkit.root + "/" + f).exists:
             rctx.symlink(toolkit.root + "/" + f, f)
     rctx.symlink(toolkit.root + "/nvvm/libdevice", "nvvm/libdevice")
     rctx.symlink(toolkit.root + "/include", "include")
     rctx.file("host_compiler.id", _host_identity(rctx, host))
-    rctx.file("defs.bzl", "HOST_CC = {}\n".format(repr(host.name)))
+    rctx.file("demangler.id", demangler.identity)
+    rctx.file("defs.bzl", "HOST_CC = {}\nDEMANGLER = {}\n".format(repr(host.name), repr(demangler.command)))
     rctx.file("WORKSPACE", "workspace(name = {})\n".format(repr(rctx.name)))
     rctx.template("BUILD.bazel", rctx.attr._build_template)
 
 cuda_toolkit = repository_rule(
     implementation = _cuda_toolkit_impl,
     doc = "Exposes the local CUDA toolkit (see the module docstring for the search order).",
-    environ = ["CUDA_PATH", "CUDA_HOME", "PATH", "CUBINSTORE_HOST_CC"],
+    environ = ["CUDA_PATH", "CUDA_HOME", "PATH", "CUBINSTORE_HOST_CC", "CUBINSTORE_CXXFILT"],
     local = True,
     attrs = {
         "_build_template": attr.label(default = Label("//third_party/cuda:toolkit.BUILD")),

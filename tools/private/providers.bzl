@@ -8,7 +8,8 @@ CubinInfo = provider(
         "family": "(str) kernel family",
         "params_json": "(str) the instantiation's parameters as a JSON object",
         "arch": "(str) target architecture, e.g. 'sm_90a'",
-        "entries_json": "(str) JSON object: entry symbol -> list of parameter types",
+        "entries_json": "(str) JSON object: entry (symbol or C++ name) -> list of parameter types",
+        "launch_json": "(str) JSON object: entry -> launch geometry, values filled in for the point",
         "target": "(str) the label of the cuda_cubin target",
     },
 )
@@ -25,5 +26,12 @@ CudaHeadersInfo = provider(
     fields = {
         "headers": "(depset of File) the header files",
         "includes": "(depset of str) include directories, relative to the execution root",
+    },
+)
+
+PyToolInfo = provider(
+    doc = "The Python sources a py_tool imports.",
+    fields = {
+        "srcs": "(depset of File) .py files, inputs of every action that runs the tool",
     },
 )

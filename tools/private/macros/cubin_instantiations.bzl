@@ -1,7 +1,10 @@
 """cubin_instantiations: one cuda_cubin target per point of an instantiation matrix."""
 
 load("//tools/private/rules:cubin_family.bzl", "cubin_family")
+load("//tools/private/rules:cubin_tu.bzl", "cubin_tu")
 load("//tools/private/rules:cuda_cubin.bzl", "cuda_cubin")
+
+_GEOMETRY_KEYS = ["block", "shared_mem", "cluster", "grid"]
 
 def _render(key, value):
     """A parameter value as it appears in ids and target names: 'f32', or 'vec4' for an int."""
@@ -36,50 +39,109 @@ def _points(grid):
     return points
 
 def _fill(template, params):
-    return template.format(**params)
+    """`template` with each `{key}` of `params` replaced; other braces are left alone."""
+    for key, value in params.items():
+        template = template.replace("{" + key + "}", str(value))
+    return template
+
+def _fill_one(value, params):
+    return _fill(value, params) if type(value) == "string" else value
+
+def _fill_value(value, params):
+    """A geometry value (an int, a string, or a list of them) with placeholders filled."""
+    if type(value) == "list":
+        return [_fill_one(v, params) for v in value]
+    return _fill_one(value, params)
+
+def _launch_for(launch, entries, params):
+    """Per entry, the launch geometry with the point's values filled in (JSON)."""
+    if not launch:
+        return "{}"
+    if any([k in launch for k in _GEOMETRY_KEYS]):
+        per_entry = {entry: launch for entry in entries}
+    else:
+        per_entry = launch
+    out = {}
+    for entry, geometry in per_entry.items():
+        for key in geometry:
+            if key not in _GEOMETRY_KEYS:
+                fail("cubin_instantiations: launch key '{}' of entry '{}'; allowed: {}".format(key, entry, ", ".join(_GEOMETRY_KEYS)))
+        out[_fill(entry, params)] = {k: _fill_value(v, params) for k, v in geometry.items()}
+    return json.encode(out)
 
 def cubin_instantiations(
         name,
-        srcs,
         grid,
         archs,
         entries,
+        srcs = [],
+        src_template = None,
         hdrs = [],
         deps = [],
         defines = [],
         copts = [],
+        launch = {},
         family = None,
         visibility = None):
     """Expands an instantiation matrix into one cuda_cubin per (grid point, arch).
 
     Target `<name>_<v1>_<v2>..._<arch>` is made for every point, where each value renders as
     itself (strings) or as `<key><value>` (ints): `axpy_f32_vec4_sm_90a`. Its manifest id is
-    `<family>/<v1>/<v2>.../<arch>`. Target `<name>` (a cubin_family) groups them all.
+    `<family>/<v1>/<v2>.../<arch>`. Target `<name>` (a cubin_family) groups them all. With
+    `src_template`, target `<name>_<v1>_<v2>..._tu` renders each point's translation unit
+    (`<name>_<v1>_<v2>....cu`).
+
+    `{param}` placeholders are filled per point in `src_template`'s text, `hdrs`, `defines`,
+    `copts`, `entries` (names and types) and `launch`.
 
     Args:
       name: family target name and prefix of every instantiation target.
-      srcs: the one .cu translation unit.
       grid: dict of parameter name -> list of values (ints or strings), in id order; or a
         list of such dicts with the same keys, for matrices that are not one cartesian product.
       archs: architectures to build each point for, e.g. ["sm_90a", "sm_80"].
-      entries: dict of entry symbol -> parameter types; `{param}` placeholders are filled per point.
-      hdrs: headers the source includes.
+      entries: dict of entry -> parameter types. An entry is an extern "C" name, a mangled
+        symbol, or a C++ name as the library writes it (`ns::gemm<{bm}, {bn}>`), which the
+        manifest action resolves to its symbol in the CUBIN.
+      srcs: the one .cu translation unit shared by every point (or use `src_template`).
+      src_template: a .cu template rendered per point, the pattern JIT libraries generate.
+      hdrs: headers the source includes; entries with placeholders make per-point header
+        sets, so a header change re-keys only the points that include it.
       deps: cuda_headers targets.
-      defines: preprocessor defines; `{param}` placeholders are filled per point.
-      copts: extra nvcc flags; `{param}` placeholders are filled per point.
+      defines: preprocessor defines.
+      copts: extra nvcc flags; `-std=...` or `-O<n>` replace the defaults.
+      launch: launch geometry for every entry (`block`, `shared_mem`, `cluster`, `grid`), or
+        a dict entry -> geometry. `shared_mem`, `block` and `cluster` may be integer
+        arithmetic over placeholders; `grid` items may also use `args[i]`, `sm_count`,
+        `cdiv`, `min` and `max`, evaluated at launch.
       family: family name in the manifest; defaults to `name`.
       visibility: visibility of the family target.
     """
+    if (src_template == None) == (not srcs):
+        fail("cubin_instantiations '{}': give exactly one of 'srcs' and 'src_template'".format(name))
     family = family or name
     instances = []
     for params in _points(grid):
         rendered = [_render(k, v) for k, v in params.items()]
+        point = "_".join([name] + rendered)
+        point_srcs = srcs
+        if src_template != None:
+            cubin_tu(
+                name = point + "_tu",
+                template = src_template,
+                substitutions = {"{" + k + "}": str(v) for k, v in params.items()},
+                out = point + ".cu",
+            )
+            point_srcs = [":" + point + "_tu"]
+        point_entries = {
+            _fill(entry, params): [_fill(t, params) for t in types]
+            for entry, types in entries.items()
+        }
         for arch in archs:
-            target = "_".join([name] + rendered + [arch])
+            target = point + "_" + arch
             cuda_cubin(
                 name = target,
-                srcs = srcs,
-                hdrs = hdrs,
+                srcs = point_srcs,
+                hdrs = [_fill(h, params) for h in hdrs],
                 deps = deps,
                 arch = arch,
                 family = family,
@@ -87,10 +149,8 @@ def cubin_instantiations(
                 params_json = json.encode(params),
                 defines = [_fill(d, params) for d in defines],
                 copts = [_fill(c, params) for c in copts],
-                entries = {
-                    _fill(entry, params): [_fill(t, params) for t in types]
-                    for entry, types in entries.items()
-                },
+                entries = point_entries,
+                launch_json = _launch_for(launch, entries, params),
             )
             instances.append(":" + target)
     cubin_family(name = name, instances = instances, visibility = visibility)

@@ -2,11 +2,7 @@
 
 load("@local_cuda//:defs.bzl", "HOST_CC")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
-load("//tools/private:types.bzl", "check_arch", "check_entries")
-
-# Flags every instantiation gets; behavioural flags are all on the command line,
-# so they are part of the action key.
-_BASE_FLAGS = ["-std=c++17", "-O3", "--expt-relaxed-constexpr"]
+load("//tools/private:types.bzl", "check_arch", "check_entries", "merge_flags", "module_anchor")
 
 # Actions see a fixed environment: nothing from the shell that runs Bazel.
 ACTION_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
@@ -21,21 +17,27 @@ def _cuda_cubin_impl(ctx):
     headers = depset(ctx.files.hdrs, transitive = [d[CudaHeadersInfo].headers for d in ctx.attr.deps])
     includes = depset(transitive = [d[CudaHeadersInfo].includes for d in ctx.attr.deps])
 
+    # The workspace-relative path (a generated TU's too, without bazel-out/<config>/bin)
+    # names the TU in the CUBIN, so its bytes depend on neither checkout nor configuration.
+    source_path = src.short_path
+    anchor = ctx.actions.declare_file(ctx.label.name + ".anchor.h")
+    ctx.actions.write(anchor, module_anchor(source_path))
+
     args = ctx.actions.args()
     args.add("-cubin")
     args.add("-arch=" + ctx.attr.arch)
     args.add("-ccbin", HOST_CC)
-    args.add_all(_BASE_FLAGS)
+    args.add_all(merge_flags(ctx.attr.copts))
     args.add("-I.")
     args.add_all(includes, format_each = "-I%s")
     args.add_all(ctx.attr.defines, format_each = "-D%s")
-    args.add_all(ctx.attr.copts)
+    args.add("-include", anchor)
 
     # nvcc hands cicc the source's resolved absolute path, which salts the mangled names of
-    # anonymous-namespace symbols (e.g. CuTe's): pin it to the execroot-relative path so the
+    # anonymous-namespace symbols (e.g. CuTe's): pin it to the workspace-relative path so the
     # CUBIN's bytes do not depend on where the workspace lives. cicc keeps the last value.
     args.add("-Xcicc", "--orig_src_path_name")
-    args.add("-Xcicc", src)
+    args.add("-Xcicc", source_path)
     args.add("-o", cubin)
     args.add(src)
 
@@ -43,7 +45,7 @@ def _cuda_cubin_impl(ctx):
         executable = ctx.executable._nvcc,
         arguments = [args],
         inputs = depset(
-            [src, ctx.file._host_compiler_id],
+            [src, anchor, ctx.file._host_compiler_id],
             transitive = [headers, ctx.attr._toolkit[DefaultInfo].files],
         ),
         outputs = [cubin],
@@ -60,6 +62,7 @@ def _cuda_cubin_impl(ctx):
             params_json = ctx.attr.params_json,
             arch = ctx.attr.arch,
             entries_json = json.encode({name: types for name, types in ctx.attr.entries.items()}),
+            launch_json = ctx.attr.launch_json,
             target = "//{}:{}".format(ctx.label.package, ctx.label.name),
         ),
     ]
@@ -68,13 +71,14 @@ cuda_cubin = rule(
     implementation = _cuda_cubin_impl,
     doc = "Compiles one .cu translation unit to one CUBIN for one architecture (mnemonic CubinCompile).",
     attrs = {
-        "srcs": attr.label_list(allow_files = [".cu"], mandatory = True, doc = "The one .cu file."),
+        "srcs": attr.label_list(allow_files = [".cu"], mandatory = True, doc = "The one .cu file (or a cubin_tu target)."),
         "hdrs": attr.label_list(allow_files = True, doc = "Headers the source includes."),
         "deps": attr.label_list(providers = [CudaHeadersInfo], doc = "cuda_headers targets, e.g. @cutlass//:cute."),
         "defines": attr.string_list(doc = "Preprocessor defines, without -D."),
-        "copts": attr.string_list(doc = "Extra nvcc flags; spelled relative to the workspace."),
+        "copts": attr.string_list(doc = "Extra nvcc flags, spelled relative to the workspace; one that sets a default option (-std=, -O) replaces the default."),
         "arch": attr.string(mandatory = True, doc = "Target architecture, e.g. 'sm_90a'."),
-        "entries": attr.string_list_dict(mandatory = True, doc = "Entry symbol -> parameter types (i32 u32 i64 u64 f32 f64 ptr tensormap)."),
+        "entries": attr.string_list_dict(mandatory = True, doc = "Entry (symbol or C++ name) -> parameter types (i8 ... tensormap, struct:<size>:<align>)."),
+        "launch_json": attr.string(default = "{}", doc = "JSON object: entry -> launch geometry (block, shared_mem, cluster, grid)."),
         "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
         "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
         "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
