@@ -36,7 +36,7 @@ def kernel(cubin: Path, **overrides) -> dict:
 
 def run_tool(tmp_path: Path, kernels: list[dict]) -> subprocess.CompletedProcess:
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"kernels": kernels}))
+    spec.write_text(json.dumps({"demangler": "c++filt", "kernels": kernels}))
     return subprocess.run([sys.executable, str(TOOL), str(spec), str(tmp_path / "manifest.json")],
                           capture_output=True, text=True)
 
@@ -59,15 +59,17 @@ def test_manifest_is_canonical_json(tmp_path, axpy_cubin):
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
     assert text == canonical
     assert [k["id"] for k in manifest["kernels"]] == ["axpy/f32/vec1/sm_90a", "axpy/f32/vec4/sm_90a"]
-    assert manifest["schema"] == "cubinstore/manifest/v1"
+    assert manifest["schema"] == "cubinstore/manifest/v2"
+    assert manifest["kernels"][0]["entries"] == {
+        "axpy_f32": {"name": "axpy_f32", "params": ["i32", "f32", "ptr", "ptr"], "offsets": [0, 4, 8, 16]}}
 
 
-def test_missing_entry_symbol_fails_naming_kernel_and_entry(tmp_path, axpy_cubin):
+def test_missing_entry_fails_naming_kernel_entry_and_the_kernels_found(tmp_path, axpy_cubin):
     result = run_tool(tmp_path, [kernel(axpy_cubin, entries={"axpy_f64": ["i32", "f64", "ptr", "ptr"]})])
     assert result.returncode == 1
     assert result.stderr.startswith(
         "cubin_manifest: kernel 'axpy/f32/vec4/sm_90a' (//kernels/axpy:axpy_f32_vec4_sm_90a): "
-        "entry 'axpy_f64' is not a global function of its CUBIN; found: axpy_f32")
+        "entry 'axpy_f64' is not a kernel of its CUBIN; its kernels: axpy_f32 (axpy_f32)")
     assert not (tmp_path / "manifest.json").exists()
 
 
@@ -80,13 +82,14 @@ def test_wrong_parameter_count_fails(tmp_path, axpy_cubin):
 def test_wrong_parameter_size_fails_naming_the_parameter(tmp_path, axpy_cubin):
     result = run_tool(tmp_path, [kernel(axpy_cubin, entries={"axpy_f32": ["i32", "f64", "ptr", "ptr"]})])
     assert result.returncode == 1
-    assert "entry 'axpy_f32' parameter 1 is 4 bytes (at offset 4), but declared 'f64' is 8 bytes" in result.stderr
+    assert ("entry 'axpy_f32' parameter 1 is 4 bytes at offset 4, but declared 'f64' is 8 bytes at offset 8 "
+            "by the layout rule for sm_90a") in result.stderr
 
 
 def test_duplicate_ids_fail(tmp_path, axpy_cubin):
     result = run_tool(tmp_path, [kernel(axpy_cubin), kernel(axpy_cubin)])
     assert result.returncode == 1
-    assert "duplicate kernel ids in the manifest: axpy/f32/vec4/sm_90a" in result.stderr
+    assert "kernels[1].id: duplicate id 'axpy/f32/vec4/sm_90a'" in result.stderr
 
 
 def test_a_file_that_is_not_elf_is_refused(tmp_path):
@@ -94,4 +97,104 @@ def test_a_file_that_is_not_elf_is_refused(tmp_path):
     bogus.write_bytes(b"not an elf file at all")
     result = run_tool(tmp_path, [kernel(bogus)])
     assert result.returncode == 1
-    assert "not a 64-bit little-endian ELF file, so not a CUBIN" in result.stderr
+    assert "not an ELF file (bad magic), so not a CUBIN" in result.stderr
+
+
+# -- kernels written the way libraries write them ---------------------------------------------------
+
+LIBRARY_TU = r"""
+#include <cuda.h>
+#include <cstdint>
+#include <cutlass/detail/helper_macros.hpp>
+namespace lib {
+struct bf16 {};
+template <class T, int BM, int BN>
+CUTLASS_GLOBAL void gemm_impl(uint32_t m, uint32_t n, const __grid_constant__ CUtensorMap a, float* d) {
+  if (m == 0) d[0] = BM + BN;
+}
+template <int N> __global__ void other(int* p) { p[0] = N; }
+}  // namespace lib
+static void __instantiate_kernel() {
+  auto p = reinterpret_cast<void*>(&lib::gemm_impl<lib::bf16, 128, 256>);
+  auto q = reinterpret_cast<void*>(&lib::other<3>);
+  auto r = reinterpret_cast<void*>(&lib::other<4>);
+  (void)p; (void)q; (void)r;
+}
+"""
+GEMM_TYPES = ["u32", "u32", "tensormap", "ptr"]
+
+
+@pytest.fixture(scope="module")
+def library_cubin(tmp_path_factory) -> Path:
+    import glob
+
+    d = tmp_path_factory.mktemp("library")
+    (d / "lib.cu").write_text(LIBRARY_TU)
+    includes = glob.glob(str(ROOT / ".venv/lib/python3*/site-packages/cutlass_library/source/include"))
+    if not includes:
+        pytest.skip("the nvidia-cutlass wheel is not in .venv (run tools/bootstrap.sh)")
+    subprocess.run([NVCC, "-cubin", "-arch=sm_90a", "-std=c++17", "-I", includes[0], str(d / "lib.cu"),
+                    "-o", str(d / "lib.cubin")], check=True, capture_output=True)
+    return d / "lib.cubin"
+
+
+def lib_kernel(cubin: Path, entries: dict, **extra) -> dict:
+    return kernel(cubin, id="lib/bf16/sm_90a", family="lib", params={"dtype": "bf16"},
+                  target="//kernels/lib:lib_bf16_sm_90a", entries=entries, **extra)
+
+
+def entries_of(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "manifest.json").read_text())["kernels"][0]["entries"]
+
+
+def test_templated_local_kernel_is_found_by_its_cpp_name(tmp_path, library_cubin):
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {"lib::gemm_impl<lib::bf16, 128, 256>": GEMM_TYPES})])
+    assert result.returncode == 0, result.stderr
+    (symbol, entry), = entries_of(tmp_path).items()
+    assert symbol.startswith("_ZN3lib9gemm_implINS_4bf16ELi128ELi256EEEvjj14CUtensorMap_stPf")
+    # Scalars before the tensor map: the compiler puts the map at 112 on sm_90, and so does the manifest.
+    assert entry == {"name": "lib::gemm_impl<lib::bf16, 128, 256>", "params": GEMM_TYPES, "offsets": [0, 4, 112, 240]}
+
+
+def test_unqualified_cpp_name_and_the_mangled_name_resolve_too(tmp_path, library_cubin):
+    assert run_tool(tmp_path, [lib_kernel(library_cubin, {"gemm_impl<lib::bf16,128,256>": GEMM_TYPES})]).returncode == 0
+    (symbol, entry), = entries_of(tmp_path).items()
+    assert run_tool(tmp_path, [lib_kernel(library_cubin, {symbol: GEMM_TYPES})]).returncode == 0
+    assert entries_of(tmp_path)[symbol]["name"] == "lib::gemm_impl<lib::bf16, 128, 256>"
+
+
+def test_layout_the_compiler_does_not_produce_fails_the_build(tmp_path, library_cubin):
+    # Declared as if the tensor map came first: count and sizes match, offsets do not.
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {"lib::gemm_impl<lib::bf16, 128, 256>": ["u32", "u32", "ptr", "tensormap"]})])
+    assert result.returncode == 1
+    assert ("entry 'lib::gemm_impl<lib::bf16, 128, 256>' parameter 2 is 128 bytes at offset 112, but declared "
+            "'ptr' is 8 bytes at offset 8") in result.stderr
+
+
+def test_template_name_without_its_arguments_fails_listing_the_kernels(tmp_path, library_cubin):
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {"lib::other": ["ptr"]})])
+    assert result.returncode == 1
+    assert "entry 'lib::other' is not a kernel of its CUBIN" in result.stderr
+    assert "lib::other<3> (_ZN3lib5otherILi3EEEvPi)" in result.stderr
+
+
+def test_launch_geometry_is_evaluated_and_its_grid_rule_kept(tmp_path, library_cubin):
+    name = "lib::gemm_impl<lib::bf16, 128, 256>"
+    launch = {name: {"block": [384], "shared_mem": "1024 + 4 * (128 + 256) * 128", "cluster": [1],
+                     "grid": ["min(sm_count, cdiv(args[0], 128) * cdiv(args[1], 256))", "2 * 1"]}}
+    assert run_tool(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES}, launch=launch)]).returncode == 0
+    (entry,) = entries_of(tmp_path).values()
+    assert entry["launch"] == {"block": [384, 1, 1], "shared_mem": 197632, "cluster": [1, 1, 1],
+                               "grid": ["min(sm_count, cdiv(args[0], 128) * cdiv(args[1], 256))", 2]}
+
+
+@pytest.mark.parametrize("geometry, message", [
+    ({"block": [2048]}, "launch of entry 'E'.block: expected 1 to 3 integers in [1, 1024], got [2048]"),
+    ({"block": [1], "grid": ["import_os(1)"]}, "launch rule 'import_os(1)': 'import_os(1)' is not allowed"),
+    ({"block": [1], "shared_mem": "args[0]"}, "launch E.shared_mem: launch rule 'args[0]': uses args[0], which only a launch has"),
+])
+def test_bad_launch_geometry_fails_the_build(tmp_path, library_cubin, geometry, message):
+    name = "lib::gemm_impl<lib::bf16, 128, 256>"
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES}, launch={name: geometry})])
+    assert result.returncode == 1
+    assert message.replace("E", name, 1) in result.stderr, result.stderr

@@ -1,0 +1,202 @@
+"""The ABI contract (cubinstore._abi) against real CUBINs: the layout rule on a table of
+parameter lists, local kernels, the arch grammar, reproducible bytes, and the Starlark
+mirror in tools/private/types.bzl."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cubinstore import _abi
+from cubinstore._args import check_layout
+from cubinstore.errors import BadArgumentError, CubinFormatError
+
+ROOT = Path(__file__).resolve().parents[1]
+NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+needs_nvcc = pytest.mark.skipif(not Path(NVCC).exists(), reason="nvcc is not installed")
+
+# The layout table: declared parameter lists, as kernels that take them.
+PROBE = r"""
+#include <cuda.h>
+#include <cstdint>
+struct alignas(16) S16 { int a[4]; };
+struct alignas(64) S64 { char a[64]; };
+struct S12 { int a[3]; };
+struct S48 { double a[6]; };
+#define K extern "C" __global__ void
+K scalars_before_map(int a, const __grid_constant__ CUtensorMap t, float* p) {}
+K three_maps_after_scalars(int* c, unsigned m, unsigned n, unsigned k, const __grid_constant__ CUtensorMap a,
+                           const __grid_constant__ CUtensorMap b, const __grid_constant__ CUtensorMap d) {}
+K wide_after_narrow(int a, long long b, int c, double d) {}
+K struct16(int a, S16 s, int b) {}
+K struct64(char a, S64 s, int b) {}
+K mixed_small(int a, S12 s, short b, char c, long long d) {}
+K map_first(const __grid_constant__ CUtensorMap t, int a) {}
+K maps_then_scalars(const __grid_constant__ CUtensorMap a, const __grid_constant__ CUtensorMap b, void* d,
+                    int m, int n, int k, float* w, int* c, int s) {}
+K struct48(S48 s, float x) {}
+K halves(unsigned short a, uint8_t b, double c) {}
+template <int N> __global__ static void local_kernel(float* p, int n) { if (n) p[0] = N; }
+static void __instantiate_kernel() { auto f = reinterpret_cast<void*>(&local_kernel<7>); (void)f; }
+"""
+TABLE = {
+    "scalars_before_map": ["i32", "tensormap", "ptr"],
+    "three_maps_after_scalars": ["ptr", "u32", "u32", "u32", "tensormap", "tensormap", "tensormap"],
+    "wide_after_narrow": ["i32", "i64", "i32", "f64"],
+    "struct16": ["i32", "struct:16:16", "i32"],
+    "struct64": ["i8", "struct:64:64", "i32"],
+    "mixed_small": ["i32", "struct:12:4", "i16", "i8", "i64"],
+    "map_first": ["tensormap", "i32"],
+    "maps_then_scalars": ["tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32"],
+    "struct48": ["struct:48:8", "f32"],
+    "halves": ["u16", "u8", "f64"],
+}
+ARCHS = ["sm_80", "sm_90a", "sm_100a"]  # one per parameter-bank offset (0x160, 0x210, 0x380)
+
+
+def nvcc(src: Path, out: Path, arch: str, *extra: str, cwd: Path | None = None) -> bytes:
+    subprocess.run([NVCC, "-cubin", f"-arch={arch}", *_abi.DEFAULT_NVCC_FLAGS, *extra, "-o", str(out), str(src)],
+                   check=True, capture_output=True, cwd=cwd, timeout=300)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _abi.CubinImage]:
+    if not Path(NVCC).exists():
+        pytest.skip("nvcc is not installed")
+    d = tmp_path_factory.mktemp("probe")
+    (d / "probe.cu").write_text(PROBE)
+    return {a: _abi.CubinImage(nvcc(d / "probe.cu", d / f"{a}.cubin", a), a) for a in ARCHS}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", sorted(TABLE))
+def test_layout_rule_matches_the_compiler_and_the_runtime_check(
+        probes: dict[str, _abi.CubinImage], arch: str, kernel: str) -> None:
+    cubin, types = probes[arch], TABLE[kernel]
+    parsed = _abi.Arch.parse(arch)
+    rule = _abi.param_layout([_abi.param_type(t) for t in types], parsed)
+    actual = cubin.param_layout(kernel)
+    assert [o for o, _ in actual] == list(rule), f"{kernel} on {arch}: .nv.info {actual}, rule {rule}"
+    assert [s for _, s in actual] == [_abi.param_type(t).size for t in types]
+    assert cubin.param_bank(kernel) == _abi.PARAM_BANK_OFFSET[parsed.major]
+    # The runtime's check (what cuFuncGetParamInfo reports is .nv.info) agrees on every row.
+    check_layout(kernel, kernel, types, list(actual), arch)
+
+
+@needs_nvcc
+def test_sm90_puts_the_first_tensor_map_after_scalars_at_112(probes: dict[str, _abi.CubinImage]) -> None:
+    assert [o for o, _ in probes["sm_90a"].param_layout("three_maps_after_scalars")] == [0, 8, 12, 16, 112, 240, 368]
+
+
+@needs_nvcc
+def test_local_template_kernels_are_kernels(probes: dict[str, _abi.CubinImage]) -> None:
+    kernels = probes["sm_90a"].kernels
+    assert kernels["_Z12local_kernelILi7EEvPfi"].local is True
+    assert kernels["map_first"].local is False
+    assert probes["sm_90a"].sm == 90 and probes["sm_80"].sm == 80
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "x: not an ELF file"),
+    (b"\x7fELF" + b"\x01" * 60, "x: expected a 64-bit little-endian ELF"),
+    (b"\x7fELF\x02\x01" + b"\0" * 12 + b"\x3e\x00" + b"\0" * 44, "x: expected ELF machine 190"),
+])
+def test_malformed_cubins_are_typed_errors(data: bytes, message: str) -> None:
+    with pytest.raises(CubinFormatError, match="^" + re.escape(message)):
+        _abi.CubinImage(data, "x")
+
+
+@needs_nvcc
+def test_truncated_or_garbled_cubins_raise_only_typed_errors(probes: dict[str, _abi.CubinImage]) -> None:
+    import random
+
+    good = probes["sm_90a"]._data
+    rng = random.Random(7)
+    for _ in range(300):
+        data = bytearray(good[: rng.randrange(64, len(good))])
+        for _ in range(rng.randrange(0, 8)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            image = _abi.CubinImage(bytes(data), "fuzz")
+            for name in image.kernels:
+                image.param_layout(name)
+        except CubinFormatError:
+            pass
+
+
+@pytest.mark.parametrize("text, parsed", [
+    ("sm_90a", (9, 0, "a")), ("sm_80", (8, 0, "")), ("sm_100f", (10, 0, "f")), ("sm_121", (12, 1, "")),
+])
+def test_arch_grammar(text: str, parsed: tuple[int, int, str]) -> None:
+    arch = _abi.Arch.parse(text)
+    assert (arch.major, arch.minor, arch.suffix) == parsed and str(arch) == text
+
+
+@pytest.mark.parametrize("text", ["sm_05", "sm_1000", "sm_9", "sm_90b", "SM_90", "compute_90", "sm_90a ", 90])
+def test_arch_grammar_rejects(text: object) -> None:
+    with pytest.raises(BadArgumentError, match=r"^invalid arch"):
+        _abi.Arch.parse(text)
+
+
+def test_copts_override_defaults_without_duplicates() -> None:
+    assert _abi.merge_flags([]) == list(_abi.DEFAULT_NVCC_FLAGS)
+    assert _abi.merge_flags(["-std=c++20"]) == ["-O3", "--expt-relaxed-constexpr", "-std=c++20"]
+    assert _abi.merge_flags(["-O2", "-lineinfo"]) == ["-std=c++17", "--expt-relaxed-constexpr", "-O2", "-lineinfo"]
+    assert _abi.merge_flags(["--std=c++20"]).count("-std=c++17") == 0
+
+
+# -- reproducible bytes ---------------------------------------------------------------------------
+
+# What JIT libraries generate: everything static, instantiated from a static function, plus
+# an anonymous namespace. Without a definition of external linkage nvcc's module id, which
+# prefixes internal names, includes its process id.
+STATIC_TU = r"""
+namespace { __device__ int anon_counter; }
+static __device__ __noinline__ int helper(int x) { return x * 3 + anon_counter; }
+template <int N> __global__ static void kernel(float* p, int n) { if (n) p[0] = N + helper(n); }
+static void __instantiate_kernel() { auto f = reinterpret_cast<void*>(&kernel<4>); (void)f; }
+"""
+
+
+@needs_nvcc
+def test_static_only_tu_differs_between_compiles_without_the_anchor_and_not_with_it(tmp_path: Path) -> None:
+    src = tmp_path / "jit.cu"
+    src.write_text(STATIC_TU)
+    plain = {nvcc(src, tmp_path / f"plain{i}.cubin", "sm_90a") for i in range(2)}
+    assert len(plain) == 2, "nvcc's module id no longer varies: the anchor may be unneeded"
+    anchor = tmp_path / "anchor.h"
+    anchor.write_text(_abi.module_anchor("kernels/jit/jit.cu"))
+    pinned = {nvcc(src, tmp_path / f"pinned{i}.cubin", "sm_90a", "-include", str(anchor),
+                   "-Xcicc", "--orig_src_path_name", "-Xcicc", "kernels/jit/jit.cu") for i in range(2)}
+    assert len(pinned) == 1
+    image = _abi.CubinImage(pinned.pop(), "pinned")
+    assert not any("anchor" in name for name in image.kernels), "the anchor is host code"
+
+
+# -- the Starlark mirror ---------------------------------------------------------------------------
+
+def _starlark_assignment(name: str):
+    tree = ast.parse((ROOT / "tools/private/types.bzl").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not found in tools/private/types.bzl")
+
+
+def test_starlark_type_table_is_the_abi_table() -> None:
+    assert _starlark_assignment("PARAM_TYPES") == dict(_abi.SCALAR_TYPES)
+    assert _starlark_assignment("MAX_STRUCT_BYTES") == _abi.MAX_STRUCT_BYTES
+    aligns = _starlark_assignment("STRUCT_ALIGNS")
+    assert re.fullmatch(r"struct:\(\[1-9\]\[0-9\]\{0,4\}\):\((.*)\)", _abi._STRUCT_RE.pattern).group(1).split("|") == [
+        str(a) for a in aligns]
+
+
+def test_starlark_default_flags_are_the_abi_defaults() -> None:
+    assert tuple(_starlark_assignment("DEFAULT_NVCC_FLAGS")) == _abi.DEFAULT_NVCC_FLAGS
