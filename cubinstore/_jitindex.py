@@ -164,6 +164,9 @@ class JitIndex:
         for stale in tmp.glob(f"{key}.*"):
             _log.info("removing the compile directory of a killed compile: %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in self._shard("index", key).parent.glob(f".tmp.{key}.json.*"):
+            _log.info("removing the temp file of a killed index write: %s", stale)
+            stale.unlink(missing_ok=True)
         path = tmp / f"{key}.{os.getpid()}.{attempt}"
         path.mkdir(parents=True, mode=0o700)
         return path
