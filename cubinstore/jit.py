@@ -228,9 +228,10 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         _check_declared(found.kernels, entries, k, None, None)
         return JitKernel(k, found, entries, False, store, 0.0)
     if not (_env.jit() if jit is None else jit):
+        index.put_parts(k.hex, k.parts)  # so `cubinstore explain` can say why it missed
         raise KernelNotFoundError(
             f"JIT key {k} (arch {req.arch}{_named(family, params)}) is not in the index of {local.root} "
-            "and run-time compilation is off (CUBINSTORE_JIT=0 or jit=False)"
+            f"and run-time compilation is off (CUBINSTORE_JIT=0 or jit=False); `cubinstore explain {k}` says why"
         )
     with index.lock(k.hex):
         # Another process may have compiled it while we waited for the lock.
