@@ -9,12 +9,16 @@ exponential backoff; a body is never read past the expected size.
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
+import io
 import logging
 import random
+import re
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from cubinstore import _env
@@ -22,7 +26,7 @@ from cubinstore._digest import Digest, show
 from cubinstore._layer import Layer, limit_for
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
 
-__all__ = ["HttpStore"]
+__all__ = ["HttpStore", "redact"]
 
 _log = logging.getLogger(__name__)
 
@@ -33,6 +37,28 @@ _CHUNK = 1 << 16
 
 class _Transient(Exception):
     """A failure worth retrying; the message says what happened."""
+
+
+class _NoResponse(_Transient):
+    """No HTTP response at all (timeout, refused, reset, deadline): what trips the circuit breaker."""
+
+
+_USERINFO_RE = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^?#]*@", re.ASCII)
+
+
+def redact(url: object) -> str:
+    """``show(url)`` with any ``user:password@`` (and any query) replaced by ``***``.
+
+    Works on malformed URLs too, which is where it matters: an error about a bad port must
+    not print the password before it. Everything up to the last ``@`` before a query is
+    treated as userinfo, so a password holding ``/`` or ``@`` is hidden whole.
+    """
+    if not isinstance(url, str):
+        return show(url)
+    text = _USERINFO_RE.sub(lambda m: f"{m.group(1) or ''}***@", url, count=1)
+    if "?" in text:
+        text = text.split("?", 1)[0] + "?***"
+    return show(text)
 
 
 class HttpStore(Layer):
@@ -48,18 +74,19 @@ class HttpStore(Layer):
         deadline: float | None = None,
         backoff: float = 0.1,
         max_backoff: float = 2.0,
+        breaker_reset: float = 60.0,
     ) -> None:
         if not isinstance(url, str):
-            raise BadArgumentError(f"invalid remote URL {show(url)}: expected a string")
-        parts = urlsplit(url.strip())
+            raise BadArgumentError(f"invalid remote URL {redact(url)}: expected a string")
         try:
+            parts = urlsplit(url.strip())
             port = parts.port
         except ValueError:
-            raise BadArgumentError(f"invalid remote URL {show(url)}: bad port") from None
+            raise BadArgumentError(f"invalid remote URL {redact(url)}: bad port or host") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise BadArgumentError(f"invalid remote URL {show(url)}: expected http://HOST[:PORT][/PREFIX] or https://...")
+            raise BadArgumentError(f"invalid remote URL {redact(url)}: expected http://HOST[:PORT][/PREFIX] or https://...")
         if parts.query or parts.fragment or any(c in url for c in "\r\n\0 "):
-            raise BadArgumentError(f"invalid remote URL {show(url)}: no query, fragment, spaces or control characters allowed")
+            raise BadArgumentError(f"invalid remote URL {redact(url)}: no query, fragment, spaces or control characters allowed")
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = port
@@ -77,6 +104,12 @@ class HttpStore(Layer):
         self.deadline = _env.http_deadline() if deadline is None else deadline
         self.backoff = backoff
         self.max_backoff = max_backoff
+        # Circuit breaker: after a request got no response at all (black hole, refused, timed
+        # out), requests fail at once for ``breaker_reset`` seconds, so the next remote serves
+        # instead of every blob waiting out its own deadline here.
+        self.breaker_reset = breaker_reset
+        self._down_until = 0.0
+        self._down_reason = ""
 
     @property
     def name(self) -> str:
@@ -109,9 +142,15 @@ class HttpStore(Layer):
     def _with_retries(self, method: str, path: str, body: bytes | None, size: int | None) -> tuple[int, bytes | None]:
         url = f"{self.url}{path[len(self._prefix):]}"
         start = time.monotonic()
+        if start < self._down_until:
+            raise RemoteUnavailableError(
+                f"{method} {url} skipped: {self.url} {self._down_reason}; trying it again in "
+                f"{self._down_until - start:.0f}s"
+            )
         deadline = start + self.deadline
         last = ""
         attempts = 0
+        answered = False
         for attempt in range(self.retries + 1):
             if time.monotonic() >= deadline:
                 if not last.startswith("total deadline"):
@@ -120,10 +159,15 @@ class HttpStore(Layer):
             attempts += 1
             try:
                 status, data = self._attempt(method, path, body, size, deadline, url)
+            except _NoResponse as exc:
+                last = str(exc)
+                _log.debug("%s %s attempt %d failed: %s", method, url, attempts, last)
             except _Transient as exc:
+                answered = True
                 last = str(exc)
                 _log.debug("%s %s attempt %d failed: %s", method, url, attempts, last)
             else:
+                answered = True
                 if method == "GET" and status in (200, 404):
                     return status, data
                 if method == "PUT" and status in _PUT_OK:
@@ -136,6 +180,10 @@ class HttpStore(Layer):
             if attempt < self.retries:
                 pause = min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.5, 1.0)
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        if not answered:
+            self._down_until = time.monotonic() + self.breaker_reset
+            self._down_reason = f"gave no response to {attempts} attempt{'s' * (attempts != 1)} ({last})"
+            _log.info("remote %s is not answering (%s); skipping it for %gs", self.url, last, self.breaker_reset)
         raise RemoteUnavailableError(
             f"{method} {url} failed after {attempts} attempt{'s' * (attempts != 1)} "
             f"in {time.monotonic() - start:.1f}s: {last}; check the server, or set CUBINSTORE_OFFLINE=1 "
@@ -148,39 +196,42 @@ class HttpStore(Layer):
         def remaining() -> float:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _Transient(f"total deadline of {self.deadline:g}s passed")
+                raise _NoResponse(f"total deadline of {self.deadline:g}s passed")
             return left
 
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = cls(self._host, self._port, timeout=min(self.connect_timeout, remaining()))
+        # Every receive (status line, headers, body) waits at most the time left, so a server
+        # that sends one byte a second cannot stretch the deadline; see _DeadlineReader.
+        conn.response_class = functools.partial(_DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
+        got_response = False
         try:
             try:
                 conn.connect()
             except (OSError, http.client.HTTPException) as exc:
-                raise _Transient(f"cannot connect: {_describe(exc)}") from exc
-            # Keep our own reference: http.client drops conn.sock once a `Connection: close`
-            # response takes the socket over, and we still set read timeouts on it.
+                raise _NoResponse(f"cannot connect: {_describe(exc)}") from exc
             sock = conn.sock
             if not isinstance(sock, socket.socket):
                 raise _Transient("connection has no socket after connect")
             try:
+                # sendall's timeout bounds the whole send, not each chunk.
                 sock.settimeout(min(self.read_timeout, remaining()))
                 headers = dict(self._headers)
                 if body is not None:
                     headers["Content-Type"] = "application/octet-stream"
                 conn.request(method, path, body=body, headers=headers)
                 resp = conn.getresponse()
+                got_response = True
                 if method != "GET" or resp.status != 200:
                     resp.read(4096)  # a short error page; never an unbounded read
                     return resp.status, None
-                return 200, self._read_body(sock, resp, size, url, remaining)
+                return 200, self._read_body(resp, size, url)
             except (OSError, http.client.HTTPException) as exc:
-                raise _Transient(_describe(exc)) from exc
+                raise (_Transient if got_response else _NoResponse)(_describe(exc)) from exc
         finally:
             conn.close()
 
-    def _read_body(self, sock: socket.socket, resp: http.client.HTTPResponse, size: int | None,
-                   url: str, remaining: Callable[[], float]) -> bytes:
+    def _read_body(self, resp: http.client.HTTPResponse, size: int | None, url: str) -> bytes:
         limit = limit_for(size)
         declared = resp.getheader("Content-Length")
         if declared is not None:
@@ -197,7 +248,6 @@ class HttpStore(Layer):
         total = 0
         # The response closes the socket itself once a declared length has been read.
         while total <= limit and not resp.isclosed():
-            sock.settimeout(min(self.read_timeout, remaining()))
             try:
                 chunk = resp.read(min(_CHUNK, limit + 1 - total))
             except http.client.IncompleteRead as exc:
@@ -212,6 +262,40 @@ class HttpStore(Layer):
         if size is not None and total < size:
             raise _Transient(f"truncated body: got {total} of {size} bytes")
         return b"".join(chunks)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket as a raw stream whose every receive waits at most the time left (and at most
+    the read timeout). http.client's buffered reads loop over receives until they have what
+    they asked for; bounding each receive by the remaining time bounds the whole response."""
+
+    def __init__(self, sock: socket.socket, remaining: Callable[[], float], read_timeout: float) -> None:
+        super().__init__()
+        self._sock = sock
+        # A socket file keeps the descriptor open after http.client closes the connection
+        # object, which it does as soon as a `Connection: close` response has its headers.
+        self._raw = sock.makefile("rb", buffering=0)
+        self._remaining = remaining
+        self._read_timeout = read_timeout
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        self._sock.settimeout(min(self._read_timeout, self._remaining()))
+        view = memoryview(b)
+        return self._raw.readinto(view[: min(len(view), _CHUNK)]) or 0
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+class _DeadlineResponse(http.client.HTTPResponse):
+    def __init__(self, sock: socket.socket, *args: Any, remaining: Callable[[], float], read_timeout: float,
+                 **kwargs: Any) -> None:
+        super().__init__(sock, *args, **kwargs)
+        self.fp = io.BufferedReader(_DeadlineReader(sock, remaining, read_timeout), _CHUNK)
 
 
 def _describe(exc: BaseException) -> str:

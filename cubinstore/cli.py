@@ -18,11 +18,11 @@ from typing import NoReturn, TextIO
 from cubinstore import _env
 from cubinstore._bundle import pack, unpack
 from cubinstore._digest import Digest
-from cubinstore._files import verify
+from cubinstore._files import open_regular, verify
 from cubinstore._layer import Layer
 from cubinstore._maint import gc, pin, pinned, unpin, verify_store
-from cubinstore.errors import BadArgumentError, CubinstoreError
-from cubinstore.manifest import Manifest, parse_arch
+from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
+from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest, parse_arch
 from cubinstore.store import DirectorySource, DiskCacheStore, HttpStore, LocalStore, Store
 
 __all__ = ["main"]
@@ -108,11 +108,26 @@ def _err(message: str) -> None:
     print(f"cubinstore: error: {message}", file=sys.stderr)
 
 
+def _load_manifest(ref: str, store: Store | None = None) -> Manifest:
+    """A manifest from a ``sha256:`` digest (through ``store``) or a path.
+
+    A path is opened non-blocking and must be a regular file: a FIFO must not hang the CLI.
+    """
+    if ref.startswith("sha256:"):
+        return Manifest.from_digest(ref, store if store is not None else Store.from_env())
+    with open_regular(Path(ref), "manifest", ManifestError) as f:
+        try:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        except OSError as exc:
+            raise ManifestError(f"cannot read manifest {ref}: {exc.strerror or exc}") from exc
+    return Manifest.from_bytes(raw, source=ref)
+
+
 # -- commands -------------------------------------------------------------------------------------
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
     store = Store.from_env(extra_remotes=args.remote or (), strict=True)
-    manifest = Manifest.load(args.manifest, store)
+    manifest = _load_manifest(args.manifest, store)
     local = store.local
     if local is None:  # from_env always adds one; kept for type checkers
         raise CubinstoreError("no local store configured")
@@ -132,15 +147,21 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
             failures.append(str(exc))
         progress(i + 1, len(blobs), done_bytes)
     progress.close()
-    # Keep the manifest itself too, so `sha256:` references resolve offline.
-    if local.status(manifest.digest, len(manifest.raw)) != "ok":
-        local.write(manifest.digest, manifest.raw)
-    after = store.stats
+    # Report the per-blob failures first: whatever fails after must not hide which kernels failed.
     for failure in failures:
         _err(failure)
     if failures:
         _err(f"prefetch {manifest.digest}: {len(failures)} of {len(blobs)} blobs failed")
+    # Keep the manifest itself too, so `sha256:` references resolve offline.
+    try:
+        if local.status(manifest.digest, len(manifest.raw)) != "ok":
+            local.write(manifest.digest, manifest.raw)
+    except CubinstoreError as exc:
+        _err(f"cannot store manifest {manifest.digest} in {local.root}: {exc}")
         return EXIT_FAILED
+    if failures:
+        return EXIT_FAILED
+    after = store.stats
     print(
         f"prefetched {manifest.digest}: {len(blobs)} blobs, {after.misses - before.misses} downloaded "
         f"({_human(after.bytes_fetched - before.bytes_fetched)}), {after.hits - before.hits} already local, in {local.root}"
@@ -149,7 +170,7 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    manifest = Manifest.load(args.manifest)
+    manifest = _load_manifest(args.manifest)
     local = _local()
     rows = [(k.id, k.arch, str(k.size), local.status(k.digest, k.size)) for k in sorted(manifest.kernels, key=lambda k: k.id)]
     header = ("ID", "ARCH", "SIZE", "LOCAL")
@@ -163,7 +184,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     local = _local()
     blobs = None
     if args.manifest:
-        manifest = Manifest.load(args.manifest, Store([local]))
+        manifest = _load_manifest(args.manifest, Store([local]))
         blobs = list(manifest.blobs)
     report = verify_store(local, blobs)
     for digest, reason, moved in report.corrupt:
@@ -198,7 +219,7 @@ def _cmd_pin(args: argparse.Namespace) -> int:
         for manifest in pinned(local):
             print(f"{manifest.digest}  {len(manifest.kernels)} kernels")
         return EXIT_OK
-    manifest = Manifest.load(args.manifest)
+    manifest = _load_manifest(args.manifest)
     pin(local, manifest)
     print(f"pinned {manifest.digest}")
     return EXIT_OK
@@ -206,7 +227,7 @@ def _cmd_pin(args: argparse.Namespace) -> int:
 
 def _cmd_unpin(args: argparse.Namespace) -> int:
     ref = args.manifest
-    digest = Digest.parse(ref) if ref.startswith("sha256:") else Manifest.from_path(ref).digest
+    digest = Digest.parse(ref) if ref.startswith("sha256:") else _load_manifest(ref).digest
     if not unpin(_local(), digest):
         _err(f"{digest} is not pinned in {_local().root}")
         return EXIT_FAILED
@@ -216,7 +237,7 @@ def _cmd_unpin(args: argparse.Namespace) -> int:
 
 def _cmd_pack(args: argparse.Namespace) -> int:
     store = Store.from_env(extra_remotes=args.remote or ())
-    manifest = Manifest.load(args.manifest, store)
+    manifest = _load_manifest(args.manifest, store)
     progress = _Progress("pack")
     try:
         size = pack(manifest, store, Path(args.out), progress=progress)
@@ -231,11 +252,9 @@ def _cmd_unpack(args: argparse.Namespace) -> int:
     expect = Digest.parse(args.expect) if args.expect else None
     progress = _Progress("unpack")
     try:
-        manifest = unpack(args.bundle, local, expect=expect, progress=progress)
+        manifest = unpack(args.bundle, local, expect=expect, progress=progress, pin=args.pin)
     finally:
         progress.close()
-    if args.pin:
-        pin(local, manifest)
     print(f"unpacked {manifest.digest} ({len(manifest.blobs)} blobs) into {local.root}")
     return EXIT_OK
 
@@ -262,7 +281,7 @@ def _publish_sources(args: argparse.Namespace) -> list[Layer]:
 def _cmd_publish(args: argparse.Namespace) -> int:
     remote = HttpStore(args.to)
     sources = Store(_publish_sources(args), backfill=False)
-    manifest = Manifest.load(args.manifest, sources)
+    manifest = _load_manifest(args.manifest, sources)
     failures: list[str] = []
     uploaded: list[tuple[Digest, int]] = []
     progress = _Progress("publish")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from cubinstore import _env
 from cubinstore._digest import Digest, show
 from cubinstore._files import verify
-from cubinstore._http import HttpStore
+from cubinstore._http import HttpStore, redact
 from cubinstore._layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore._local import LocalStore
 from cubinstore._memory import MemoryStore
@@ -90,7 +90,7 @@ class Store:
         remotes = [*extra_remotes, *_env.remotes()]
         if _env.offline():
             if remotes:
-                _log.debug("CUBINSTORE_OFFLINE is set: not using remotes %s", ", ".join(remotes))
+                _log.debug("CUBINSTORE_OFFLINE is set: not using remotes %s", ", ".join(map(redact, remotes)))
         else:
             layers.extend(HttpStore(url) for url in dict.fromkeys(remotes))
         return cls(layers, strict=strict)

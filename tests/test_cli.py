@@ -315,3 +315,66 @@ def test_ls_of_a_bad_manifest_exits_1_naming_the_field(cli, cli_env, tmp_path: P
         f"cubinstore: error: invalid manifest {path}: kernels[0] (id 'a/sm_80').size: expected a positive integer (bytes), got 0")
     out = cli(["ls", str(tmp_path / "absent.json")], cli_env)
     assert out.returncode == 1 and one_error_line(out.stderr).startswith("cubinstore: error: cannot read manifest")
+
+
+# -- credentials, FIFOs, failures reported whatever fails last ------------------------------------
+
+SECRET = "s3cret"
+
+
+@pytest.mark.parametrize("url", [
+    f"http://user:{SECRET}@host:99999/cas", f"http://user:{SECRET}@host/cas?x=1", f"ftp://user:{SECRET}@host/cas",
+    f"http://user:{SECRET}@host/c as", f"http://user:{SECRET}@/cas",
+])
+@pytest.mark.parametrize("where", ["--remote", "--to", "CUBINSTORE_REMOTE"])
+def test_a_bad_remote_url_never_prints_its_password(make_release, cli, cli_env, url: str, where: str) -> None:
+    release = make_release(n=1)
+    env = dict(cli_env)
+    if where == "--remote":
+        args = ["-v", "prefetch", str(release.path), "--remote", url]
+    elif where == "--to":
+        args = ["-v", "publish", str(release.path), "--to", url]
+    else:
+        env["CUBINSTORE_REMOTE"] = url
+        args = ["-v", "prefetch", str(release.path)]
+    out = cli(args, env)
+    assert out.returncode == 2, out.stderr
+    assert SECRET not in out.stdout + out.stderr
+    assert "cubinstore: error: invalid remote URL " in out.stderr
+
+
+def test_offline_debug_log_never_prints_a_remote_password(make_release, cli, cli_env) -> None:
+    release = make_release(n=1)
+    env = dict(cli_env, CUBINSTORE_OFFLINE="1", CUBINSTORE_REMOTE=f"http://user:{SECRET}@127.0.0.1:9/cas")
+    out = cli(["-v", "prefetch", str(release.path)], env)
+    assert out.returncode == 1 and "CUBINSTORE_OFFLINE" in out.stderr
+    assert SECRET not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("command", [["ls"], ["prefetch"], ["pin"], ["verify"], ["unpin"], ["unpack"], ["pack", "OUT"]])
+def test_a_fifo_as_manifest_or_bundle_is_refused_without_blocking(cli, cli_env, tmp_path: Path, command: list[str]) -> None:
+    fifo = tmp_path / "release.fifo"
+    os.mkfifo(fifo)
+    args = [command[0], str(fifo), *[str(tmp_path / "out.tar") for _ in command[1:]]]
+    start = time.monotonic()
+    out = cli(args, cli_env, timeout=20)
+    assert time.monotonic() - start < 15
+    assert out.returncode == 1, out.stderr
+    what = "bundle" if command[0] == "unpack" else "manifest"
+    assert one_error_line(out.stderr).startswith(f"cubinstore: error: cannot read {what} {fifo}: it is a FIFO")
+
+
+def test_prefetch_reports_every_blob_failure_even_when_storing_the_manifest_fails(nginx, make_release, cli, cli_env,
+                                                                                  clean_env: Path) -> None:
+    release = make_release(n=3)
+    url = nginx.base()
+    missing, *present = sorted(release.blobs)
+    upload(url, {hex_: release.blobs[hex_] for hex_ in present})
+    manifest_hex = Manifest.from_path(release.path).digest.hex
+    (clean_env / "v1" / "cas" / manifest_hex[:2] / manifest_hex).mkdir(parents=True)  # storing the manifest fails
+    out = cli(["prefetch", str(release.path), "--remote", url], cli_env)
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    assert any(line.startswith(f"cubinstore: error: sha256:{missing} (axpy/") for line in lines), out.stderr
+    assert any(line.endswith("1 of 3 blobs failed") for line in lines), out.stderr
+    assert any(f"sha256:{manifest_hex}" in line and "Is a directory" in line for line in lines), out.stderr

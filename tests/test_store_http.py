@@ -276,3 +276,130 @@ def test_put_errors_are_typed(faulty) -> None:
     faulty.script(f"/cas/{digest.hex}", [("status", 405)])
     with pytest.raises(RemoteUnavailableError, match=r"^PUT .*: HTTP 405, not retried; does the server accept PUT"):
         fast(faulty.url).put(digest, data)
+
+
+# -- a slow sender, a black hole, credentials in bad URLs -----------------------------------------
+
+class Dripper:
+    """A loopback server answering every request one byte every ``interval`` seconds, for at
+    most ``limit`` seconds: the whole response (``"headers"``), or only the body (``"body"``)."""
+
+    def __init__(self, body: bytes, mode: str, interval: float, limit: float = 40.0) -> None:
+        import threading
+
+        self.body, self.mode, self.interval, self.limit = body, mode, interval, limit
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn: socket.socket) -> None:
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(self.body)}\r\nConnection: close\r\n\r\n".encode()
+        end = time.monotonic() + self.limit
+        try:
+            conn.recv(65536)
+            dripped = head + self.body
+            if self.mode == "body":
+                conn.sendall(head)
+                dripped = self.body
+            for i in range(len(dripped)):
+                if self.stop.is_set() or time.monotonic() > end:
+                    break
+                conn.sendall(dripped[i:i + 1])
+                time.sleep(self.interval)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode, interval", [("headers", 0.2), ("body", 0.01)])
+def test_deadline_holds_against_a_server_sending_one_byte_at_a_time(mode: str, interval: float) -> None:
+    digest, data = blob(2000)
+    server = Dripper(data, mode, interval)  # 12 s of headers, or 20 s of body, without a pause over 0.2 s
+    try:
+        start = time.monotonic()
+        with pytest.raises(RemoteUnavailableError, match=r".*total deadline of 1.5s passed"):
+            Store([fast(server.url, read_timeout=1.0, retries=3, deadline=1.5)]).get(digest, len(data))
+        assert time.monotonic() - start < 3.0
+    finally:
+        server.close()
+
+
+def black_hole() -> socket.socket:
+    """A port that accepts connections (the kernel's backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
+def test_a_black_holed_remote_is_skipped_after_it_times_out_once(faulty, tmp_path: Path) -> None:
+    hole = black_hole()
+    try:
+        blobs = [blob(3000, seed=i) for i in range(8)]
+        for digest, data in blobs:
+            faulty.stored[f"/cas/{digest.hex}"] = data
+        first = fast(f"http://127.0.0.1:{hole.getsockname()[1]}", read_timeout=0.5, retries=1, deadline=0.8)
+        store = Store([LocalStore(tmp_path), first, fast(faulty.url)])
+        start = time.monotonic()
+        for digest, data in blobs:
+            assert store.get(digest, len(data)) == data
+        elapsed = time.monotonic() - start
+        # One deadline for the first blob, then the dead remote is skipped; not 8 deadlines.
+        assert elapsed < 0.8 + 2.0, f"{elapsed:.1f}s"
+        with pytest.raises(RemoteUnavailableError, match=r"^GET http://127\.0\.0\.1:\d+/cas/\w+ skipped: .*timed out"):
+            first.read(blobs[0][0], 3000)
+    finally:
+        hole.close()
+
+
+def test_the_circuit_breaker_tries_the_remote_again_after_its_reset_time(faulty) -> None:
+    digest, data = blob()
+    path = f"/cas/{digest.hex}"
+    faulty.script(path, [("sleep", 2.0, ("body", data)), ("sleep", 2.0, ("body", data)), ("body", data)])
+    remote = fast(faulty.url, read_timeout=0.3, retries=1, deadline=5.0, breaker_reset=0.5)
+    with pytest.raises(RemoteUnavailableError):
+        remote.read(digest, len(data))
+    with pytest.raises(RemoteUnavailableError, match=r".* skipped: "):
+        remote.read(digest, len(data))
+    assert faulty.count("GET", path) == 2
+    time.sleep(0.6)  # the breaker's reset time, not a synchronisation
+    assert remote.read(digest, len(data)) == data
+
+
+SECRET_URLS = [
+    "http://user:s3cret@host:99999/cas",       # bad port
+    "http://user:s3cret@host/cas?x=1",         # query
+    "http://user:s3cret@host/c as",            # space
+    "ftp://user:s3cret@host/cas",              # other scheme
+    "http://user:s3cret@/cas",                 # no host
+    "http://user:s3cret@host/cas#frag",        # fragment
+    "user:s3cret@host/cas",                    # no scheme
+    "http://user:s3/cret@host/cas",            # a slash in the password
+]
+
+
+@pytest.mark.parametrize("url", SECRET_URLS)
+def test_a_malformed_url_never_shows_its_credentials(url: str) -> None:
+    with pytest.raises(BadArgumentError) as info:
+        HttpStore(url)
+    message = str(info.value)
+    assert message.startswith("invalid remote URL ")
+    assert "s3cret" not in message and "cret" not in message and "user" not in message, message
