@@ -85,7 +85,8 @@ class GcResult:
 
 def gc(local: LocalStore, max_bytes: int) -> GcResult:
     """Evict least recently used entries (mtime, bumped on every read) until the CAS uses at most
-    ``max_bytes``; entries referenced by pinned manifests (and the manifests) are never evicted.
+    ``max_bytes``; entries referenced by pinned manifests (and the manifests) are never evicted,
+    and entries the warm set names are evicted after all others.
 
     The scan runs unlocked (it may be slow); the pins are read, and entries evicted, under
     ``pins_lock``. Lock files of absent entries that no process holds are removed last.
@@ -106,7 +107,12 @@ def gc(local: LocalStore, max_bytes: int) -> GcResult:
             protected.add(manifest.digest)
             protected.update(digest for digest, _ in manifest.blobs)
         result.pinned_bytes = sum(e.size for e in entries if e.digest in protected)
-        for entry in sorted((e for e in entries if e.digest not in protected), key=lambda e: (e.mtime, e.digest.hex)):
+        # The warm set's CUBINs (run-time compiles a release lacks) go last: they cost a compile to get back.
+        from cubinstore._warmset import warm_digests
+
+        warm = warm_digests(local)
+        for entry in sorted((e for e in entries if e.digest not in protected),
+                            key=lambda e: (e.digest in warm, e.mtime, e.digest.hex)):
             if total <= max_bytes:
                 break
             if local.remove(entry.digest):

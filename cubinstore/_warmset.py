@@ -12,6 +12,7 @@ part of a manifest the warm set names; ``gc`` evicts warm-set CUBINs last.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -103,8 +104,6 @@ def record(local: Any, *, kind: str, family: str | None, params: Mapping[str, st
     checked = _check_point(family, params)
     # A JIT point without a family is known by its key alone; with one, by its family point.
     identity = {"family": family, "params": checked, "arch": arch} if family is not None else {"key": key, "arch": arch}
-    import hashlib
-
     rid = hashlib.sha256(dumps_canonical(identity)).hexdigest()
     path = _dir(local) / rid[:2] / f"{rid}.json"
     now = int(time.time())

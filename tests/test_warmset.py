@@ -1,0 +1,133 @@
+"""The warm set: records that count across processes, an export Bazel loads (accumulating),
+prefetch of only the warm closure, and gc that evicts warm CUBINs last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cubinstore import Digest, Manifest
+from cubinstore import _warmset
+from cubinstore._maint import gc
+from cubinstore.errors import BadArgumentError
+from cubinstore.store import LocalStore
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_one_point_recorded_three_times_is_one_record_counted_three(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home")
+    for _ in range(3):
+        _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 2}, arch="sm_90a")
+    _warmset.record(local, kind="miss", family="axpy", params={"vec": 2, "dtype": "f32"}, arch="sm_80")
+    recs = _warmset.records(local)
+    assert [(r.arch, r.count) for r in recs] == [("sm_80", 1), ("sm_90a", 3)]
+    assert all(0 < r.first_seen <= r.last_seen <= time.time() for r in recs)
+
+
+def test_concurrent_processes_never_lose_a_count(tmp_path: Path, clean_env: Path) -> None:
+    code = ("from cubinstore import _warmset\nfrom cubinstore.store import LocalStore\nfrom cubinstore import _env\n"
+            "_warmset.record(LocalStore(_env.home()), kind='miss', family='gemm', params={'bn': 176}, arch='sm_90a')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(8)]
+    assert [p.wait(timeout=120) for p in procs] == [0] * 8
+    (rec,) = _warmset.records(LocalStore(clean_env))
+    assert rec.count == 8 and rec.params == {"bn": 176}
+
+
+def test_a_jit_record_keeps_its_key_and_digest_when_a_miss_follows(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home")
+    digest = Digest("ab" * 32)
+    _warmset.record(local, kind="jit", family="gemm", params={"bn": 176}, arch="sm_90a", key="0" * 32, digest=digest)
+    rec = _warmset.record(local, kind="miss", family="gemm", params={"bn": 176}, arch="sm_90a")
+    assert (rec.kind, rec.key, rec.digest, rec.count) == ("jit", "0" * 32, digest, 2)
+    assert _warmset.warm_digests(local) == {digest}
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"bn": 1.5}, "warm set: parameter bn must be an int or a word"),
+    ({"b n": 1}, "warm set: parameter names must be identifiers"),
+    ({"bn": "../x"}, "warm set: parameter bn must be an int or a word"),
+])
+def test_malformed_points_are_refused_before_anything_is_written(tmp_path: Path, params, message) -> None:
+    local = LocalStore(tmp_path / "home")
+    with pytest.raises(BadArgumentError, match="^" + message):
+        _warmset.record(local, kind="miss", family="axpy", params=params, arch="sm_90a")
+    assert not (tmp_path / "home" / "v1" / "warmset").exists()
+
+
+def _points(path: Path) -> list[dict]:
+    line = next(x for x in path.read_text().splitlines() if x.startswith(_warmset.EXPORT_MARK))
+    return json.loads(line[len(_warmset.EXPORT_MARK):])
+
+
+def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, cli_env) -> None:
+    local = LocalStore(Path(cli_env["CUBINSTORE_HOME"]))
+    _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 2}, arch="sm_90a")
+    _warmset.record(local, kind="jit", family="gemm", params={"bn": 176}, arch="sm_90a", key="1" * 32)
+    _warmset.record(local, kind="jit", family=None, params=None, arch="sm_90a", key="2" * 32)
+    out_path = tmp_path / "ws" / "warmset.bzl"
+    out_path.parent.mkdir()
+    out = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path)], cli_env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"exported 1 warm points of axpy (1 new) to {out_path}\n"
+    assert "1 JIT records name no family" in out.stderr
+    assert _points(out_path) == [{"dtype": "f32", "vec": 2}]
+    text = out_path.read_text()
+    assert "def warm_grid(grid, points = WARM_POINTS):" in text and '"dtype": "f32"' in text
+
+    # A later export from a store that has forgotten the first point keeps it: the next
+    # release must not lose a point the previous one built.
+    local2 = LocalStore(tmp_path / "home2")
+    _warmset.record(local2, kind="miss", family="axpy", params={"dtype": "f64", "vec": 2}, arch="sm_80")
+    result = _warmset.export(local2, "axpy", out_path)
+    assert result.added == 1
+    assert _points(out_path) == [{"dtype": "f32", "vec": 2}, {"dtype": "f64", "vec": 2}]
+
+
+def test_export_refuses_to_overwrite_a_file_it_did_not_write(tmp_path: Path) -> None:
+    out = tmp_path / "warmset.bzl"
+    out.write_text("WARM_POINTS = []  # hand-written\n")
+    with pytest.raises(BadArgumentError, match=f"^{out} exists but was not written by `cubinstore warmset export`"):
+        _warmset.export(LocalStore(tmp_path / "home"), "axpy", out)
+    assert out.read_text() == "WARM_POINTS = []  # hand-written\n"
+
+
+def test_prefetch_fetches_only_the_warm_closure(faulty, make_release, cli, cli_env) -> None:
+    release = make_release(n=8, archs=("sm_90a",))
+    for hex_, data in release.blobs.items():
+        faulty.stored[f"/cas/{hex_}"] = data
+    local = LocalStore(Path(cli_env["CUBINSTORE_HOME"]))
+    _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f64", "vec": 2}, arch="sm_90a")
+    _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 4}, arch="sm_90a")
+    _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 4}, arch="sm_80")  # no such kernel
+    out = cli(["warmset", "prefetch", str(release.path), "--remote", faulty.url], cli_env)
+    assert out.returncode == 0, out.stderr
+    manifest = Manifest.from_path(release.path)
+    wanted = {k.digest.hex for k in manifest.kernels if (k.params["dtype"], k.params["vec"]) in {("f64", 2), ("f32", 4)}}
+    assert out.stdout == f"prefetched the warm set of {manifest.digest}: 2 of 8 blobs\n"
+    assert {e.digest.hex for e in local.scan()[0]} == wanted
+    assert sum(faulty.count("GET", f"/cas/{h}") for h in release.blobs) == 2
+
+
+def test_gc_evicts_warm_cubins_after_all_others(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home")
+    blobs = {name: (b"\x7fELF" + name.encode() * 1000) for name in ("warm", "old", "new")}
+    digests = {name: Digest.of(data) for name, data in blobs.items()}
+    for age, name in enumerate(("warm", "old", "new")):  # warm is the least recently used
+        local.write(digests[name], blobs[name])
+        t = time.time() - 3600 + age * 60
+        os.utime(local.path_for(digests[name]), (t, t))
+    _warmset.record(local, kind="jit", family="gemm", params={"bn": 176}, arch="sm_90a", key="3" * 32,
+                    digest=digests["warm"])
+    result = gc(local, max_bytes=len(blobs["warm"]))
+    assert {e.digest for e in result.evicted} == {digests["old"], digests["new"]}
+    assert {e.digest for e in local.scan()[0]} == {digests["warm"]}
