@@ -241,6 +241,55 @@ def test_transpose_matches_torch(lib: launch.Library, torch: Any, hopper: None, 
 
 
 @gpu
+@pytest.mark.parametrize("kernel_id", _specs("axpy") or ["<no manifest>"])
+def test_axpy_launches_with_only_the_manifest_geometry(lib: launch.Library, torch: Any, hopper: None, kernel_id: str) -> None:
+    kernel = lib.kernel(kernel_id)
+    dtype = {"f32": torch.float32, "f64": torch.float64}[kernel.spec.params["dtype"]]
+    n = 1_000_003
+    x, y = torch.randn(n, dtype=dtype, device="cuda:0"), torch.randn(n, dtype=dtype, device="cuda:0")
+    expected = 1.5 * x.double() + y.double()
+    kernel.launch(f"axpy_{kernel.spec.params['dtype']}", args=(n, 1.5, x, y))  # no grid, block or shared_mem
+    torch.cuda.synchronize()
+    assert torch.allclose(y.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@gpu
+@pytest.mark.parametrize("kernel_id", _specs("transpose") or ["<no manifest>"])
+def test_transpose_launches_with_only_the_manifest_geometry(lib: launch.Library, torch: Any, hopper: None, kernel_id: str) -> None:
+    kernel = lib.kernel(kernel_id)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[kernel.spec.params["dtype"]]
+    rows, cols = 1000, 777  # tails in both grid dimensions
+    src = torch.randn(rows, cols, device="cuda:0").to(dtype)
+    out = torch.full((cols, rows), float("nan"), dtype=dtype, device="cuda:0")
+    kernel.launch(f"transpose_{kernel.spec.params['dtype']}", args=(src, out, rows, cols))
+    torch.cuda.synchronize()
+    assert torch.equal(out, src.t().contiguous())
+
+
+@gpu
+def test_a_launch_with_no_tensor_argument_goes_to_torchs_current_stream(lib: launch.Library, torch: Any, hopper: None) -> None:
+    # Raw pointers only: the launch must still land on torch's stream, or graph capture breaks.
+    kernel = lib.kernel("axpy", dtype="f32", vec=4)
+    n = 4096
+    x, y = torch.randn(n, device="cuda:0"), torch.zeros(n, device="cuda:0")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernel.launch("axpy_f32", args=(n, 2.0, x.data_ptr(), y.data_ptr()))
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(y) == 0, "captured work must not run during capture"
+    y.copy_(torch.ones(n, device="cuda:0"))
+    x.copy_(torch.arange(n, dtype=torch.float32, device="cuda:0"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, 2.0 * torch.arange(n, dtype=torch.float32, device="cuda:0") + 1.0)
+
+
+@gpu
+def test_programmatic_dependent_launch_gives_the_same_result(lib: launch.Library, torch: Any, hopper: None) -> None:
+    _axpy_run(torch, lib.kernel("axpy", dtype="f32", vec=1), 1_000_003, pdl=True)
+
+
+@gpu
 def test_sm80_cubin_is_refused_before_the_driver_sees_it(lib: launch.Library, manifest: Manifest, hopper: None) -> None:
     sm80 = [k for k in manifest if k.arch == "sm_80"]
     if not sm80:
