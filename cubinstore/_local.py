@@ -245,6 +245,11 @@ class LocalStore(Layer):
                     if self.remove_file(("cas", shard), name):
                         removed.append(self.cas_dir / shard / name)
                         _log.info("removed stale temp file %s", self.cas_dir / shard / name)
+        for name, st in self.list_dir(("staging",)):  # left by a killed unpack
+            if name.startswith(_TEMP_PREFIX) and stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                if self.remove_file(("staging",), name):
+                    removed.append(self.v1 / "staging" / name)
+                    _log.info("removed stale staged file %s", self.v1 / "staging" / name)
         return removed
 
     def clean_locks(self) -> int:

@@ -238,6 +238,7 @@ _WRITER_CHILD = textwrap.dedent("""
     while True:
         data = os.urandom(1 << 20) + i.to_bytes(8, "little")
         local.write(Digest.of(data), data)
+        os.write(1, b"w")  # one byte per finished entry: the parent kills on these, not on a timer
         i += 1
 """)
 
@@ -246,14 +247,24 @@ def test_writer_killed_at_random_points_never_leaves_a_bad_final_file(tmp_path: 
     root = tmp_path / "root"
     rng = random.Random(7)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    finished = 0
     for _ in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD, str(root)], env=env)
-        time.sleep(0.25 + rng.random() * 0.3)
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD, str(root)], env=env, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        # Wait for 1-3 finished entries, then kill during the next one, at a point the
+        # scheduler picks (after a random number of our own busy steps).
+        wanted = rng.randint(1, 3)
+        got = proc.stdout.read(wanted)
+        assert len(got) == wanted, "the writer died before finishing an entry"
+        for _ in range(rng.randrange(200_000)):
+            pass
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
+        finished += wanted
     local = LocalStore(root)
     entries, _ = local.scan()
-    assert entries, "the writer never finished one entry; raise the sleep"
+    assert len(entries) >= finished
     report = verify_store(local)
     assert report.corrupt == [] and report.ok == len(entries)
     # Killed writers leave temp files; old ones are cleaned, fresh ones (maybe live) are kept.
