@@ -19,6 +19,7 @@ CUBINSTORE_MEMORY_BYTES         int      268435456                         in-pr
 CUBINSTORE_MANIFEST             str      (none)                            manifest ``cubinstore.ops`` opens by default: a path or ``sha256:<hex>``
 CUBINSTORE_JIT                  bool     true                              a JIT miss may run nvcc; off: only index hits
 CUBINSTORE_HOST_CC              str      gcc                               host compiler (name on /usr/bin:/bin) of Bazel and the JIT
+CUBINSTORE_CUTLASS_INCLUDE      path     (none)                            CUTLASS/CuTe include root (Bazel, family JIT templates)
 CUBINSTORE_ALLOW_SHARED_STORE   bool     false                             write to a store whose directories others can write
 CUBINSTORE_TRUST_POLICY         path     (none)                            trust policy for ``channel:NAME`` (signed releases)
 =============================== ======== ================================= ==========================================
@@ -39,6 +40,7 @@ __all__ = [
     "VARIABLES",
     "Variable",
     "allow_shared_store",
+    "cutlass_include",
     "disk_cache",
     "home",
     "http_connect_timeout",
@@ -78,6 +80,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CUBINSTORE_MANIFEST", "str", "", "manifest cubinstore.ops opens by default: a path or sha256:<hex>"),
     Variable("CUBINSTORE_JIT", "bool", "1", "a JIT miss may run nvcc at run time; off: only index hits"),
     Variable("CUBINSTORE_HOST_CC", "str", "gcc", "host compiler (a name on /usr/bin:/bin) of Bazel and the JIT"),
+    Variable("CUBINSTORE_CUTLASS_INCLUDE", "path", "", "CUTLASS/CuTe include root of Bazel and of family JIT templates"),
     Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", "0",
              "write to a local store whose directories other users can write (a store shared by a trusted group)"),
     Variable("CUBINSTORE_TRUST_POLICY", "path", "", "trust policy file for channel:NAME (signed releases)"),
@@ -249,3 +252,8 @@ def which(command: str) -> str | None:
     import shutil
 
     return shutil.which(command, path=os.environ.get("PATH"))
+
+
+def cutlass_include() -> Path | None:
+    """``CUBINSTORE_CUTLASS_INCLUDE``: the CUTLASS/CuTe include root (Bazel's repository rule and the JIT)."""
+    return _path("CUBINSTORE_CUTLASS_INCLUDE")

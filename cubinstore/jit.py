@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from cubinstore.manifest import KernelSpec
     from cubinstore.store import Store
 
-__all__ = ["JitKernel", "clear_caches", "compile", "key"]
+__all__ = ["FamilyTemplate", "JitKernel", "clear_caches", "compile", "compile_family_point", "key"]
 
 _log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class JitKernel:
     def library(self) -> Library:
         """A one-kernel ``Library`` over this CUBIN (what ``kernel`` and ``launch`` load through)."""
         from cubinstore.launch import Library
-        from cubinstore.manifest import Manifest
+        from cubinstore.manifest import KernelSpec, Manifest
 
         with self._lock:
             if self._library is None:
@@ -112,11 +112,11 @@ class JitKernel:
                         f"JIT kernel {self.key} ({', '.join(self.kernels)}): pass entries={{symbol: [types]}} "
                         "to compile() to launch it"
                     )
-                spec = {
-                    "id": f"jit/{self.key.hex}/{self.arch}", "family": "jit", "params": {"key": self.key.hex},
-                    "arch": self.arch, "digest": str(self.digest), "size": self.size,
-                    "entries": {k: list(v) for k, v in self.entries.items()}, "target": f"//jit:k{self.key.hex}",
-                }
+                spec = KernelSpec(
+                    id=f"jit/{self.key.hex}/{self.arch}", family="jit", params={"key": self.key.hex},
+                    arch=self.arch, digest=self.digest, size=self.size, entries=self.entries,
+                    target=f"//jit:k{self.key.hex}",
+                )
                 self._library = Library(Manifest.build([spec], source=f"JIT {self.key}"), self._store)
             return self._library
 
@@ -386,3 +386,12 @@ def _check_declared(kernels: Sequence[str], entries: Mapping[str, tuple[str, ...
                     f"JIT kernel {k} entry {name!r}: declared {list(types)} (offsets {list(declared)}, sizes {list(sizes)}), "
                     f"the CUBIN has offsets {[o for o, _ in actual]}, sizes {[s for _, s in actual]}"
                 )
+
+
+def __getattr__(name: str) -> Any:
+    # The family-template side lives in its own module; re-exported here as the public API.
+    if name in ("FamilyTemplate", "compile_family_point"):
+        from cubinstore import _jitfamily
+
+        return getattr(_jitfamily, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,93 @@
+"""Family points a manifest lacks, compiled at run time from the release's own sources (real nvcc, no GPU)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
+
+from cubinstore import _warmset, jit  # noqa: E402
+from cubinstore._digest import Digest  # noqa: E402
+from cubinstore._jitfamily import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
+from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError  # noqa: E402
+from cubinstore.manifest import Manifest  # noqa: E402
+from cubinstore.store import LocalStore, Store  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+AXPY = ["kernels/axpy/axpy.cu", "kernels/axpy/axpy.cuh"]
+
+
+@pytest.fixture(scope="module")
+def axpy(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("jitfam") / "home"
+    store = Store([LocalStore(home)])
+    template = template_for_sources(
+        "axpy", ["dtype", "vec"], "kernels/axpy/axpy.cu", {p: (REPO / p).read_text() for p in AXPY}, store,
+        defines=["DTYPE_{dtype}", "VEC={vec}"], entries={"axpy_{dtype}": ["i32", "{dtype}", "ptr", "ptr"]},
+        archs=["sm_90a", "sm_80"], package="kernels/axpy",
+    )
+    return store, home, template
+
+
+def test_missing_point_compiles_to_the_spec_the_manifest_would_have(axpy) -> None:
+    store, home, template = axpy
+    spec = jit.compile_family_point(template, {"vec": 2, "dtype": "f32"}, "sm_80", store=store)
+    assert spec.id == "axpy/f32/vec2/sm_80" and spec.family == "axpy" and list(spec.params) == ["dtype", "vec"]
+    assert spec.target == "//kernels/axpy:axpy_f32_vec2_sm_80"
+    assert dict(spec.entries) == {"axpy_f32": ("i32", "f32", "ptr", "ptr")}
+    assert Digest.of(LocalStore(home).path_for(spec.digest).read_bytes()) == spec.digest
+    # It loads like any manifest entry: a one-kernel manifest of it validates.
+    assert Manifest.build([spec]).by_id(spec.id).digest == spec.digest
+    (rec,) = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 2}]
+    assert (rec.kind, rec.family, rec.arch, rec.digest) == ("jit", "axpy", "sm_80", spec.digest)
+
+
+def test_second_ask_for_the_point_is_a_hit_even_with_jit_off(axpy) -> None:
+    store, home, template = axpy
+    first = jit.compile_family_point(template, {"dtype": "f64", "vec": 2}, "sm_80", store=store)
+    again = jit.compile_family_point(template, {"dtype": "f64", "vec": 2}, "sm_80", store=store, jit=False)
+    assert again == first
+
+
+def test_point_not_compiled_with_jit_off_is_kernel_not_found(axpy) -> None:
+    store, home, template = axpy
+    with pytest.raises(KernelNotFoundError, match=r"^JIT key xxh3:[0-9a-f]{32} \(arch sm_80, family axpy dtype='f32' vec=8\)"):
+        jit.compile_family_point(template, {"dtype": "f32", "vec": 8}, "sm_80", store=store, jit=False)
+
+
+def test_arch_outside_the_template_and_wrong_params_are_refused(axpy) -> None:
+    store, home, template = axpy
+    with pytest.raises(KernelNotFoundError, match="^axpy: its JIT template compiles for sm_90a, sm_80, not sm_70"):
+        jit.compile_family_point(template, {"dtype": "f32", "vec": 2}, "sm_70", store=store)
+    with pytest.raises(BadArgumentError, match="^axpy: expected parameters dtype, vec, got dtype"):
+        jit.compile_family_point(template, {"dtype": "f32"}, "sm_80", store=store)
+
+
+def test_bundle_with_a_path_outside_it_is_refused(tmp_path: Path) -> None:
+    store = Store([LocalStore(tmp_path / "home")])
+    raw = make_bundle({"kernels/a.cu": "x"}).replace(b'"kernels/a.cu"', b'"../../etc/x"')
+    digest = Digest.of(raw)
+    store.local.write(digest, raw)
+    template = FamilyTemplate.from_json({"schema": "cubinstore/jit-family/v1", "family": "a", "grid_keys": [],
+                                         "source": "kernels/a.cu", "bundle": {"digest": str(digest), "size": len(raw)},
+                                         "entries": {"k": ["i32"]}})
+    with pytest.raises(ManifestError, match=r"^a JIT sources sha256:[0-9a-f]{64}: file '../../etc/x': expected a plain relative path"):
+        jit.compile_family_point(template, {}, "sm_80", store=store)
+    assert not (tmp_path / "etc").exists()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"schema": "v0"}, "jit template: schema: expected 'cubinstore/jit-family/v1'"),
+    ({"source": "/abs/x.cu"}, "jit template: source: expected a relative path inside the bundle"),
+    ({"includes": ["boost"]}, "jit template: includes: unknown include root 'boost'; known: cutlass"),
+    ({"entries": {}}, "jit template: entries: expected a non-empty object"),
+])
+def test_malformed_templates_are_manifest_errors_naming_the_field(change, message) -> None:
+    doc = {"schema": "cubinstore/jit-family/v1", "family": "a", "grid_keys": ["x"], "source": "a.cu",
+           "bundle": {"digest": "sha256:" + "ab" * 32, "size": 10}, "entries": {"k": ["i32"]}}
+    doc.update(change)
+    with pytest.raises(ManifestError, match="^" + message):
+        FamilyTemplate.from_json(doc)
