@@ -8,6 +8,7 @@ that its ``KernelSpec`` values are frozen and safe to use. The facts it is check
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -112,7 +113,7 @@ class EntrySpec:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KernelSpec:
     """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries.
 
@@ -129,7 +130,6 @@ class KernelSpec:
     entries: Mapping[str, tuple[str, ...]]
     target: str
     entry_specs: Mapping[str, EntrySpec] = field(default_factory=dict, compare=False)
-    _key: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a spec shared between threads cannot change under a loader.
@@ -142,12 +142,12 @@ class KernelSpec:
         names = {e.name: e for e in specs.values()}
         names.update(specs)
         object.__setattr__(self, "_names", MappingProxyType(names))
-        object.__setattr__(
-            self,
-            "_key",
-            (self.id, self.family, tuple(sorted(self.params.items())), self.arch, self.digest, self.size,
-             tuple(sorted((s, e.to_json().__repr__()) for s, e in specs.items())), self.target),
-        )
+
+    @functools.cached_property
+    def _key(self) -> tuple[Any, ...]:
+        # Computed on first comparison only: opening a manifest of many kernels never needs it.
+        return (self.id, self.family, tuple(sorted(self.params.items())), self.arch, self.digest, self.size,
+                tuple(sorted((s, repr(e.to_json())) for s, e in self.entry_specs.items())), self.target)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KernelSpec) and self._key == other._key
@@ -382,9 +382,13 @@ class _Checker:
                     f"expected the keys of family {show(spec.family)} ({', '.join(sorted(specs[first_index].params))}), "
                     f"got {', '.join(sorted(spec.params))}",
                 )
+            shrank = False
             for pos, segment in enumerate(segments):
-                candidates[pos] &= {k for k, v in spec.params.items() if _abi.render_param(k, v) == segment}
-            if not _has_order(candidates):
+                fits = {k for k, v in spec.params.items() if _abi.render_param(k, v) == segment}
+                if not candidates[pos] <= fits:
+                    candidates[pos] &= fits
+                    shrank = True
+            if shrank and not _has_order(candidates):
                 raise self.fail(
                     f"kernels[{i}] (id {show(spec.id)}).id",
                     f"renders the params of family {show(spec.family)} in another order than kernels[{first_index}] "
@@ -430,6 +434,7 @@ class Manifest:
     schema: str = SCHEMA
     _by_family: Mapping[str, tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)
     _by_stem: Mapping[str, tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)  # id without arch
+    _by_point: Mapping[tuple[str, frozenset[Any]], tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -477,6 +482,7 @@ class Manifest:
         by_id: dict[str, KernelSpec] = {}
         by_family: dict[str, list[KernelSpec]] = {}
         by_stem: dict[str, list[KernelSpec]] = {}
+        by_point: dict[tuple[str, frozenset[Any]], list[KernelSpec]] = {}
         sizes: dict[Digest, tuple[int, str]] = {}
         for i, spec in enumerate(specs):
             if spec.id in by_id:
@@ -484,6 +490,7 @@ class Manifest:
             by_id[spec.id] = spec
             by_family.setdefault(spec.family, []).append(spec)
             by_stem.setdefault(spec.id.rsplit("/", 1)[0], []).append(spec)
+            by_point.setdefault((spec.family, frozenset(spec.params.items())), []).append(spec)
             seen = sizes.setdefault(spec.digest, (spec.size, spec.id))
             if seen[0] != spec.size:
                 raise check.fail(
@@ -495,6 +502,7 @@ class Manifest:
             raw=raw, digest=Digest.of(raw), source=source, kernels=specs, _by_id=MappingProxyType(by_id),
             schema=schema, _by_family=MappingProxyType({f: tuple(v) for f, v in by_family.items()}),
             _by_stem=MappingProxyType({f: tuple(v) for f, v in by_stem.items()}),
+            _by_point=MappingProxyType({f: tuple(v) for f, v in by_point.items()}),
         )
 
     @classmethod
@@ -580,7 +588,10 @@ class Manifest:
         ``sm_90`` on 9.0), then the highest minor not above the GPU's.
         """
         cc = _check_cc(compute_capability)
-        if family_or_id in self._by_id:
+        point = self._by_point.get((family_or_id, frozenset(params.items()))) if params else None
+        if point is not None:  # a family and all of its params: one dict lookup
+            candidates = list(point)
+        elif family_or_id in self._by_id:
             candidates = [self._by_id[family_or_id]]
             if params:
                 raise BadArgumentError(f"select({family_or_id!r}): a full kernel id takes no params, got {sorted(params)}")
