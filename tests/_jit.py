@@ -49,7 +49,7 @@ def counting_toolkit(dest: Path, log: Path) -> Path:
         if (real / "bin" / name).exists():
             (dest / "bin" / name).symlink_to(real / "bin" / name)
     nvcc = dest / "bin" / "nvcc"
-    nvcc.write_text(f'#!/bin/sh\necho "$$" >> "{log}"\nexec "{real}/bin/nvcc" "$@"\n')
+    nvcc.write_text(f'#!/bin/sh\necho "$$ $*" >> "{log}"\nexec "{real}/bin/nvcc" "$@"\n')
     nvcc.chmod(0o755)
     (dest / "nvvm").symlink_to(real / "nvvm")
     (dest / "include").symlink_to(real / "include")
