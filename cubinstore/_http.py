@@ -137,9 +137,20 @@ class HttpStore(Layer):
         self._with_retries("PUT", f"{self._prefix}/cas/{digest.hex}", bytes(data), None)
         _log.debug("uploaded %s (%d bytes) to %s", digest, len(data), self.url)
 
+    def get_named(self, name: str, limit: int) -> bytes | None:
+        """GET ``<url>/<name>`` (a channel pointer: mutable, so the caller verifies what it names)
+        as at most ``limit`` bytes; None on 404. ``name`` must be a validated relative path."""
+        status, data = self._with_retries("GET", f"{self._prefix}/{name}", None, None, limit=limit)
+        return None if status == 404 else data
+
+    def put_named(self, name: str, data: bytes) -> None:
+        """PUT ``data`` at ``<url>/<name>`` (a channel pointer)."""
+        self._with_retries("PUT", f"{self._prefix}/{name}", bytes(data), None)
+
     # -- HTTP machinery -------------------------------------------------------------------------
 
-    def _with_retries(self, method: str, path: str, body: bytes | None, size: int | None) -> tuple[int, bytes | None]:
+    def _with_retries(self, method: str, path: str, body: bytes | None, size: int | None,
+                      limit: int | None = None) -> tuple[int, bytes | None]:
         url = f"{self.url}{path[len(self._prefix):]}"
         start = time.monotonic()
         if start < self._down_until:
@@ -158,7 +169,7 @@ class HttpStore(Layer):
                 break
             attempts += 1
             try:
-                status, data = self._attempt(method, path, body, size, deadline, url)
+                status, data = self._attempt(method, path, body, size, deadline, url, limit)
             except _NoResponse as exc:
                 last = str(exc)
                 _log.debug("%s %s attempt %d failed: %s", method, url, attempts, last)
@@ -191,7 +202,8 @@ class HttpStore(Layer):
         )
 
     def _attempt(
-        self, method: str, path: str, body: bytes | None, size: int | None, deadline: float, url: str
+        self, method: str, path: str, body: bytes | None, size: int | None, deadline: float, url: str,
+        limit: int | None = None,
     ) -> tuple[int, bytes | None]:
         def remaining() -> float:
             left = deadline - time.monotonic()
@@ -225,14 +237,14 @@ class HttpStore(Layer):
                 if method != "GET" or resp.status != 200:
                     resp.read(4096)  # a short error page; never an unbounded read
                     return resp.status, None
-                return 200, self._read_body(resp, size, url)
+                return 200, self._read_body(resp, size, url, limit)
             except (OSError, http.client.HTTPException) as exc:
                 raise (_Transient if got_response else _NoResponse)(_describe(exc)) from exc
         finally:
             conn.close()
 
-    def _read_body(self, resp: http.client.HTTPResponse, size: int | None, url: str) -> bytes:
-        limit = limit_for(size)
+    def _read_body(self, resp: http.client.HTTPResponse, size: int | None, url: str, limit: int | None = None) -> bytes:
+        limit = limit_for(size) if limit is None else limit
         declared = resp.getheader("Content-Length")
         if declared is not None:
             try:

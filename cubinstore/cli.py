@@ -108,11 +108,17 @@ def _err(message: str) -> None:
     print(f"cubinstore: error: {message}", file=sys.stderr)
 
 
-def _load_manifest(ref: str, store: Store | None = None) -> Manifest:
-    """A manifest from a ``sha256:`` digest (through ``store``) or a path.
+def _load_manifest(ref: str, store: Store | None = None, policy: str | None = None) -> Manifest:
+    """A manifest from a ``sha256:`` digest (through ``store``), a ``channel:NAME`` (a signed
+    release, verified against ``policy`` or ``CUBINSTORE_TRUST_POLICY``) or a path.
 
     A path is opened non-blocking and must be a regular file: a FIFO must not hang the CLI.
     """
+    if ref.startswith("channel:"):
+        from cubinstore._trust import resolve_channel
+
+        store = store if store is not None else Store.from_env()
+        return Manifest.from_digest(resolve_channel(ref, store, policy), store)
     if ref.startswith("sha256:"):
         return Manifest.from_digest(ref, store if store is not None else Store.from_env())
     with open_regular(Path(ref), "manifest", ManifestError) as f:
@@ -127,7 +133,7 @@ def _load_manifest(ref: str, store: Store | None = None) -> Manifest:
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
     store = Store.from_env(extra_remotes=args.remote or (), strict=True)
-    manifest = _load_manifest(args.manifest, store)
+    manifest = _load_manifest(args.manifest, store, args.policy)
     local = store.local
     if local is None:  # from_env always adds one; kept for type checkers
         raise CubinstoreError("no local store configured")
@@ -281,7 +287,12 @@ def _publish_sources(args: argparse.Namespace) -> list[Layer]:
 def _cmd_publish(args: argparse.Namespace) -> int:
     remote = HttpStore(args.to)
     sources = Store(_publish_sources(args), backfill=False)
-    manifest = _load_manifest(args.manifest, sources)
+    channel = None
+    if args.manifest.startswith("channel:"):
+        channel = _channel_release(args.manifest, sources)
+        manifest = Manifest.from_digest(channel[2], sources)
+    else:
+        manifest = _load_manifest(args.manifest, sources)
     failures: list[str] = []
     uploaded: list[tuple[Digest, int]] = []
     progress = _Progress("publish")
@@ -312,7 +323,41 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     if failure:
         _err(failure)
         return EXIT_FAILED
+    if channel is not None:
+        return _publish_channel(remote, sources, manifest, *channel)
     print(f"published {manifest.digest} ({len(manifest.blobs)} blobs) to {remote.url}")
+    return EXIT_OK
+
+
+def _channel_release(ref: str, sources: Store) -> tuple[str, Digest, Digest, Digest]:
+    """(channel, signature digest, manifest digest, record digest) of the release signed here last."""
+    from cubinstore._trust import SignatureBlob, ReleaseRecord, channel_name, local_pointer
+
+    name = channel_name(ref[len("channel:"):])
+    pointer = local_pointer(_local(), name)
+    if pointer is None:
+        raise BadArgumentError(f"channel:{name}: nothing signed here; run `cubinstore sign MANIFEST --channel {name} ...` first")
+    signature = SignatureBlob.from_bytes(sources.get(pointer, name=f"signature of channel {name}"), source=str(pointer))
+    record = ReleaseRecord.from_bytes(sources.get(signature.record, name=f"record of channel {name}"), source=str(signature.record))
+    return name, pointer, record.manifest, record.digest
+
+
+def _publish_channel(remote: HttpStore, sources: Store, manifest: Manifest, name: str, pointer: Digest,
+                     _manifest_digest: Digest, record: Digest) -> int:
+    # Record and signature before the pointer, so a published pointer never names a missing blob.
+    for digest, what in ((record, "release record"), (pointer, "signature")):
+        data = sources.get(digest, name=f"{what} of channel {name}")
+        remote.put(digest, data)
+        failure = _check_remote(remote, digest, len(data), f"{what} of channel {name}")
+        if failure:
+            _err(failure)
+            return EXIT_FAILED
+    remote.put_named(f"channels/{name}", f"{pointer}\n".encode())
+    back = remote.get_named(f"channels/{name}", 4096)
+    if back is None or back.strip() != str(pointer).encode():
+        _err(f"channel pointer {remote.url}/channels/{name} reads back as {back!r}, expected {pointer}")
+        return EXIT_FAILED
+    print(f"published channel {name} ({pointer}) with manifest {manifest.digest} ({len(manifest.blobs)} blobs) to {remote.url}")
     return EXIT_OK
 
 
@@ -344,12 +389,13 @@ def _parser() -> _Parser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    m_help = "manifest path or sha256:<hex> digest"
+    m_help = "manifest path, sha256:<hex> digest, or channel:NAME (a signed release)"
 
     p = sub.add_parser("prefetch", help="fill the local store with a manifest's closure")
     p.add_argument("manifest", help=m_help)
     p.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
     p.add_argument("--arch", action="append", metavar="ARCH", help="only kernels of this arch (repeatable, or comma-separated)")
+    p.add_argument("--policy", metavar="FILE", help="trust policy for channel:NAME (default CUBINSTORE_TRUST_POLICY)")
     p.set_defaults(func=_cmd_prefetch)
 
     p = sub.add_parser("ls", help="list a manifest's kernels and their local state")
@@ -398,6 +444,11 @@ def _parser() -> _Parser:
     from cubinstore import _jitcli
 
     _jitcli.add_parsers(sub, m_help)
+
+    # keygen and sign: the signer's side of release channels (_trust), defined beside their logic.
+    from cubinstore import _trustcli
+
+    _trustcli.add_parsers(sub, m_help, _load_manifest, _local)
     return parser
 
 

@@ -52,7 +52,8 @@ _MAX_PARAMS: Final = 8192  # 32 KiB of parameter space holds at most 8191 4-byte
 
 
 def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | None = None) -> Library:
-    """A `Library` over `manifest`: a path, a `Manifest`, or a `sha256:` digest fetched through `store`.
+    """A `Library` over `manifest`: a path, a `Manifest`, a `sha256:` digest fetched through `store`,
+    or `channel:NAME`, the newest release of that channel signed by a key the trust policy allows.
 
     `store` defaults to `Store.from_env()`. Touches no GPU.
     """
@@ -61,6 +62,11 @@ def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | No
     elif isinstance(manifest, Digest) or (isinstance(manifest, str) and manifest.startswith("sha256:")):
         store = store if store is not None else _default_store()
         man = Manifest.from_digest(manifest, store)
+    elif isinstance(manifest, str) and manifest.startswith("channel:"):
+        from cubinstore._trust import resolve_channel  # signed release; CUBINSTORE_TRUST_POLICY names the keys
+
+        store = store if store is not None else _default_store()
+        man = Manifest.from_digest(resolve_channel(manifest, store), store)
     elif isinstance(manifest, (str, os.PathLike)):
         man = Manifest.from_path(os.fspath(manifest))
     else:

@@ -1,0 +1,72 @@
+"""``cubinstore keygen`` and ``cubinstore sign``: the signer's side of release channels (``_trust``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from cubinstore._trust import channel_name, format_time, generate_key, public_line, sign_release
+from cubinstore.errors import BadArgumentError, StoreError
+
+__all__ = ["add_parsers", "parse_duration"]
+
+_DURATION_RE = re.compile(r"(\d+)([smhd])", re.ASCII)
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> int:
+    """``90s``, ``15m``, ``12h``, ``7d`` -> seconds (positive)."""
+    match = _DURATION_RE.fullmatch(text.strip())
+    if match is None or int(match.group(1)) == 0:
+        raise BadArgumentError(f"--expires-in: expected a positive duration like 12h or 7d, got {text!r}")
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    pem, public = generate_key()
+    try:
+        # O_EXCL: never overwrite a key; 0600: a private key is readable by its owner only.
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except FileExistsError:
+        raise BadArgumentError(f"{out} exists; refusing to overwrite a key") from None
+    except OSError as exc:
+        raise StoreError(f"cannot create {out}: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    _, kid = public_line(out)
+    print(f"wrote private key {out}")
+    print(f"public key {public}")
+    print(f"key id {kid}")
+    return 0
+
+
+def _cmd_sign(args: argparse.Namespace, load_manifest: Any, local: Any) -> int:
+    channel = channel_name(args.channel)
+    manifest = load_manifest(args.manifest)
+    store = local()
+    store.write(manifest.digest, manifest.raw)  # so `publish channel:NAME` finds it by digest
+    record, signature = sign_release(store, manifest.digest, Path(args.key), channel, args.version,
+                                     parse_duration(args.expires_in))
+    print(f"signed channel {channel} version {record.version}: manifest {record.manifest}, record {record.digest}, "
+          f"signature {signature.digest}, key {record.key}, expires {format_time(record.expires)}")
+    return 0
+
+
+def add_parsers(sub: Any, m_help: str, load_manifest: Any, local: Any) -> None:
+    """Add ``keygen`` and ``sign`` to the CLI's subparsers."""
+    p = sub.add_parser("keygen", help="make an Ed25519 signing key (PEM, mode 0600) and print its public key")
+    p.add_argument("out", metavar="KEY.pem")
+    p.set_defaults(func=_cmd_keygen)
+
+    p = sub.add_parser("sign", help="sign a manifest as a channel's release (record and signature go to the local CAS)")
+    p.add_argument("manifest", help=m_help)
+    p.add_argument("--key", required=True, metavar="KEY.pem", help="Ed25519 private key (from `cubinstore keygen`)")
+    p.add_argument("--channel", required=True, metavar="NAME", help="release channel, e.g. prod")
+    p.add_argument("--version", required=True, type=int, metavar="N", help="release version: above every earlier one")
+    p.add_argument("--expires-in", default="7d", metavar="DURATION",
+                   help="how long the record is valid (default 7d); clients refuse it afterwards")
+    p.set_defaults(func=lambda args: _cmd_sign(args, load_manifest, local))
