@@ -1,0 +1,299 @@
+"""cubinstore.jit against AOT loads: JIT cold, JIT warm hit in a fresh process, AOT load from a
+manifest, and the key over the CUTLASS/CuTe tree with xxh3 vs sha256.
+
+    python benchmarks/bench_jit.py                        # every row this host can run
+    python benchmarks/bench_jit.py --prepare DIR          # on a host with nvcc: compile into DIR's store
+    python benchmarks/bench_jit.py --prebuilt DIR         # on the GPU host: load rows from DIR (nvcc optional)
+
+CPU rows need nvcc and the CUTLASS headers ($CUBINSTORE_CUTLASS_INCLUDE or the nvidia-cutlass
+wheel); GPU rows need a GPU and cuda-bindings. With no nvcc on the GPU host, `--prebuilt`
+loads what `--prepare` compiled through the index by its recorded key (the key itself is then
+not recomputed there: that part is the CPU rows'). Each fresh-process row is the median of
+`--repeats` child processes; the CUDA context is created before the timed part, so AOT and
+JIT rows time the same thing: finding the CUBIN, verifying it and loading it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GEMM_FILES = ("kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh")
+GEMM_ENTRY = {"gemm_bf16_tn": ["tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32"]}
+GEMM_POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1}
+GEMM_DEFINES = ("BM={bm}", "BN={bn}", "BK={bk}", "STAGES={stages}", "CLUSTER_M={cluster}")
+TINY_TU = ('extern "C" __global__ void scale(int n, float a, float* x) {\n'
+           '  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= a; }\n')
+TINY_ENTRY = {"scale": ["i32", "f32", "ptr"]}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# -- what a child process runs ----------------------------------------------------------------------
+
+def _template(store: Any) -> Any:
+    from cubinstore._jitfamily import template_for_sources
+
+    return template_for_sources("gemm", list(GEMM_POINT), GEMM_FILES[0], {p: (ROOT / p).read_text() for p in GEMM_FILES},
+                                store, defines=list(GEMM_DEFINES), entries=GEMM_ENTRY, archs=["sm_90a"],
+                                includes=["cutlass"], package="kernels/gemm")
+
+
+def _child(kind: str, args: dict[str, Any]) -> dict[str, float]:
+    """One measurement in this (fresh) process; returns seconds."""
+    from cubinstore.store import LocalStore, MemoryStore, Store
+
+    store = Store([MemoryStore(1 << 28), LocalStore(args["home"])])
+    out: dict[str, float] = {}
+    gpu = kind.startswith("gpu_")
+    if gpu:
+        from cubinstore import _cuda
+
+        _cuda.driver()
+        _cuda.primary_context(0)
+    if kind == "key_cutlass_statcached":
+        from cubinstore import _jitkey
+
+        t = time.perf_counter()
+        _jitkey.tree(args["cutlass"], jit_dir=Path(args["home"]) / "v1" / "jit")
+        out["seconds"] = time.perf_counter() - t
+    elif kind == "identity_statcached":
+        from cubinstore import _jitkey
+
+        jit_dir = Path(args["home"]) / "v1" / "jit"
+        t = time.perf_counter()
+        _jitkey.find_toolkit(jit_dir=jit_dir)
+        _jitkey.host_compiler(jit_dir=jit_dir)
+        out["seconds"] = time.perf_counter() - t
+    elif kind in ("jit_cold", "jit_warm", "gpu_jit_warm"):
+        from cubinstore import jit
+
+        template = _template(store)  # the bundle's blob write is not timed
+        t = time.perf_counter()
+        spec = jit.compile_family_point(template, GEMM_POINT, "sm_90a", store=store,
+                                        include_roots={"cutlass": args["cutlass"]})
+        out["key_index_fetch"] = time.perf_counter() - t
+        if gpu:
+            import cubinstore
+            from cubinstore.manifest import Manifest
+
+            cubinstore.open(Manifest.build([spec]), store).kernel(spec.id, device=0)
+        out["seconds"] = time.perf_counter() - t
+    elif kind == "gpu_jit_by_key":
+        import cubinstore
+        from cubinstore import _env
+        from cubinstore._jitindex import JitIndex
+        from cubinstore.manifest import KernelSpec, Manifest
+
+        t = time.perf_counter()
+        entry = JitIndex(Path(args["home"]), _env.lock_timeout()).get(args["key"])
+        spec = KernelSpec(id=args["spec"]["id"], family="gemm", params=args["spec"]["params"], arch="sm_90a",
+                          digest=entry.digest, size=entry.size, entries=GEMM_ENTRY, target=args["spec"]["target"])
+        cubinstore.open(Manifest.build([spec]), store).kernel(spec.id, device=0)
+        out["seconds"] = time.perf_counter() - t
+    elif kind == "gpu_aot":
+        import cubinstore
+
+        t = time.perf_counter()
+        cubinstore.open(args["manifest"], store).kernel(args["id"], device=0)
+        out["seconds"] = time.perf_counter() - t
+    else:
+        raise SystemExit(f"unknown child {kind}")
+    return out
+
+
+def _spawn(kind: str, args: dict[str, Any], env: dict[str, str]) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, __file__, "--child", kind, json.dumps(args)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {kind} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _repeat(kind: str, args: dict[str, Any], env: dict[str, str], n: int, field: str = "seconds") -> float:
+    return _median([_spawn(kind, args, env)[field] for _ in range(n)])
+
+
+# -- the rows ---------------------------------------------------------------------------------------
+
+def _have_nvcc() -> bool:
+    from cubinstore._jitkey import locate_toolkit
+    from cubinstore.errors import BadArgumentError
+
+    try:
+        locate_toolkit()
+    except BadArgumentError:
+        return False
+    return True
+
+
+def _have_gpu() -> bool:
+    from cubinstore import _cuda
+
+    ok, _ = _cuda.available()
+    return ok
+
+
+def _env_for(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUBINSTORE_")}
+    env["CUBINSTORE_HOME"] = str(home)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def cpu_rows(work: Path, cutlass: Path, repeats: int) -> list[tuple[str, str, str]]:
+    from cubinstore import _jitkey
+
+    rows = []
+    files = sum(1 for _ in _jitkey._walk(cutlass, "cutlass"))
+    for algo in ("xxh3", "sha256"):
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            _jitkey.tree(cutlass, algo=algo, cached=False)
+            times.append(time.perf_counter() - t)
+        rows.append((f"key over the CUTLASS tree, {algo}, every file read", _ms(_median(times)),
+                     f"{files} files, in-process, page cache warm"))
+    home = work / "warm-home"
+    env = _env_for(home)
+    args = {"home": str(home), "cutlass": str(cutlass)}
+    _spawn("key_cutlass_statcached", args, env)  # fills the stat cache
+    rows.append(("key over the CUTLASS tree, fresh process, stat cache", _ms(_repeat("key_cutlass_statcached", args, env, repeats)),
+                 "walk + stat every file; contents hashed only if one changed"))
+    _spawn("identity_statcached", args, env)
+    rows.append(("toolkit + host compiler identity, fresh process", _ms(_repeat("identity_statcached", args, env, repeats)),
+                 "stat cache; first process on a machine hashes ~200 MB once"))
+    cold = []
+    for i in range(max(1, repeats // 2)):
+        cold_home = work / f"cold-home-{i}"
+        cold.append(_spawn("jit_cold", {"home": str(cold_home), "cutlass": str(cutlass)}, _env_for(cold_home))["seconds"])
+    rows.append(("JIT cold: key + nvcc + store (GEMM point, CuTe)", f"{_median(cold):.2f} s", "empty store each run"))
+    _spawn("jit_warm", args, env)  # compiles into the warm home
+    rows.append(("JIT warm hit, fresh process: key + index + verified fetch", _ms(_repeat("jit_warm", args, env, repeats)),
+                 "CPU part (no GPU load); key over CUTLASS + toolkit + host included"))
+    return rows
+
+
+def gpu_rows(home: Path, manifest: Path, kid: str, cutlass: Path | None, recorded: dict[str, Any] | None,
+             repeats: int) -> list[tuple[str, str, str]]:
+    env = _env_for(home)
+    rows = []
+    aot = _repeat("gpu_aot", {"home": str(home), "manifest": str(manifest), "id": kid}, env, repeats)
+    rows.append(("AOT load from a manifest", _ms(aot), "open + fetch + sha256 + cuLibraryLoadData + layout check"))
+    if cutlass is not None and _have_nvcc():
+        args = {"home": str(home), "cutlass": str(cutlass)}
+        _spawn("gpu_jit_warm", args, env)
+        results = [_spawn("gpu_jit_warm", args, env) for _ in range(repeats)]
+        total = _median([r["seconds"] for r in results])
+        rows.append(("JIT warm hit + load, fresh process", _ms(total), f"{_ms(total - aot)} above AOT, key computed"))
+    if recorded is not None:
+        by_key = _repeat("gpu_jit_by_key", {"home": str(home), **recorded}, env, repeats)
+        rows.append(("JIT index hit by recorded key + load", _ms(by_key), f"{_ms(by_key - aot)} above AOT, key not recomputed"))
+    return rows
+
+
+def prepare(out: Path, cutlass: Path) -> dict[str, Any]:
+    """Compile the GEMM point into ``out/home`` and write a one-kernel AOT manifest of the same CUBIN."""
+    from cubinstore import jit
+    from cubinstore._abi import dumps_canonical
+    from cubinstore.manifest import SCHEMA
+    from cubinstore.store import LocalStore, Store
+
+    store = Store([LocalStore(out / "home")])
+    spec = jit.compile_family_point(_template(store), GEMM_POINT, "sm_90a", store=store,
+                                    include_roots={"cutlass": str(cutlass)})
+    (out / "manifest.json").write_bytes(dumps_canonical({"schema": SCHEMA, "kernels": [spec.to_json()]}))
+    from cubinstore import _warmset
+
+    rec = next(r for r in _warmset.records(LocalStore(out / "home")) if r.digest == spec.digest)
+    desc = {"key": rec.key, "spec": {"id": spec.id, "params": dict(spec.params), "target": spec.target},
+            "digest": str(spec.digest)}
+    (out / "bench.json").write_text(json.dumps(desc, indent=2) + "\n")
+    return desc
+
+
+def _print(rows: list[tuple[str, str, str]]) -> None:
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    print(f"{'measurement'.ljust(width)}  {'median'.rjust(vwidth)}  notes")
+    print(f"{'-' * width}  {'-' * vwidth}  -----")
+    for name, value, note in rows:
+        print(f"{name.ljust(width)}  {value.rjust(vwidth)}  {note}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prepare", metavar="DIR", help="compile into DIR (a host with nvcc) and stop")
+    parser.add_argument("--prebuilt", metavar="DIR", help="GPU rows from what --prepare wrote to DIR")
+    parser.add_argument("--child", nargs=2, metavar=("KIND", "ARGS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child[0], json.loads(args.child[1]))))
+        return 0
+    from cubinstore._jitfamily import cutlass_include
+    from cubinstore.errors import BadArgumentError
+
+    try:
+        cutlass: Path | None = cutlass_include()
+    except BadArgumentError as exc:
+        cutlass = None
+        print(f"note: {exc}", file=sys.stderr)
+    if args.prepare:
+        if cutlass is None or not _have_nvcc():
+            raise SystemExit("--prepare needs nvcc and the CUTLASS headers")
+        out = Path(args.prepare).resolve()
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        desc = prepare(out, cutlass)
+        print(f"prepared {out}: {desc['spec']['id']} {desc['digest']} under JIT key xxh3:{desc['key']}")
+        return 0
+    rows: list[tuple[str, str, str]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_jit.") as tmp:
+        work = Path(tmp)
+        if cutlass is not None and _have_nvcc():
+            rows += cpu_rows(work, cutlass, args.repeats)
+        else:
+            print("note: no nvcc or CUTLASS headers here: CPU rows skipped", file=sys.stderr)
+        if _have_gpu():
+            if args.prebuilt:
+                pre = Path(args.prebuilt).resolve()
+                home = work / "gpu-home"
+                shutil.copytree(pre / "home", home)  # a private copy: the runs write stats and stat caches
+                recorded = json.loads((pre / "bench.json").read_text())
+                rows += gpu_rows(home, pre / "manifest.json", recorded["spec"]["id"], cutlass, recorded, args.repeats)
+            elif cutlass is not None and _have_nvcc():
+                pre = work / "prepared"
+                recorded = prepare(pre, cutlass)
+                rows += gpu_rows(pre / "home", pre / "manifest.json", recorded["spec"]["id"], cutlass, recorded,
+                                 args.repeats)
+            else:
+                print("note: GPU present but nothing to load: pass --prebuilt DIR", file=sys.stderr)
+        else:
+            print("note: no GPU here: GPU rows (AOT load, JIT warm hit + load) skipped", file=sys.stderr)
+    if rows:
+        _print(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
