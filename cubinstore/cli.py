@@ -289,8 +289,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     sources = Store(_publish_sources(args), backfill=False)
     channel = None
     if args.manifest.startswith("channel:"):
-        channel = _channel_release(args.manifest, sources)
-        manifest = Manifest.from_digest(channel[2], sources)
+        *channel, manifest_digest = _channel_release(args.manifest, sources)
+        manifest = Manifest.from_digest(manifest_digest, sources)
     else:
         manifest = _load_manifest(args.manifest, sources)
     failures: list[str] = []
@@ -330,8 +330,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _channel_release(ref: str, sources: Store) -> tuple[str, Digest, Digest, Digest]:
-    """(channel, signature digest, manifest digest, record digest) of the release signed here last."""
-    from cubinstore._trust import SignatureBlob, ReleaseRecord, channel_name, local_pointer
+    """(channel, signature digest, record digest, manifest digest) of the release signed here last."""
+    from cubinstore._trust import ReleaseRecord, SignatureBlob, channel_name, local_pointer
 
     name = channel_name(ref[len("channel:"):])
     pointer = local_pointer(_local(), name)
@@ -339,11 +339,11 @@ def _channel_release(ref: str, sources: Store) -> tuple[str, Digest, Digest, Dig
         raise BadArgumentError(f"channel:{name}: nothing signed here; run `cubinstore sign MANIFEST --channel {name} ...` first")
     signature = SignatureBlob.from_bytes(sources.get(pointer, name=f"signature of channel {name}"), source=str(pointer))
     record = ReleaseRecord.from_bytes(sources.get(signature.record, name=f"record of channel {name}"), source=str(signature.record))
-    return name, pointer, record.manifest, record.digest
+    return name, pointer, record.digest, record.manifest
 
 
 def _publish_channel(remote: HttpStore, sources: Store, manifest: Manifest, name: str, pointer: Digest,
-                     _manifest_digest: Digest, record: Digest) -> int:
+                     record: Digest) -> int:
     # Record and signature before the pointer, so a published pointer never names a missing blob.
     for digest, what in ((record, "release record"), (pointer, "signature")):
         data = sources.get(digest, name=f"{what} of channel {name}")
