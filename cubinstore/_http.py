@@ -307,6 +307,7 @@ class _DeadlineResponse(http.client.HTTPResponse):
     def __init__(self, sock: socket.socket, *args: Any, remaining: Callable[[], float], read_timeout: float,
                  **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
+        self.fp.close()  # http.client's own unbounded reader, replaced before anything was read
         self.fp = io.BufferedReader(_DeadlineReader(sock, remaining, read_timeout), _CHUNK)
 
 
