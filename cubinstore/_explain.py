@@ -17,7 +17,7 @@ from cubinstore._jitindex import JitIndex, check_key
 from cubinstore._jitkey import KeyParts, Tree, load_tree
 from cubinstore.errors import KernelNotFoundError
 
-__all__ = ["explain_key", "explain_point", "part_differences"]
+__all__ = ["explain_key", "explain_point", "nearest_points", "part_differences"]
 
 _PARTS: Final = ("scheme", "source", "source_name", "includes", "flags", "arch", "toolkit", "host")
 _MAX_FILES: Final = 12
@@ -153,10 +153,10 @@ def explain_key(index: JitIndex, key: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def explain_point(manifest: Any, family: str, params: Mapping[str, str | int], arch: str | None) -> str:
-    """The report for a family point: is it in ``manifest``, and if not, which points are nearest."""
+def nearest_points(manifest: Any, family: str, params: Mapping[str, str | int], arch: str | None,
+                   limit: int = 8) -> list[tuple[Any, list[str]]]:
+    """The manifest's kernels of ``family`` with the fewest differences from the point, and the differences."""
     kernels = [k for k in manifest.kernels if k.family == family]
-    asked = " ".join(f"{k}={v}" for k, v in params.items()) + (f" arch={arch}" if arch else "")
     if not kernels:
         families = sorted({k.family for k in manifest.kernels})
         raise KernelNotFoundError(f"manifest {manifest.digest} has no family {family!r}; families: {', '.join(families)}")
@@ -176,13 +176,21 @@ def explain_point(manifest: Any, family: str, params: Mapping[str, str | int], a
 
     ranked = sorted(kernels, key=lambda k: (len(diff(k)), k.id))
     best = len(diff(ranked[0]))
+    return [(k, diff(k)) for k in ranked if len(diff(k)) == best][:limit]
+
+
+def explain_point(manifest: Any, family: str, params: Mapping[str, str | int], arch: str | None) -> str:
+    """The report for a family point: is it in ``manifest``, and if not, which points are nearest."""
+    asked = " ".join(f"{k}={v}" for k, v in params.items()) + (f" arch={arch}" if arch else "")
+    near = nearest_points(manifest, family, params, arch, limit=1000)
+    best = len(near[0][1])
     lines = [f"{family} {asked}: " + ("in manifest " + str(manifest.digest) if best == 0 else f"not in manifest {manifest.digest}")]
     if best == 0:
-        lines += [f"  {k.id}  {k.digest}" for k in ranked if not diff(k)]
+        lines += [f"  {k.id}  {k.digest}" for k, _ in near]
         return "\n".join(lines) + "\n"
     lines.append(f"nearest points ({best} difference{'s' if best > 1 else ''}):")
-    for k in [k for k in ranked if len(diff(k)) == best][:8]:
+    for k, differences in near[:8]:
         lines.append(f"  {k.id}")
-        lines += [f"    {d}" for d in diff(k)]
+        lines += [f"    {d}" for d in differences]
     lines.append(f"build it ahead of time: `cubinstore warmset export --family {family}` after the miss is recorded")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ would have had, so ``Library.kernel`` can load it like any other.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
     from cubinstore.manifest import KernelSpec
     from cubinstore.store import Store
 
-__all__ = ["FamilyTemplate", "SOURCES_SCHEMA", "TEMPLATE_SCHEMA", "compile_family_point", "make_bundle"]
+__all__ = ["FamilyTemplate", "SOURCES_SCHEMA", "TEMPLATE_SCHEMA", "compile_family_point", "make_bundle", "resolve_miss"]
+
+_log = logging.getLogger(__name__)
 
 TEMPLATE_SCHEMA: Final = "cubinstore/jit-family/v1"
 SOURCES_SCHEMA: Final = "cubinstore/jit-sources/v1"
@@ -242,6 +245,38 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
         f"//jit:k{k.key.hex}"
     return KernelSpec(id=kernel_id(template.family, ordered, parsed), family=template.family, params=ordered,
                       arch=str(parsed), digest=k.digest, size=k.size, entries=entries, target=target)
+
+
+def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], arch: str, *,
+                 template: FamilyTemplate | None, store: Store | None = None, jit: bool | None = None) -> KernelSpec:
+    """What ``Library.kernel`` does when ``manifest`` has no kernel for a family point.
+
+    Records the miss in the warm set, then compiles the point from ``template`` (the family's
+    JIT template, None if it has none) when JIT is on (``jit``, default ``CUBINSTORE_JIT``).
+    Otherwise raises ``KernelNotFoundError`` naming the nearest points and why it did not compile.
+    """
+    from cubinstore import _warmset
+    from cubinstore import jit as _jit
+    from cubinstore._explain import nearest_points
+    from cubinstore.errors import CubinstoreError
+
+    store = store if store is not None else _jit._default_store()
+    if store.local is not None:
+        try:
+            _warmset.record(store.local, kind="miss", family=family, params=params, arch=str(arch))
+        except CubinstoreError as exc:  # the warm set is advice; the caller still gets an answer
+            _log.warning("cannot record the miss of %s in the warm set: %s", family, exc)
+    enabled = _env.jit() if jit is None else jit
+    if template is not None and enabled:
+        return compile_family_point(template, params, arch, store=store, jit=True)
+    asked = " ".join(f"{k}={v!r}" for k, v in params.items())
+    near = "; ".join(f"{k.id} ({', '.join(d)})" for k, d in nearest_points(manifest, family, params, arch, limit=4))
+    why = "run-time compilation is off (CUBINSTORE_JIT=0 or jit=False)" if template is not None else \
+        f"family {family} has no JIT template"
+    raise KernelNotFoundError(
+        f"no kernel {family} {asked} {arch} in manifest {manifest.digest}; nearest: {near}; {why}. "
+        f"The miss is recorded: `cubinstore warmset export --family {family}` adds it to the next release"
+    )
 
 
 def template_for_sources(family: str, grid_keys: Sequence[str], source: str, files: Mapping[str, bytes | str],

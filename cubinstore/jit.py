@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from cubinstore.manifest import KernelSpec
     from cubinstore.store import Store
 
-__all__ = ["FamilyTemplate", "JitKernel", "clear_caches", "compile", "compile_family_point", "key"]
+__all__ = ["FamilyTemplate", "JitKernel", "clear_caches", "compile", "compile_family_point", "key", "resolve_miss"]
 
 _log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def _check_declared(kernels: Sequence[str], entries: Mapping[str, tuple[str, ...
 
 def __getattr__(name: str) -> Any:
     # The family-template side lives in its own module; re-exported here as the public API.
-    if name in ("FamilyTemplate", "compile_family_point"):
+    if name in ("FamilyTemplate", "compile_family_point", "resolve_miss"):
         from cubinstore import _jitfamily
 
         return getattr(_jitfamily, name)

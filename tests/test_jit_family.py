@@ -11,6 +11,7 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from cubinstore import _warmset, jit  # noqa: E402
 from cubinstore._digest import Digest  # noqa: E402
+from cubinstore import _jitfamily as jit_family  # noqa: E402
 from cubinstore._jitfamily import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
 from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
@@ -91,3 +92,28 @@ def test_malformed_templates_are_manifest_errors_naming_the_field(change, messag
     doc.update(change)
     with pytest.raises(ManifestError, match="^" + message):
         FamilyTemplate.from_json(doc)
+
+
+def test_resolve_miss_records_it_and_compiles_from_the_template(axpy, make_release) -> None:
+    store, home, template = axpy
+    manifest = Manifest.from_path(make_release(n=8, archs=("sm_80",)).path)
+    spec = jit_family.resolve_miss(manifest, "axpy", {"dtype": "f32", "vec": 3}, "sm_80", template=template, store=store)
+    assert spec.id == "axpy/f32/vec3/sm_80"
+    misses = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 3}]
+    assert [(r.kind, r.count) for r in misses] == [("jit", 2)]  # the miss, then the compile
+
+
+def test_resolve_miss_with_jit_off_names_the_nearest_points(axpy, make_release) -> None:
+    store, home, template = axpy
+    manifest = Manifest.from_path(make_release(n=8, archs=("sm_80",)).path)
+    with pytest.raises(KernelNotFoundError) as info:
+        jit_family.resolve_miss(manifest, "axpy", {"dtype": "f32", "vec": 5}, "sm_80", template=template,
+                                store=store, jit=False)
+    assert str(info.value).startswith(
+        f"no kernel axpy dtype='f32' vec=5 sm_80 in manifest {manifest.digest}; nearest: axpy/f32/vec1/sm_80 "
+        "(vec: 1 in the manifest, 5 asked)")
+    assert "run-time compilation is off (CUBINSTORE_JIT=0 or jit=False)" in str(info.value)
+    with pytest.raises(KernelNotFoundError, match="family axpy has no JIT template"):
+        jit_family.resolve_miss(manifest, "axpy", {"dtype": "f32", "vec": 5}, "sm_80", template=None, store=store)
+    (rec,) = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 5}]
+    assert (rec.kind, rec.count) == ("miss", 2)
