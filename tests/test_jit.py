@@ -278,3 +278,11 @@ def test_jit_kernel_is_a_one_kernel_library_with_the_declared_entries(env: Simpl
     spec = env.first.spec
     assert spec.id == f"jit/{env.first.key.hex}/{ARCH}" and spec.digest == env.first.digest
     assert dict(spec.entries) == {"scale": ("i32", "f32", "ptr")}
+
+
+def test_import_cubinstore_and_its_cli_do_not_import_xxhash() -> None:
+    code = ("import sys, cubinstore, cubinstore.cli, cubinstore._maint\n"
+            "print(sorted(m for m in ('xxhash', 'cubinstore.jit', 'cubinstore._jitkey') if m in sys.modules))\n")
+    out = run_child(code, child_env(Path("/nonexistent")))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
