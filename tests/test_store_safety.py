@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest, Store, StoreError, UnsafeStoreError
-from cubinstore._lock import file_lock
+from cubinstore._bundle import pack, unpack
 from cubinstore._maint import gc, pin, unpin, verify_store
 from cubinstore.store import DiskCacheStore, LocalStore
 
@@ -42,7 +42,8 @@ def everything_under(path: Path) -> list[Path]:
 
 # Each case plants a symlink at one directory of the layout; the operation must neither
 # follow it (nothing appears in the attacker's directory) nor hang or crash untyped.
-@pytest.mark.parametrize("link", ["v1", "v1/cas/SHARD", "v1/quarantine", "v1/pins", "v1/locks/SHARD", "v1/locks"])
+@pytest.mark.parametrize("link", ["v1", "v1/cas/SHARD", "v1/quarantine", "v1/pins", "v1/locks/SHARD", "v1/locks",
+                                  "v1/staging"])
 def test_a_symlinked_store_directory_is_never_written_through(tmp_path: Path, link: str, make_release) -> None:
     release = make_release(n=1, size=4000, seed=3)
     (hex_, data), = release.blobs.items()
@@ -56,6 +57,8 @@ def test_a_symlinked_store_directory_is_never_written_through(tmp_path: Path, li
     planted.symlink_to(elsewhere, target_is_directory=True)
     source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])
     manifest = Manifest.from_path(release.path)
+    bundle = tmp_path / "release.tar"
+    pack(manifest, Store([source]), bundle)
     if link == "v1/quarantine":  # a corrupt entry for the store to quarantine through the link
         local.path_for(digest).parent.mkdir(parents=True)
         local.path_for(digest).write_bytes(bytes(len(data)))
@@ -70,6 +73,7 @@ def test_a_symlinked_store_directory_is_never_written_through(tmp_path: Path, li
         lambda: verify_store(local),
         lambda: local.discard(digest, len(data), "test"),
         lambda: local.add_stats({"hits": 1}),
+        lambda: unpack(bundle, local, pin=True),
     ]
     for i, attempt in enumerate(attempts):
         try:
