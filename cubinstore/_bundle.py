@@ -25,7 +25,7 @@ from cubinstore._local import LocalStore
 from cubinstore._maint import pin as pin_manifest
 from cubinstore._maint import pins_lock
 from cubinstore.errors import BundleError, ManifestError, StoreError
-from cubinstore.manifest import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
+from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest
 from cubinstore.store import Store
 
 __all__ = ["MANIFEST_NAME", "pack", "unpack"]
