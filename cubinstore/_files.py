@@ -13,21 +13,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._digest import Digest
-from cubinstore._safedir import NotRegularFile, read_fd
+from cubinstore._safedir import READ_FLAGS, NotRegularFile, read_fd
 from cubinstore.errors import BadArgumentError, CubinstoreError, IntegrityError, StoreError
 
 __all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]
 
 _log = logging.getLogger(__name__)
-
-# O_NONBLOCK so a FIFO planted at an entry path cannot hang open(); regular files ignore it.
-_READ_FLAGS = (
-    os.O_RDONLY
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_BINARY", 0)
-)
 
 
 def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None:
@@ -39,7 +30,7 @@ def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None
     lets the caller see "longer than expected" without reading an arbitrarily large file.
     """
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, READ_FLAGS)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -34,7 +34,8 @@ _log = logging.getLogger(__name__)
 DIR_MODE = 0o755  # explicit: mkdir's default 0o777 under umask 002 would make a group-writable store
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK so a FIFO planted at an entry name cannot hang open(); regular files ignore it.
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+              | getattr(os, "O_BINARY", 0))
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CHUNK = 1 << 20
 TEMP_PREFIX = ".tmp."
@@ -149,7 +150,7 @@ def read_at(dir_fd: int, name: str, limit: int, *, path: Path, touch: bool = Fal
     A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock).
     """
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
