@@ -74,15 +74,15 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, float]:
         from cubinstore import _jitkey
 
         t = time.perf_counter()
-        _jitkey.tree(args["cutlass"], jit_dir=Path(args["home"]) / "v1" / "jit")
+        _jitkey.tree(args["cutlass"], local=LocalStore(args["home"]))
         out["seconds"] = time.perf_counter() - t
     elif kind == "identity_statcached":
         from cubinstore import _jitkey
 
-        jit_dir = Path(args["home"]) / "v1" / "jit"
+        local = LocalStore(args["home"])
         t = time.perf_counter()
-        _jitkey.find_toolkit(jit_dir=jit_dir)
-        _jitkey.host_compiler(jit_dir=jit_dir)
+        _jitkey.find_toolkit(local=local)
+        _jitkey.host_compiler(local=local)
         out["seconds"] = time.perf_counter() - t
     elif kind in ("jit_cold", "jit_warm", "gpu_jit_warm"):
         from cubinstore import jit
@@ -105,7 +105,7 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, float]:
         from cubinstore.manifest import KernelSpec, Manifest
 
         t = time.perf_counter()
-        entry = JitIndex(Path(args["home"]), _env.lock_timeout()).get(args["key"])
+        entry = JitIndex(LocalStore(args["home"]), _env.lock_timeout()).get(args["key"])
         spec = KernelSpec(id=args["spec"]["id"], family="gemm", params=args["spec"]["params"], arch="sm_90a",
                           digest=entry.digest, size=entry.size, entries=GEMM_ENTRY, target=args["spec"]["target"])
         cubinstore.open(Manifest.build([spec]), store).kernel(spec.id, device=0)

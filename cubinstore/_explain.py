@@ -37,7 +37,7 @@ def _differing(a: KeyParts, b: KeyParts) -> tuple[str, ...]:
 
 
 def _tree_diff(index: JitIndex, label: str, old: str, new: str, prefix: str = "") -> list[str]:
-    a, b = load_tree(index.dir, old), load_tree(index.dir, new)
+    a, b = load_tree(index.local, old), load_tree(index.local, new)
     if a is None or b is None or a.files is None or b.files is None:
         return [f"{label}: content differs ({old} -> {new}); the listing of {'the nearest' if a is None else 'this'} tree was not kept"]
     return _files_diff(label, a, b, prefix)

@@ -100,7 +100,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
         if args.params or args.manifest or args.arch:
             raise BadArgumentError("explain KEY takes no NAME=VALUE, --manifest or --arch")
-        sys.stdout.write(explain_key(JitIndex(_env.home(), _env.lock_timeout()), args.what))
+        sys.stdout.write(explain_key(JitIndex(_local(), _env.lock_timeout()), args.what))
         return 0
     from cubinstore._explain import explain_point
     from cubinstore.manifest import Manifest

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,34 +143,29 @@ def _bundle_files(raw: bytes, where: str) -> dict[str, str]:
 
 
 def _materialize(store: Store, template: FamilyTemplate) -> Path:
-    """The bundle's files under ``<store>/v1/jit/sources/<hex>/``, published by one rename."""
+    """The bundle's files under ``<store>/v1/jit/sources/<hex>/``; ``.complete`` is written last.
+
+    Files go through the local store's descriptor-based API; processes that write the same
+    bundle at once write the same bytes, each file atomically.
+    """
     local = store.local
     if local is None:
         raise StoreError(f"the JIT needs a local store layer; {store!r} has none")
+    base = ("jit", "sources", template.bundle.hex)
     final = Path(local.root) / "v1" / "jit" / "sources" / template.bundle.hex
-    if (final / ".complete").is_file():
-        return final
+    try:
+        if local.read_file(base, ".complete", 0) is not None:
+            return final
+    except Exception:  # noqa: BLE001 - a link or damage there: write it again (or fail safely)
+        pass
     raw = store.get(template.bundle, template.bundle_size, name=f"{template.family} JIT sources")
     files = _bundle_files(raw, f"{template.family} JIT sources {template.bundle}")
     if template.source not in files:
         raise ManifestError(f"{template.family} JIT template: source {template.source!r} is not in bundle {template.bundle}")
-    tmp = final.parent / f".tmp.{template.bundle.hex}.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        for rel, text in files.items():
-            path = tmp / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
-        (tmp / ".complete").write_text("")
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / ".complete").is_file():  # not another process's identical copy
-                raise
-    except OSError as exc:
-        raise StoreError(f"cannot write the {template.family} JIT sources to {final}: {exc.strerror or exc}") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for rel, text in files.items():
+        *dirs, name = rel.split("/")
+        local.write_file((*base, *dirs), name, text.encode("utf-8"), durable=False)
+    local.write_file(base, ".complete", b"")
     return final
 
 

@@ -10,7 +10,8 @@
     v1/jit/locks/<2 hex>/<key>.lock   one compile per key across processes
     v1/jit/tmp/<key>.<pid>.<n>/       private compile directories
 
-Every file is written atomically (``_files.atomic_write``); every read is bounded and
+Every file goes through the local store's descriptor-based API (atomic writes, no link
+inside the store followed, the same permission rules as the CAS); every read is bounded and
 validated, and a damaged entry reads as absent (a miss recompiles and rewrites it).
 """
 
@@ -21,18 +22,20 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._abi import dumps_canonical
 from cubinstore._digest import Digest
-from cubinstore._files import atomic_write, read_regular
 from cubinstore._jitkey import KeyParts
-from cubinstore._lock import file_lock
 from cubinstore.errors import BadArgumentError, CubinstoreError
+
+if TYPE_CHECKING:
+    from cubinstore._local import LocalStore
 
 __all__ = ["IndexEntry", "JitIndex"]
 
@@ -66,24 +69,30 @@ class IndexEntry:
 
 
 class JitIndex:
-    """The JIT directories of one local store root."""
+    """The JIT files of one local store."""
 
-    def __init__(self, root: Path, lock_timeout: float) -> None:
-        self.dir = Path(root) / "v1" / "jit"
+    def __init__(self, local: LocalStore, lock_timeout: float | None = None) -> None:
+        self.local = local
+        self.dir = Path(local.root) / "v1" / "jit"  # for messages; files go through ``local``
         self.lock_timeout = lock_timeout
 
-    def _shard(self, kind: str, key: str, suffix: str = ".json") -> Path:
-        return self.dir / kind / key[:2] / f"{key}{suffix}"
+    @staticmethod
+    def _at(kind: str, key: str, suffix: str = ".json") -> tuple[tuple[str, ...], str]:
+        return ("jit", kind, key[:2]), f"{key}{suffix}"
+
+    def _read(self, kind: str, key: str) -> bytes | None:
+        try:
+            return self.local.read_file(*self._at(kind, check_key(key)), _MAX_ENTRY)
+        except BadArgumentError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - unreadable reads as absent; a compile rewrites it
+            _log.warning("ignoring unreadable JIT %s entry %s: %s", kind, key, exc)
+            return None
 
     # -- entries --------------------------------------------------------------------------------
 
     def get(self, key: str) -> IndexEntry | None:
-        path = self._shard("index", check_key(key))
-        try:
-            raw = read_regular(path, _MAX_ENTRY)
-        except Exception as exc:  # noqa: BLE001 - unreadable reads as absent; the compile rewrites it
-            _log.warning("ignoring unreadable JIT index entry %s: %s", path, exc)
-            return None
+        raw = self._read("index", key)
         if raw is None:
             return None
         try:
@@ -98,11 +107,11 @@ class JitIndex:
                 raise ValueError("kernels")
             return IndexEntry(key, Digest.parse(doc["digest"]), size, str(doc["arch"]), tuple(kernels))
         except (ValueError, KeyError, TypeError, AttributeError, CubinstoreError) as exc:
-            _log.warning("ignoring malformed JIT index entry %s: %s", path, exc)
+            _log.warning("ignoring malformed JIT index entry %s: %s", key, exc)
             return None
 
     def put(self, entry: IndexEntry) -> None:
-        atomic_write(self._shard("index", check_key(entry.key)), dumps_canonical(entry.to_json()))
+        self.local.write_file(*self._at("index", check_key(entry.key)), dumps_canonical(entry.to_json()))
 
     def entries(self) -> Iterator[IndexEntry]:
         for key in self._keys("index"):
@@ -111,41 +120,31 @@ class JitIndex:
                 yield entry
 
     def _keys(self, kind: str) -> Iterator[str]:
-        base = self.dir / kind
-        try:
-            shards = sorted(os.listdir(base))
-        except FileNotFoundError:
-            return
-        for shard in shards:
-            try:
-                names = sorted(os.listdir(base / shard))
-            except (NotADirectoryError, FileNotFoundError):
+        for shard, st in self.local.list_dir(("jit", kind)):
+            if len(shard) != 2 or not stat.S_ISDIR(st.st_mode):
                 continue
-            for name in names:
+            for name, fst in self.local.list_dir(("jit", kind, shard)):
                 key = name.removesuffix(".json")
-                if name.endswith(".json") and _KEY_RE.fullmatch(key) and key[:2] == shard:
+                if name.endswith(".json") and _KEY_RE.fullmatch(key) and key[:2] == shard and stat.S_ISREG(fst.st_mode):
                     yield key
 
     # -- parts ----------------------------------------------------------------------------------
 
     def put_parts(self, key: str, parts: KeyParts) -> None:
-        path = self._shard("parts", check_key(key))
-        if not path.exists():
-            atomic_write(path, dumps_canonical({"schema": PARTS_SCHEMA, "key": key, "parts": parts.to_json()}),
-                         durable=False)
+        data = dumps_canonical({"schema": PARTS_SCHEMA, "key": key, "parts": parts.to_json()})
+        self.local.write_file(*self._at("parts", check_key(key)), data, durable=False)
 
     def get_parts(self, key: str) -> KeyParts | None:
-        path = self._shard("parts", check_key(key))
+        raw = self._read("parts", key)
+        if raw is None:
+            return None
         try:
-            raw = read_regular(path, _MAX_ENTRY)
-            if raw is None:
-                return None
             doc = json.loads(raw)
             if doc.get("schema") != PARTS_SCHEMA or doc.get("key") != key:
                 raise ValueError("schema or key")
             return KeyParts.from_json(doc["parts"])
         except Exception as exc:  # noqa: BLE001 - explain says "parts not kept"
-            _log.warning("ignoring malformed JIT parts %s: %s", path, exc)
+            _log.warning("ignoring malformed JIT parts %s: %s", key, exc)
             return None
 
     def parts_keys(self) -> Iterator[str]:
@@ -155,21 +154,27 @@ class JitIndex:
 
     def lock(self, key: str) -> AbstractContextManager[None]:
         key = check_key(key)
-        return file_lock(self._shard("locks", key, ".lock"), self.lock_timeout, what=f"JIT key xxh3:{key}")
+        return self.local.file_lock(*self._at("locks", key, ".lock"), timeout=self.lock_timeout,
+                                    what=f"JIT key xxh3:{key}")
 
     def compile_dir(self, key: str, attempt: int) -> Path:
         """A fresh private directory for one compile of ``key``; call with the key's lock held."""
+        key = check_key(key)
+        # Holding the lock, anything of this key's is a leftover of a killed compile.
+        for name, _ in self.local.list_dir(("jit", "index", key[:2])):
+            if name.startswith(f".tmp.{key}.json."):
+                _log.info("removing the temp file of a killed index write: %s", name)
+                self.local.remove_file(("jit", "index", key[:2]), name)
         tmp = self.dir / "tmp"
-        # Holding the lock, any directory of this key is a leftover of a killed compile.
-        for stale in tmp.glob(f"{key}.*"):
-            _log.info("removing the compile directory of a killed compile: %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        for stale in self._shard("index", key).parent.glob(f".tmp.{key}.json.*"):
-            _log.info("removing the temp file of a killed index write: %s", stale)
-            stale.unlink(missing_ok=True)
-        path = tmp / f"{key}.{os.getpid()}.{attempt}"
-        path.mkdir(parents=True, mode=0o700)
-        return path
+        for name, _ in self.local.list_dir(("jit", "tmp")):
+            if name.startswith(f"{key}."):
+                _log.info("removing the compile directory of a killed compile: %s", tmp / name)
+                shutil.rmtree(tmp / name, ignore_errors=True)  # rmtree never follows links
+        name = f"{key}.{os.getpid()}.{attempt}"
+        # The parents are opened without following links and checked like the CAS's.
+        with self.local._fs.dir("v1", "jit", "tmp", create=True) as fd:
+            os.mkdir(name, 0o700, dir_fd=fd)
+        return tmp / name
 
 
 def describe(entry: IndexEntry | None) -> Mapping[str, Any] | None:

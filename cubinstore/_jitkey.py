@@ -7,6 +7,8 @@ digests of the files that compile. Each tree is hashed once per process; a stat
 fingerprint (device, inode, size, mtime, ctime of every file) lets a fresh process reuse the
 content hash a previous one computed, as git's index does. Fingerprints are local facts
 kept under ``<store>/v1/jit/stat/``: they decide whether to re-read files, never the key.
+Everything here is read and written through the local store's descriptor-based file API
+(no link inside the store is followed).
 
 ``xxhash`` is imported here and only here: ``import cubinstore`` stays standard library only.
 """
@@ -26,15 +28,17 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
 from cubinstore import _env
 from cubinstore._abi import Arch, dumps_canonical, merge_flags
 from cubinstore._digest import show
-from cubinstore._files import atomic_write, read_regular
-from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
+from cubinstore.errors import BadArgumentError, StoreError
+
+if TYPE_CHECKING:
+    from cubinstore._local import LocalStore
 
 __all__ = [
     "ACTION_ENV",
@@ -181,62 +185,67 @@ class _StatCache:
     Best effort: an unreadable or stale entry only means the files are hashed again.
     """
 
-    def __init__(self, jit_dir: Path | None) -> None:
-        self.jit_dir = jit_dir
+    def __init__(self, local: LocalStore | None) -> None:
+        self.local = local
 
-    def _path(self, name: str) -> Path | None:
-        if self.jit_dir is None:
-            return None
-        return self.jit_dir / "stat" / (xxhash.xxh3_128_hexdigest(name.encode("utf-8", "surrogateescape")) + ".json")
+    @staticmethod
+    def _name(name: str) -> str:
+        return xxhash.xxh3_128_hexdigest(name.encode("utf-8", "surrogateescape")) + ".json"
 
     def get(self, name: str, fingerprint: str) -> dict[str, Any] | None:
-        path = self._path(name)
-        if path is None:
+        if self.local is None:
             return None
         try:
-            raw = read_regular(path, 1 << 20)
+            raw = self.local.read_file(("jit", "stat"), self._name(name), 1 << 20)
             doc = json.loads(raw) if raw else None
-        except (CubinstoreError, ValueError, OSError, Exception) as exc:  # noqa: BLE001 - a cache, never fatal
-            _log.debug("ignoring stat cache %s: %s", path, exc)
+        except Exception as exc:  # noqa: BLE001 - a cache, never fatal
+            _log.debug("ignoring stat cache entry for %r: %s", name, exc)
             return None
         if isinstance(doc, dict) and doc.get("fingerprint") == fingerprint:
             return doc
         return None
 
     def put(self, name: str, doc: Mapping[str, Any]) -> None:
-        path = self._path(name)
-        if path is None:
+        if self.local is None:
             return
         try:
-            atomic_write(path, json.dumps(dict(doc), sort_keys=True).encode(), durable=False)
+            self.local.write_file(("jit", "stat"), self._name(name), json.dumps(dict(doc), sort_keys=True).encode(),
+                                  durable=False)
         except StoreError as exc:
-            _log.debug("cannot write stat cache %s: %s", path, exc)
+            _log.debug("cannot write the stat cache entry for %r: %s", name, exc)
 
 
-def tree_path(jit_dir: Path, key: str) -> Path:
+_TREE_KEY_RE: Final = re.compile(r"xxh3:[0-9a-f]{32}", re.ASCII)
+
+
+def _tree_file(key: str) -> tuple[tuple[str, ...], str]:
     hex_ = key.split(":", 1)[1]
-    return jit_dir / "trees" / hex_[:2] / f"{hex_}.json"
+    return ("jit", "trees", hex_[:2]), f"{hex_}.json"
 
 
-def store_tree(jit_dir: Path | None, t: Tree) -> None:
+def _has_tree(local: LocalStore, key: str) -> bool:
+    try:
+        return local.read_file(*_tree_file(key), 0) is not None
+    except Exception:  # noqa: BLE001 - a link or unreadable file: not kept
+        return False
+
+
+def store_tree(local: LocalStore | None, t: Tree) -> None:
     """Keep a tree's listing (content-addressed, written once) so ``explain`` can diff two trees."""
-    if jit_dir is None or t.files is None or not t.key.startswith("xxh3:"):
-        return
-    path = tree_path(jit_dir, t.key)
-    if path.exists():
+    if local is None or t.files is None or not t.key.startswith("xxh3:") or _has_tree(local, t.key):
         return
     try:
-        atomic_write(path, t.listing, durable=False)
+        local.write_file(*_tree_file(t.key), t.listing, durable=False)
     except StoreError as exc:
         _log.warning("cannot keep the listing of tree %s: %s", t.key, exc)
 
 
-def load_tree(jit_dir: Path, key: str) -> Tree | None:
+def load_tree(local: LocalStore, key: str) -> Tree | None:
     """A stored listing, checked against its key; None when absent or damaged."""
-    if not re.fullmatch(r"xxh3:[0-9a-f]{32}", key):
+    if not isinstance(key, str) or not _TREE_KEY_RE.fullmatch(key):
         return None
     try:
-        raw = read_regular(tree_path(jit_dir, key), 64 << 20)
+        raw = local.read_file(*_tree_file(key), 64 << 20)
     except Exception as exc:  # noqa: BLE001 - explain degrades to "listing not kept"
         _log.debug("cannot read tree %s: %s", key, exc)
         return None
@@ -249,12 +258,12 @@ def load_tree(jit_dir: Path, key: str) -> Tree | None:
     return Tree(key, files) if isinstance(files, dict) else None
 
 
-def _known_tree(jit_dir: Path, key: object) -> Tree | None:
+def _known_tree(local: LocalStore, key: object) -> Tree | None:
     """The tree a stat-cache entry names, if its listing is still kept (not re-read: a fresh
     process pays for a stat walk, not for parsing the listing)."""
-    if not isinstance(key, str) or not re.fullmatch(r"xxh3:[0-9a-f]{32}", key):
+    if not isinstance(key, str) or not _TREE_KEY_RE.fullmatch(key):
         return None
-    return Tree(key) if tree_path(jit_dir, key).is_file() else None
+    return Tree(key) if _has_tree(local, key) else None
 
 
 def _tree_from_files(files: Sequence[tuple[str, str, os.stat_result]], algo: str) -> Tree:
@@ -263,12 +272,12 @@ def _tree_from_files(files: Sequence[tuple[str, str, os.stat_result]], algo: str
     return Tree(xxh3(_listing_bytes(listing)), listing)
 
 
-def tree(root: str | os.PathLike[str], *, jit_dir: Path | None = None, algo: str = "xxh3",
+def tree(root: str | os.PathLike[str], *, local: LocalStore | None = None, algo: str = "xxh3",
          cached: bool = True, what: str = "include root") -> Tree:
     """The content key of the directory ``root`` (computed once per process when ``cached``).
 
-    ``jit_dir`` (``<store>/v1/jit``) enables the cross-process stat cache and keeps the
-    listing for ``explain``. ``algo="sha256"`` and ``cached=False`` exist for the benchmark.
+    ``local`` (the store) enables the cross-process stat cache and keeps the listing for
+    ``explain``. ``algo="sha256"`` and ``cached=False`` exist for the benchmark.
     """
     if algo not in _HASHERS:
         raise BadArgumentError(f"tree hash: expected one of {', '.join(_HASHERS)}, got {show(algo)}")
@@ -280,15 +289,15 @@ def tree(root: str | os.PathLike[str], *, jit_dir: Path | None = None, algo: str
             return hit
     files = _walk(Path(real), what)
     result: Tree | None = None
-    stat_cache = _StatCache(jit_dir if cached and algo == "xxh3" else None)
-    fingerprint = _fingerprint(files) if stat_cache.jit_dir is not None else ""
+    stat_cache = _StatCache(local if cached and algo == "xxh3" else None)
+    fingerprint = _fingerprint(files) if stat_cache.local is not None else ""
     doc = stat_cache.get(f"tree\0{real}", fingerprint) if fingerprint else None
-    if doc is not None and jit_dir is not None:
-        result = _known_tree(jit_dir, doc.get("tree"))
+    if doc is not None and local is not None:
+        result = _known_tree(local, doc.get("tree"))
     if result is None:
         result = _tree_from_files(files, algo)
         if fingerprint:
-            store_tree(jit_dir, result)
+            store_tree(local, result)
             if not _is_racy(files):
                 stat_cache.put(f"tree\0{real}", {"fingerprint": fingerprint, "tree": result.key})
     if cached:
@@ -370,18 +379,18 @@ def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
     return files
 
 
-def find_toolkit(*, jit_dir: Path | None = None) -> Toolkit:
-    """The toolkit and its identity, once per process (and once per machine with ``jit_dir``)."""
+def find_toolkit(*, local: LocalStore | None = None) -> Toolkit:
+    """The toolkit and its identity, once per process (and once per machine with ``local``)."""
     root, source = locate_toolkit()
     with _cache_lock:
         hit = _toolkit_cache.get(str(root))
     if hit is not None:
         return hit
     files = _toolkit_files(root)
-    stat_cache = _StatCache(jit_dir)
+    stat_cache = _StatCache(local)
     fingerprint = _fingerprint(files)
     doc = stat_cache.get(f"toolkit\0{root}", fingerprint)
-    listing = _known_tree(jit_dir, doc.get("files")) if doc is not None and jit_dir is not None else None
+    listing = _known_tree(local, doc.get("files")) if doc is not None and local is not None else None
     version = str(doc.get("version", "")) if doc is not None else ""
     if listing is None or not version:
         out = _run_checked([str(root / "bin" / "nvcc"), "--version"], "CUDA toolkit")
@@ -390,7 +399,7 @@ def find_toolkit(*, jit_dir: Path | None = None) -> Toolkit:
             raise BadArgumentError(f"CUDA toolkit: cannot read a version from `nvcc --version`: {out.strip()[-200:]}")
         version = match.group(1)
         listing = _tree_from_files(files, "xxh3")
-        store_tree(jit_dir, listing)
+        store_tree(local, listing)
         if not _is_racy(files):
             stat_cache.put(f"toolkit\0{root}", {"fingerprint": fingerprint, "files": listing.key, "version": version})
     toolkit = Toolkit(root, source, version, listing)
@@ -419,7 +428,7 @@ def _stat_sig(path: str) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
-def host_compiler(*, jit_dir: Path | None = None) -> HostCompiler:
+def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
     """``$CUBINSTORE_HOST_CC`` (default gcc) on /usr/bin:/bin and its identity, like the repository rule."""
     name = _env.host_cc()
     if not name or "/" in name:
@@ -431,7 +440,7 @@ def host_compiler(*, jit_dir: Path | None = None) -> HostCompiler:
     binary = next((os.path.realpath(p) for d in ACTION_PATH.split(":") if os.path.isfile(p := os.path.join(d, name))), None)
     if binary is None:
         raise BadArgumentError(f"host compiler {show(name)} (CUBINSTORE_HOST_CC) not found on {ACTION_PATH}")
-    stat_cache = _StatCache(jit_dir)
+    stat_cache = _StatCache(local)
     cache_name = f"host\0{name}\0{binary}"
     sig = _stat_sig(binary)
     identity = None
@@ -507,7 +516,7 @@ def _option_of(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def normalize_flags(flags: Sequence[str], *, jit_dir: Path | None) -> Flags:
+def normalize_flags(flags: Sequence[str], *, local: LocalStore | None) -> Flags:
     """Check the caller's flags and replace every absolute path by the content key of what it names.
 
     Raises ``BadArgumentError`` naming the flag for a reserved option (the JIT sets it), a
@@ -545,7 +554,7 @@ def normalize_flags(flags: Sequence[str], *, jit_dir: Path | None) -> Flags:
                 )
             is_dir = opt in _DIR_OPTIONS
             if is_dir:
-                key = tree(value, jit_dir=jit_dir, what=f"flag {opt}").key
+                key = tree(value, local=local, what=f"flag {opt}").key
             else:
                 if not os.path.isfile(value):
                     raise BadArgumentError(f"flag {show(flag)}: {value} is not a file")

@@ -5,7 +5,8 @@
                                            first and last seen (UTC, seconds)
 
 A record is updated under its own lock (read, add one, atomic rewrite), so concurrent
-processes never lose a count. Times are kept here only: no key or id contains one.
+processes never lose a count. Records go through the local store's descriptor-based file
+API, like the CAS. Times are kept here only: no key or id contains one.
 ``export`` writes a ``.bzl`` a family's ``BUILD.bazel`` loads; ``prefetch`` fetches the
 part of a manifest the warm set names; ``gc`` evicts warm-set CUBINs last.
 """
@@ -15,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,8 +26,7 @@ from typing import Any, Final
 
 from cubinstore._abi import dumps_canonical
 from cubinstore._digest import Digest, show
-from cubinstore._files import atomic_write, read_regular
-from cubinstore._lock import file_lock
+from cubinstore._files import atomic_write
 from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
 
 __all__ = ["Record", "export", "prefetch", "record", "records", "warm_digests"]
@@ -79,10 +79,6 @@ class Record:
         )
 
 
-def _dir(local: Any) -> Path:
-    return Path(local.root) / "v1" / "warmset"
-
-
 def _check_point(family: str | None, params: Mapping[str, Any] | None) -> dict[str, str | int]:
     if family is not None and (not isinstance(family, str) or not _WORD_RE.fullmatch(family)):
         raise BadArgumentError(f"warm set: family must be a name like 'axpy', got {show(family)}")
@@ -105,10 +101,10 @@ def record(local: Any, *, kind: str, family: str | None, params: Mapping[str, st
     # A JIT point without a family is known by its key alone; with one, by its family point.
     identity = {"family": family, "params": checked, "arch": arch} if family is not None else {"key": key, "arch": arch}
     rid = hashlib.sha256(dumps_canonical(identity)).hexdigest()
-    path = _dir(local) / rid[:2] / f"{rid}.json"
+    at = (("warmset", rid[:2]), f"{rid}.json")
     now = int(time.time())
-    with file_lock(_dir(local) / "locks" / f"{rid}.lock", 30.0, what=f"warm set record {rid[:12]}"):
-        old = _read(path)
+    with local.file_lock(("warmset", "locks"), f"{rid}.lock", timeout=30.0, what=f"warm set record {rid[:12]}"):
+        old = _read(local, *at)
         new = Record(
             kind="jit" if kind == "jit" or (old is not None and old.kind == "jit") else "miss",
             family=family, params=checked, arch=arch,
@@ -117,33 +113,28 @@ def record(local: Any, *, kind: str, family: str | None, params: Mapping[str, st
             count=(old.count + 1) if old else 1,
             first_seen=old.first_seen if old else now, last_seen=now,
         )
-        atomic_write(path, dumps_canonical(new.to_json()), durable=False)
+        local.write_file(*at, dumps_canonical(new.to_json()), durable=False)
     return new
 
 
-def _read(path: Path) -> Record | None:
+def _read(local: Any, parts: tuple[str, ...], name: str) -> Record | None:
     try:
-        raw = read_regular(path, 1 << 20)
+        raw = local.read_file(parts, name, 1 << 20)
         return None if raw is None else Record.from_json(json.loads(raw))
-    except (CubinstoreError, ValueError, TypeError, KeyError, OSError, Exception) as exc:  # noqa: BLE001
-        _log.warning("ignoring damaged warm set record %s: %s", path, exc)
+    except Exception as exc:  # noqa: BLE001 - a damaged record is skipped, never fatal
+        _log.warning("ignoring damaged warm set record %s/%s: %s", "/".join(parts), name, exc)
         return None
 
 
 def records(local: Any) -> list[Record]:
     """Every record, sorted by family, params, arch."""
-    base = _dir(local)
     out: list[Record] = []
-    try:
-        shards = sorted(os.listdir(base))
-    except FileNotFoundError:
-        return out
-    for shard in shards:
-        if shard == "locks" or not os.path.isdir(base / shard):
+    for shard, st in local.list_dir(("warmset",)):
+        if len(shard) != 2 or not stat.S_ISDIR(st.st_mode):
             continue
-        for name in sorted(os.listdir(base / shard)):
-            if name.endswith(".json") and _ID_RE.fullmatch(name[:-5]):
-                rec = _read(base / shard / name)
+        for name, fst in local.list_dir(("warmset", shard)):
+            if name.endswith(".json") and _ID_RE.fullmatch(name[:-5]) and stat.S_ISREG(fst.st_mode):
+                rec = _read(local, ("warmset", shard), name)
                 if rec is not None:
                     out.append(rec)
     out.sort(key=lambda r: (r.family or "", json.dumps(sorted(r.params.items())), r.arch, r.key or ""))

@@ -162,7 +162,7 @@ class _Request:
     """One call's inputs, resolved: text, trees, flags, toolkit, host, arch, and the key."""
 
     def __init__(self, source: str | os.PathLike[str], include_dirs: Sequence[str | os.PathLike[str]],
-                 flags: Sequence[str], arch: str | Arch | None, jit_dir: Path) -> None:
+                 flags: Sequence[str], arch: str | Arch | None, local: Any) -> None:
         if isinstance(include_dirs, (str, bytes, os.PathLike)):
             raise BadArgumentError(f"include_dirs: expected a list of directories, got the single value {show(include_dirs)}")
         self.text = _read_source(source)
@@ -171,10 +171,10 @@ class _Request:
         for d in self.include_dirs:
             if not os.path.isabs(d):
                 raise BadArgumentError(f"include_dirs: {show(d)} is relative; pass the absolute path of the installed tree")
-        self.trees = [tree(d, jit_dir=jit_dir) for d in self.include_dirs]
-        self.flags: Flags = normalize_flags(flags, jit_dir=jit_dir)
-        self.toolkit: Toolkit = find_toolkit(jit_dir=jit_dir)
-        self.host: HostCompiler = host_compiler(jit_dir=jit_dir)
+        self.trees = [tree(d, local=local) for d in self.include_dirs]
+        self.flags: Flags = normalize_flags(flags, local=local)
+        self.toolkit: Toolkit = find_toolkit(local=local)
+        self.host: HostCompiler = host_compiler(local=local)
         self.key = make_key(key_parts(self.text, SOURCE_NAME, self.trees, self.flags, self.arch, self.toolkit, self.host))
 
 
@@ -182,8 +182,7 @@ def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathL
         arch: str | Arch | None = None, store: Store | None = None) -> JitKey:
     """The key ``compile`` would use, with its parts; compiles nothing."""
     store = store if store is not None else _default_store()
-    index = JitIndex(_local_store(store).root, _env.lock_timeout())
-    return _Request(source, include_dirs, flags, arch, index.dir).key
+    return _Request(source, include_dirs, flags, arch, _local_store(store)).key
 
 
 def _default_store() -> Store:
@@ -217,10 +216,10 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     """
     store = store if store is not None else _default_store()
     local = _local_store(store)
-    index = JitIndex(local.root, _env.lock_timeout())
+    index = JitIndex(local, _env.lock_timeout())
     if entries is not None:
         entries = _check_entries(entries)
-    req = _Request(source, include_dirs, flags, arch, index.dir)
+    req = _Request(source, include_dirs, flags, arch, local)
     k = req.key
     found = _hit(index, store, k)
     if found is not None:

@@ -64,7 +64,7 @@ def test_first_compile_runs_nvcc_and_stores_the_cubin_under_its_sha256(env: Simp
     assert k.compiled is True and k.kernels == ("scale",) and k.arch == ARCH
     blob = LocalStore(env.home).path_for(k.digest).read_bytes()
     assert Digest.of(blob) == k.digest and len(blob) == k.size
-    assert JitIndex(env.home, 5).get(k.key.hex).digest == k.digest
+    assert JitIndex(LocalStore(env.home)).get(k.key.hex).digest == k.digest
 
 
 def test_same_library_at_a_deeper_prefix_hits_without_compiling(env: SimpleNamespace) -> None:
@@ -224,7 +224,7 @@ def test_broken_tu_raises_with_nvccs_message_and_caches_nothing(env: SimpleNames
     assert "cubinstore_jit.cu" in message
     assert str(env.base) not in message and "/usr/local/cuda" not in message
     k = jit.key(broken, include_dirs=[env.shallow], arch=ARCH, store=env.store)
-    assert JitIndex(env.home, 5).get(k.hex) is None
+    assert JitIndex(LocalStore(env.home)).get(k.hex) is None
     assert not list((env.home / "v1" / "jit" / "tmp").glob(f"{k.hex}.*"))
 
 
@@ -238,7 +238,7 @@ def test_declared_types_that_disagree_with_the_cubin_are_refused(env: SimpleName
     with pytest.raises(BadArgumentError, match=r"entry 'scale': declared \['i32', 'f64', 'ptr'\]"):
         _compile(env, source=source, entries={"scale": ["i32", "f64", "ptr"]})
     k = jit.key(source, include_dirs=[env.shallow], arch=ARCH, store=env.store)
-    assert JitIndex(env.home, 5).get(k.hex) is None
+    assert JitIndex(LocalStore(env.home)).get(k.hex) is None
 
 
 def test_jit_off_serves_hits_and_refuses_misses(env: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,3 +286,16 @@ def test_import_cubinstore_and_its_cli_do_not_import_xxhash() -> None:
     out = run_child(code, child_env(Path("/nonexistent")))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_symlinked_jit_directory_in_the_store_is_never_written_through(env: SimpleNamespace, tmp_path: Path) -> None:
+    from cubinstore.errors import UnsafeStoreError
+
+    home = tmp_path / "home"
+    (home / "v1").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (home / "v1" / "jit").symlink_to(elsewhere)
+    with pytest.raises(UnsafeStoreError, match=r"is a symlink or not a directory; cubinstore never follows links"):
+        jit.compile(TU, include_dirs=[env.shallow], flags=["-DFACTOR=9"], arch=ARCH, entries=ENTRIES, store=_store(home))
+    assert list(elsewhere.iterdir()) == []
