@@ -508,9 +508,11 @@ class Manifest:
     @classmethod
     def from_path(cls, path: str | Path) -> Manifest:
         """Read and validate the manifest file at ``path``."""
+        from cubinstore._files import open_regular  # refuses a FIFO or device without blocking
+
         path = Path(path)
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, "manifest", ManifestError) as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
         except OSError as exc:
             raise ManifestError(f"cannot read manifest {path}: {exc.strerror or exc}") from exc

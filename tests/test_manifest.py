@@ -258,6 +258,15 @@ def test_from_path_and_missing_file(tmp_path: Path) -> None:
         Manifest.from_path(bad)
 
 
+def test_a_fifo_as_manifest_is_refused_without_blocking(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "manifest.json"
+    os.mkfifo(fifo)  # nobody writes it: an open that blocks would hang the test
+    with pytest.raises(ManifestError, match=rf"^cannot read manifest {fifo}: it is a FIFO; expected a regular file"):
+        Manifest.from_path(fifo)
+
+
 def test_from_digest_pins_the_manifest_bytes() -> None:
     raw = dumps_canonical(doc_with())
     memory = MemoryStore()
