@@ -26,7 +26,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACTION_ENV",
+    "unchanged",
     "HostCompiler",
     "JitKey",
     "KeyParts",
@@ -86,6 +87,9 @@ class Tree:
     # relative path (with '/') -> xxh3 or sha256 of the content; None when the stat cache gave
     # the key and the listing stays on disk (``load_tree``) until ``explain`` wants it.
     files: Mapping[str, str] | None = field(repr=False, default=None)
+    # Where it was read and its stat fingerprint then: local facts, never keyed, for ``unchanged``.
+    root: str = field(default="", compare=False)
+    fingerprint: str = field(default="", compare=False)
 
     @property
     def listing(self) -> bytes:
@@ -290,20 +294,29 @@ def tree(root: str | os.PathLike[str], *, local: LocalStore | None = None, algo:
     files = _walk(Path(real), what)
     result: Tree | None = None
     stat_cache = _StatCache(local if cached and algo == "xxh3" else None)
-    fingerprint = _fingerprint(files) if stat_cache.local is not None else ""
-    doc = stat_cache.get(f"tree\0{real}", fingerprint) if fingerprint else None
+    fingerprint = _fingerprint(files)
+    doc = stat_cache.get(f"tree\0{real}", fingerprint) if stat_cache.local is not None else None
     if doc is not None and local is not None:
         result = _known_tree(local, doc.get("tree"))
     if result is None:
         result = _tree_from_files(files, algo)
-        if fingerprint:
+        if stat_cache.local is not None:
             store_tree(local, result)
             if not _is_racy(files):
                 stat_cache.put(f"tree\0{real}", {"fingerprint": fingerprint, "tree": result.key})
+    result = replace(result, root=real, fingerprint=fingerprint)
     if cached:
         with _cache_lock:
             _tree_cache[(real, algo)] = result
     return result
+
+
+def unchanged(t: Tree) -> bool:
+    """Whether the directory ``t`` was read from still has the files (by stat) it had then."""
+    try:
+        return _fingerprint(_walk(Path(t.root), "include root")) == t.fingerprint
+    except BadArgumentError:
+        return False
 
 
 # -- the toolkit ----------------------------------------------------------------------------------
@@ -494,6 +507,7 @@ class FlagPath:
     path: str  # absolute, as given
     is_dir: bool
     key: str  # tree key or file content key
+    tree: Tree | None = None  # for a directory
 
 
 @dataclass(frozen=True)
@@ -553,13 +567,15 @@ def normalize_flags(flags: Sequence[str], *, local: LocalStore | None) -> Flags:
                     f"flag {show(flag)}: {show(value)} is relative; JIT paths must be absolute (they are keyed by content)"
                 )
             is_dir = opt in _DIR_OPTIONS
+            named: Tree | None = None
             if is_dir:
-                key = tree(value, local=local, what=f"flag {opt}").key
+                named = tree(value, local=local, what=f"flag {opt}")
+                key = named.key
             else:
                 if not os.path.isfile(value):
                     raise BadArgumentError(f"flag {show(flag)}: {value} is not a file")
                 key = _hash_file(value, xxh3)
-            paths.append(FlagPath(opt, value, is_dir, key))
+            paths.append(FlagPath(opt, value, is_dir, key, named))
             rel = f"flagpath/{len(paths) - 1}"
             marker = "{tree:" + key + "}" if is_dir else "{file:" + key + "}"
             if spelled:

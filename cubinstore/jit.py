@@ -48,6 +48,8 @@ from cubinstore._jitkey import (
     make_key,
     normalize_flags,
     tree,
+    unchanged,
+    xxh3,
 )
 from cubinstore.errors import (
     BadArgumentError,
@@ -332,6 +334,7 @@ def _compile(req: _Request, index: JitIndex) -> bytes:
         result = _run_nvcc(argv, work)
         if result.returncode != 0:
             raise JitCompileError(_failure(req, argv, result))
+        _check_unchanged(req)
         try:
             return (work / OUTPUT_NAME).read_bytes()
         except OSError as exc:
@@ -340,6 +343,33 @@ def _compile(req: _Request, index: JitIndex) -> bytes:
             ) from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _hash_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return xxh3(f.read())
+    except OSError:
+        return ""
+
+
+def _check_unchanged(req: _Request) -> None:
+    """nvcc read the trees as they are now: they must still be what the key hashed (a tree
+    edited since, during the compile or after this process cached its key, would put a CUBIN
+    of other content under this key)."""
+    named = [(f"include_dirs[{i}] ({d})", t) for i, (d, t) in enumerate(zip(req.include_dirs, req.trees))]
+    named += [(f"flag {fp.option} {fp.path}", fp.tree) for fp in req.flags.paths if fp.tree is not None]
+    for what, t in named:
+        if not unchanged(t):
+            clear_caches()
+            raise JitCompileError(
+                f"{what} changed after JIT key {req.key} was computed (while compiling, or since this process "
+                "hashed it); nothing was cached: compile again to key and compile the new content"
+            )
+    for fp in req.flags.paths:
+        if not fp.is_dir and _hash_file(fp.path) != fp.key:
+            clear_caches()
+            raise JitCompileError(f"flag {fp.option} {fp.path} changed while JIT key {req.key} was compiling; nothing was cached")
 
 
 def _run_nvcc(argv: list[str], work: Path) -> subprocess.CompletedProcess[str]:
