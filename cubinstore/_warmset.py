@@ -192,7 +192,15 @@ def _in_grids(point, grids):
     return False
 
 def warm_grid(grid, points = WARM_POINTS):
-    """`grid` (a dict, or a list of dicts with the same keys) plus each warm point it lacks."""
+    """The family's grid plus each warm point it lacks.
+
+    Args:
+      grid: the family's grid: a dict of parameter -> values, or a list of such dicts.
+      points: the warm points, each a dict of parameter -> value.
+
+    Returns:
+      A list of grids: `grid`'s, then one single-point grid per missing point.
+    """
     grids = grid if type(grid) == "list" else [grid]
     keys = grids[0].keys()
     out = list(grids)
@@ -203,6 +211,19 @@ def warm_grid(grid, points = WARM_POINTS):
             out.append({{k: [p[k]] for k in keys}})
     return out
 '''
+
+
+def _starlark_points(points: list[dict[str, str | int]]) -> str:
+    """The points as buildifier formats a list of dicts (JSON strings and ints are Starlark)."""
+    if not points:
+        return "[]"
+    lines = ["["]
+    for p in points:
+        lines.append("    {")
+        lines += [f"        {json.dumps(k)}: {json.dumps(v)}," for k, v in sorted(p.items())]
+        lines.append("    },")
+    lines.append("]")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -235,7 +256,7 @@ def export(local: Any, family: str, out: Path, *, since: int = 0) -> ExportResul
     points_json = json.dumps(points, sort_keys=True, separators=(",", ":"))
     # JSON of strings and ints is valid Starlark.
     text = _STARLARK.format(family=family, archs=", ".join(sorted(archs)) or "none new", mark=EXPORT_MARK,
-                            points_json=points_json, points_starlark=json.dumps(points, sort_keys=True, indent=4) if points else "[]")
+                            points_json=points_json, points_starlark=_starlark_points(points))
     atomic_write(out, text.encode("utf-8"))
     return ExportResult(out, points, added, sum(1 for r in recs if r.family is None))
 

@@ -131,3 +131,19 @@ def test_gc_evicts_warm_cubins_after_all_others(tmp_path: Path) -> None:
     result = gc(local, max_bytes=len(blobs["warm"]))
     assert {e.digest for e in result.evicted} == {digests["old"], digests["new"]}
     assert {e.digest for e in local.scan()[0]} == {digests["warm"]}
+
+
+BUILDIFIER = REPO / "node_modules" / ".bin" / "buildifier"
+
+
+@pytest.mark.skipif(not BUILDIFIER.exists(), reason="buildifier is not installed: run tools/bootstrap.sh")
+def test_the_export_is_buildifier_clean_so_it_can_be_committed(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home")
+    _warmset.record(local, kind="miss", family="gemm", params={"bn": 176, "bm": 128}, arch="sm_90a")
+    full, empty = tmp_path / "full.bzl", tmp_path / "empty.bzl"
+    _warmset.export(local, "gemm", full)
+    _warmset.export(local, "axpy", empty)
+    out = subprocess.run([str(BUILDIFIER), "-mode=check", "-lint=warn", str(full), str(empty)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "WARM_POINTS = []" in empty.read_text()

@@ -107,7 +107,7 @@ def test_a_production_miss_is_in_the_next_release_and_loads_with_no_compile(baze
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == [point.id, str(point.digest), str(point.size)]
         assert not (fresh / "v1" / "jit").exists()  # the JIT was never entered
-        assert re.search(r"WARM_POINTS = \[\s*\{\s*\"dtype\": \"f32\",\s*\"vec\": 2\s*\}\s*\]",
+        assert re.search(r"WARM_POINTS = \[\s*\{\s*\"dtype\": \"f32\",\s*\"vec\": 2,\s*\},\s*\]",
                          (ws.root / "kernels" / "axpy" / "warmset.bzl").read_text())
     finally:
         ws.shutdown()
