@@ -5,11 +5,14 @@
 - `cubin_family`: groups the instantiations of one family (made by the macro).
 - `cubin_manifest`: writes `manifest.json` (schema `cubinstore/manifest/v1`, mnemonic `CubinManifest`).
 - `cuda_headers`: headers plus include directories for `deps`.
+- `cubin_jit_template`: a family's JIT template and source bundle (mnemonic `CubinJitTemplate`),
+  so `cubinstore.jit.compile_family_point` can compile points no manifest has.
 """
 
 load("//tools/private:providers.bzl", _CubinInfo = "CubinInfo", _CubinSetInfo = "CubinSetInfo", _CudaHeadersInfo = "CudaHeadersInfo")
 load("//tools/private/macros:cubin_instantiations.bzl", _cubin_instantiations = "cubin_instantiations")
 load("//tools/private/rules:cubin_family.bzl", _cubin_family = "cubin_family")
+load("//tools/private/rules:cubin_jit_template.bzl", _cubin_jit_template = "cubin_jit_template")
 load("//tools/private/rules:cubin_manifest.bzl", _cubin_manifest = "cubin_manifest")
 load("//tools/private/rules:cuda_cubin.bzl", _cuda_cubin = "cuda_cubin")
 load("//tools/private/rules:cuda_headers.bzl", _cuda_headers = "cuda_headers")
@@ -20,5 +23,6 @@ CudaHeadersInfo = _CudaHeadersInfo
 cuda_cubin = _cuda_cubin
 cuda_headers = _cuda_headers
 cubin_family = _cubin_family
+cubin_jit_template = _cubin_jit_template
 cubin_manifest = _cubin_manifest
 cubin_instantiations = _cubin_instantiations
