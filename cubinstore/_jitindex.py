@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ SCHEMA: Final = "cubinstore/jit-index/v1"
 PARTS_SCHEMA: Final = "cubinstore/jit-parts/v1"
 _KEY_RE: Final = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _MAX_ENTRY: Final = 1 << 20
+_STALE_S: Final = 24 * 3600  # no compile runs this long
 
 
 def check_key(key: object) -> str:
@@ -166,8 +168,10 @@ class JitIndex:
                 _log.info("removing the temp file of a killed index write: %s", name)
                 self.local.remove_file(("jit", "index", key[:2]), name)
         tmp = self.dir / "tmp"
-        for name, _ in self.local.list_dir(("jit", "tmp")):
-            if name.startswith(f"{key}."):
+        cutoff = time.time() - _STALE_S
+        for name, st in self.local.list_dir(("jit", "tmp")):
+            # Ours (we hold the key's lock), or any key's so old no live compile can own it.
+            if name.startswith(f"{key}.") or st.st_mtime < cutoff:
                 _log.info("removing the compile directory of a killed compile: %s", tmp / name)
                 shutil.rmtree(tmp / name, ignore_errors=True)  # rmtree never follows links
         name = f"{key}.{os.getpid()}.{attempt}"
