@@ -5,7 +5,6 @@ the release has comes out byte-identical to Bazel's CUBIN, one it lacks compiles
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
