@@ -67,10 +67,12 @@ class Point:
     bn: int
     bk: int
     stages: int
+    tag: str = ""  # a development variant of the same point (CUBIN name suffix `_<tag>`)
 
     @property
     def name(self) -> str:
-        return f"tgemm_{self.dtype}_bm{self.bm}_bn{self.bn}_bk{self.bk}_stages{self.stages}"
+        return f"tgemm_{self.dtype}_bm{self.bm}_bn{self.bn}_bk{self.bk}_stages{self.stages}" + (
+            f"_{self.tag}" if self.tag else "")
 
     @property
     def params(self) -> dict[str, Any]:
@@ -97,11 +99,11 @@ class Point:
 
 
 def point_from_name(name: str) -> Point:
-    found = re.fullmatch(r"tgemm_(bf16|e4m3)_bm(\d+)_bn(\d+)_bk(\d+)_stages(\d+)", name)
+    found = re.fullmatch(r"tgemm_(bf16|e4m3)_bm(\d+)_bn(\d+)_bk(\d+)_stages(\d+)(?:_sm_90a)?(?:_([a-z0-9]+))?", name)
     if found is None:
         raise SystemExit(f"bench_tgemm: cannot read a grid point from CUBIN name {name!r}")
-    dtype, *ints = found.groups()
-    return Point(dtype, *map(int, ints))
+    dtype, bm, bn, bk, stages, tag = found.groups()
+    return Point(dtype, int(bm), int(bn), int(bk), int(stages), tag or "")
 
 
 # -- compile (no Bazel) ----------------------------------------------------------------------------

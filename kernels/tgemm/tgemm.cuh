@@ -84,6 +84,9 @@ struct Config {
   // ring to the swizzle pattern, then per stage its A and B boxes and two
   // mbarriers.
   static constexpr int kSmemBytes = 1024 + kStages * (kStageBytes + 16);
+  // fp8 with room for two partial accumulators (BN = 128): stage s+1's wgmmas
+  // run while stage s's partials are added, instead of draining every stage.
+  static constexpr bool kTwoParts = kPromote && 3 * kAcc <= 192;
 
   // A stage is exactly one 128-byte swizzle row of K, so the shared-memory
   // formula is the same for every dtype (bf16 BK=64, fp8 BK=128).
@@ -92,7 +95,7 @@ struct Config {
   static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
   static_assert(kStages >= 2, "STAGES must be at least 2");
   // Promotion keeps a second accumulator of the same size live.
-  static_assert(kAcc * (kPromote ? 2 : 1) <= 192, "accumulators exceed the consumers' 232 registers");
+  static_assert(kAcc * (kTwoParts ? 3 : kPromote ? 2 : 1) <= 192, "accumulators exceed the consumers' 232 registers");
   static_assert(kSmemBytes <= 232448, "shared memory exceeds the sm_90 limit of 227 KiB");
 };
 
@@ -122,6 +125,28 @@ __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int
   const int within = t % span;
   tm = first + within % rows;
   tn = within / rows;
+}
+
+// One stage of wgmmas of a consumer into `dst` (kMmaM blocks of m64 x BN),
+// committed as one batch. With `overwrite`, the first k step ignores dst's old
+// contents (scale-d = 0): the stage's partial sums for fp8 promotion.
+template <class C, bool overwrite>
+__device__ __forceinline__ void issue_stage(float* dst, uint32_t a_base, uint32_t b_base) {
+  using Op = typename Mma<typename C::Dtype, C::kBN>::type;
+  fence_regs<C::kAcc>(dst);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t desc_b = sm90::smem_desc_sw128(b_base + kk * 32);
+#pragma unroll
+    for (int mi = 0; mi < C::kMmaM; ++mi) {
+      const uint64_t desc_a = sm90::smem_desc_sw128(a_base + mi * 64 * 128 + kk * 32);
+      const ScaleOut scale = (overwrite && kk == 0) ? ScaleOut::Zero : ScaleOut::One;
+      wgmma<Op>(desc_a, desc_b, dst + mi * C::kAccPerMma, scale, std::make_index_sequence<C::kAccPerMma>{});
+    }
+  }
+  cute::warpgroup_commit_batch();
+  fence_regs<C::kAcc>(dst);
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -285,6 +310,7 @@ __device__ __forceinline__ void run(uint32_t m_, uint32_t n_, uint32_t k_, const
     float acc[C::kAcc];
     // Per-stage partial sums (fp8 promotion); unused for bf16.
     float part[C::kPromote ? C::kAcc : 1];
+    float part1[C::kTwoParts ? C::kAcc : 1];  // the second partial buffer (kTwoParts)
     int stage = 0;
     uint32_t phase = 0;
     for (int t = static_cast<int>(blockIdx.x); t < tiles; t += static_cast<int>(gridDim.x)) {
@@ -295,6 +321,58 @@ __device__ __forceinline__ void run(uint32_t m_, uint32_t n_, uint32_t k_, const
       fence_regs<C::kAcc>(acc);
 
       int prev_stage = -1;
+      if constexpr (C::kTwoParts) {
+        // Partials alternate between part0 (even k blocks) and part1 (odd);
+        // the batch of one is in flight while the other is added into acc.
+        auto next = [&]() {
+          if (++stage == C::kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        };
+        auto fold = [&](float* part, int st) {  // its batch has completed
+          fence_regs<C::kAcc>(part);
+          if (tid == 0) sm90::mbar_arrive(&empty[st]);
+#pragma unroll
+          for (int i = 0; i < C::kAcc; ++i) acc[i] += part[i];
+        };
+        auto a_of = [&](int st) { return sm90::smem_addr(s_a + st * C::kABytes) + cw * C::kWgRows * 128; };
+        auto b_of = [&](int st) { return sm90::smem_addr(s_b + st * C::kBBytes); };
+        // Every path waits the same way, so ptxas can see which batch each
+        // wait retires: one batch is outstanding at the top of each half.
+        if (kblocks > 0) {
+          int kb = 0, prev = stage;
+          sm90::mbar_wait(&full[stage], phase);
+          issue_stage<C, true>(part, a_of(stage), b_of(stage));
+          next();
+          while (true) {
+            if (++kb == kblocks) {
+              cute::warpgroup_wait<0>();
+              fold(part, prev);
+              break;
+            }
+            int cur = stage;
+            sm90::mbar_wait(&full[cur], phase);
+            issue_stage<C, true>(part1, a_of(cur), b_of(cur));
+            next();
+            cute::warpgroup_wait<1>();
+            fold(part, prev);
+            prev = cur;
+            if (++kb == kblocks) {
+              cute::warpgroup_wait<0>();
+              fold(part1, prev);
+              break;
+            }
+            cur = stage;
+            sm90::mbar_wait(&full[cur], phase);
+            issue_stage<C, true>(part, a_of(cur), b_of(cur));
+            next();
+            cute::warpgroup_wait<1>();
+            fold(part1, prev);
+            prev = cur;
+          }
+        }
+      } else
       for (int kb = 0; kb < kblocks; ++kb) {
         sm90::mbar_wait(&full[stage], phase);
         const uint32_t a_base = sm90::smem_addr(s_a + stage * C::kABytes) + cw * C::kWgRows * 128;
