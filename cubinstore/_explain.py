@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore._jitindex import JitIndex, check_key
-from cubinstore._jitkey import KeyParts, Tree, load_tree
 from cubinstore.errors import KernelNotFoundError
+
+if TYPE_CHECKING:  # the JIT modules need xxhash; a family point's explanation does not
+    from cubinstore._jitindex import JitIndex
+    from cubinstore._jitkey import KeyParts, Tree
 
 __all__ = ["explain_key", "explain_point", "nearest_points", "part_differences"]
 
@@ -37,6 +39,8 @@ def _differing(a: KeyParts, b: KeyParts) -> tuple[str, ...]:
 
 
 def _tree_diff(index: JitIndex, label: str, old: str, new: str, prefix: str = "") -> list[str]:
+    from cubinstore._jitkey import load_tree
+
     a, b = load_tree(index.local, old), load_tree(index.local, new)
     if a is None or b is None or a.files is None or b.files is None:
         return [f"{label}: content differs ({old} -> {new}); the listing of {'the nearest' if a is None else 'this'} tree was not kept"]
@@ -131,6 +135,8 @@ def _nearest(index: JitIndex, key: str, parts: KeyParts) -> _Nearest | None:
 
 def explain_key(index: JitIndex, key: str) -> str:
     """The report for one JIT key (``xxh3:<hex>`` or the hex)."""
+    from cubinstore._jitindex import check_key
+
     key = check_key(key)
     parts = index.get_parts(key)
     if parts is None:

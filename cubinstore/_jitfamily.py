@@ -207,9 +207,15 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
     ``include_roots`` overrides where external roots are (default: ``cutlass_include()``).
     Raises ``KernelNotFoundError`` when JIT is off and the point is not compiled yet.
     """
-    from cubinstore import jit as _jit
     from cubinstore.manifest import KernelSpec
 
+    try:
+        from cubinstore import jit as _jit
+    except ImportError as exc:  # xxhash: the `jit` extra
+        raise KernelNotFoundError(
+            f"{template.family} {dict(params)} {arch}: compiling it at run time needs the jit extra "
+            f"(pip install 'cubinstore[jit]'): {exc}"
+        ) from exc
     if set(params) != set(template.grid_keys):
         raise BadArgumentError(
             f"{template.family}: expected parameters {', '.join(template.grid_keys)}, got {', '.join(sorted(params)) or 'none'}"
@@ -223,7 +229,8 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
         raise KernelNotFoundError(
             f"{template.family}: its JIT template compiles for {', '.join(template.archs)}, not {parsed}"
         )
-    store = store if store is not None else _jit._default_store()
+    if store is None:
+        store = _jit._default_store()
     sources = _materialize(store, template)
     text = _fill((sources / template.source).read_text(encoding="utf-8"), ordered)
     roots = dict(include_roots or {})
@@ -249,12 +256,16 @@ def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], ar
     JIT template, None if it has none) when JIT is on (``jit``, default ``CUBINSTORE_JIT``).
     Otherwise raises ``KernelNotFoundError`` naming the nearest points and why it did not compile.
     """
+    # Standard library only up to the compile: a host without the jit extra still records the
+    # miss and gets the nearest points.
     from cubinstore import _warmset
-    from cubinstore import jit as _jit
     from cubinstore._explain import nearest_points
     from cubinstore.errors import CubinstoreError
 
-    store = store if store is not None else _jit._default_store()
+    if store is None:
+        from cubinstore.store import Store
+
+        store = Store.from_env()
     if store.local is not None:
         try:
             _warmset.record(store.local, kind="miss", family=family, params=params, arch=str(arch))

@@ -116,3 +116,31 @@ def test_resolve_miss_with_jit_off_names_the_nearest_points(axpy, make_release) 
         jit_family.resolve_miss(manifest, "axpy", {"dtype": "f32", "vec": 5}, "sm_80", template=None, store=store)
     (rec,) = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 5}]
     assert (rec.kind, rec.count) == ("miss", 2)
+
+
+def test_a_miss_without_the_jit_extra_is_recorded_and_names_what_is_missing(tmp_path: Path, make_release) -> None:
+    from _jit import child_env, run_child
+
+    release = make_release(n=4, archs=("sm_80",))
+    code = (
+        "import sys\nsys.modules['xxhash'] = None  # the jit extra is not installed\n"
+        "from cubinstore import _jitfamily, _warmset\nfrom cubinstore.manifest import Manifest\n"
+        "from cubinstore.store import LocalStore, Store\nfrom cubinstore.errors import KernelNotFoundError\n"
+        f"m = Manifest.from_path({str(release.path)!r})\n"
+        f"store = Store([LocalStore({str(tmp_path / 'home')!r})])\n"
+        "t = _jitfamily.FamilyTemplate.from_json({'schema': 'cubinstore/jit-family/v1', 'family': 'axpy', "
+        "'grid_keys': ['dtype', 'vec'], 'source': 'a.cu', 'bundle': {'digest': 'sha256:' + 'ab' * 32, 'size': 1}, "
+        "'entries': {'k': ['i32']}})\n"
+        "for template in (None, t):\n"
+        "    try:\n"
+        "        _jitfamily.resolve_miss(m, 'axpy', {'dtype': 'f32', 'vec': 3}, 'sm_80', template=template, store=store)\n"
+        "    except KernelNotFoundError as exc:\n"
+        "        print(str(exc)[:60] if template is None else str(exc))\n"
+        "print(_warmset.records(store.local)[0].count, 'xxhash' in sys.modules and sys.modules['xxhash'] is not None)\n"
+    )
+    out = run_child(code, child_env(tmp_path / "home"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("no kernel axpy dtype='f32' vec=3 sm_80 in manifest")
+    assert "compiling it at run time needs the jit extra (pip install 'cubinstore[jit]')" in lines[1]
+    assert lines[2] == "2 False"
