@@ -237,6 +237,10 @@ class ExportResult:
 def export(local: Any, family: str, out: Path, *, since: int = 0) -> ExportResult:
     """Write (or extend) ``out``, a ``.bzl`` with the warm points of ``family`` (seen at or after ``since``)."""
     _check_point(family, None)
+    if not out.parent.is_dir():
+        raise BadArgumentError(
+            f"warmset export: {out.parent} is not a directory; run from the workspace root or pass --out PATH"
+        )
     recs = records(local)
     previous = _previous_points(out)
     seen = {json.dumps(p, sort_keys=True) for p in previous}

@@ -81,6 +81,9 @@ def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, c
     assert out.stdout == f"exported 1 warm points of axpy (1 new) to {out_path}\n"
     assert "1 JIT records name no family" in out.stderr
     assert _points(out_path) == [{"dtype": "f32", "vec": 2}]
+    listed = cli(["warmset", "list"], cli_env)
+    assert listed.returncode == 0
+    assert "miss  axpy dtype=f32 vec=2  sm_90a  count 1  key -  -" in listed.stdout.splitlines()
     text = out_path.read_text()
     assert "def warm_grid(grid, points = WARM_POINTS):" in text and '"dtype": "f32"' in text
 
@@ -147,3 +150,11 @@ def test_the_export_is_buildifier_clean_so_it_can_be_committed(tmp_path: Path) -
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "WARM_POINTS = []" in empty.read_text()
+
+
+def test_export_outside_a_workspace_is_a_usage_error(tmp_path: Path, cli, cli_env) -> None:
+    cli_env["CUBINSTORE_TEST_CWD"] = str(tmp_path)  # no kernels/axpy here
+    out = cli(["warmset", "export", "--family", "axpy"], cli_env)
+    assert out.returncode == 2
+    assert out.stderr.startswith("cubinstore: error: warmset export: kernels/axpy is not a directory; run from the workspace root")
+    assert not (tmp_path / "kernels").exists()
