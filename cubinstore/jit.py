@@ -54,9 +54,11 @@ from cubinstore._jitkey import (
 from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
+    IntegrityError,
     JitCompileError,
     KernelNotFoundError,
     MissingBlobError,
+    RemoteUnavailableError,
     StoreError,
 )
 
@@ -281,8 +283,9 @@ def _hit(index: JitIndex, store: Store, k: JitKey) -> IndexEntry | None:
     try:
         # Verified now (and kept in memory), so a later load cannot find it gone.
         store.get(entry.digest, entry.size, name=f"JIT {k}")
-    except MissingBlobError:
-        _log.warning("JIT %s: index names %s, which no store has; compiling again", k, entry.digest)
+    except (MissingBlobError, RemoteUnavailableError, IntegrityError, StoreError) as exc:
+        # Evicted by gc, or only bad bytes found: the sources are here, so compile it again.
+        _log.warning("JIT %s: the index names %s, which cannot be read (%s); compiling again", k, entry.digest, exc)
         return None
     return entry
 

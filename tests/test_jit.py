@@ -321,3 +321,14 @@ def test_a_header_edited_during_the_compile_caches_nothing(env: SimpleNamespace,
     monkeypatch.setattr(jit, "_run_nvcc", real_run)
     again = jit.compile(TU, include_dirs=[include], flags=flags, arch=ARCH, entries=ENTRIES, store=env.store)
     assert again.compiled is True and again.key != k  # the new content, under its own key
+
+
+def test_a_corrupted_cubin_in_the_cas_is_quarantined_and_recompiled_not_loaded(env: SimpleNamespace) -> None:
+    k = _compile(env, flags=["-DFACTOR=12"])
+    path = LocalStore(env.home).path_for(k.digest)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    again = _compile(env, flags=["-DFACTOR=12"])
+    assert again.compiled is True and again.digest == k.digest
+    assert Digest.of(path.read_bytes()) == k.digest
