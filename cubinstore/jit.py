@@ -243,6 +243,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         return JitKernel(k, found, entries, False, store, 0.0)
     if not (_env.jit() if jit is None else jit):
         index.put_parts(k.hex, k.parts)  # so `cubinstore explain` can say why it missed
+        _record(local, k, req.arch, None, family, params, kind="miss")  # so CI can build it ahead
         raise KernelNotFoundError(
             f"JIT key {k} (arch {req.arch}{_named(family, params)}) is not in the index of {local.root} "
             f"and run-time compilation is off (CUBINSTORE_JIT=0 or jit=False); `cubinstore explain {k}` says why"
@@ -290,12 +291,12 @@ def _hit(index: JitIndex, store: Store, k: JitKey) -> IndexEntry | None:
     return entry
 
 
-def _record(local: Any, k: JitKey, arch: Arch, digest: Digest, family: str | None,
-            params: Mapping[str, str | int] | None) -> None:
+def _record(local: Any, k: JitKey, arch: Arch, digest: Digest | None, family: str | None,
+            params: Mapping[str, str | int] | None, kind: str = "jit") -> None:
     from cubinstore import _warmset
 
     try:
-        _warmset.record(local, kind="jit", family=family, params=params, arch=str(arch), key=k.hex, digest=digest)
+        _warmset.record(local, kind=kind, family=family, params=params, arch=str(arch), key=k.hex, digest=digest)
     except CubinstoreError as exc:  # the warm set is advice; the kernel is compiled and stored
         _log.warning("JIT %s: cannot record it in the warm set: %s", k, exc)
 

@@ -246,6 +246,10 @@ def test_jit_off_serves_hits_and_refuses_misses(env: SimpleNamespace, monkeypatc
     assert _compile(env).compiled is False
     with pytest.raises(KernelNotFoundError, match=r"^JIT key xxh3:[0-9a-f]{32} \(arch sm_90a, family axpy dtype='f32'\)"):
         _compile(env, flags=["-DFACTOR=7"], family="axpy", params={"dtype": "f32"})
+    from cubinstore import _warmset
+
+    (rec,) = [r for r in _warmset.records(LocalStore(env.home)) if r.family == "axpy" and r.params == {"dtype": "f32"}]
+    assert (rec.kind, rec.digest, rec.count) == ("miss", None, 1)  # recorded, so CI can build it ahead
     monkeypatch.setenv("CUBINSTORE_JIT", "1")
     with pytest.raises(KernelNotFoundError):
         _compile(env, flags=["-DFACTOR=7"], jit=False)
