@@ -11,6 +11,9 @@ Bazel's execution log (`CubinCompile` spawns), never inferred from timing.
 
 Usage:
   .venv/bin/python benchmarks/build_figures.py [--targets //kernels:all] [--json FILE] [--keep]
+      [--bazel7] [--cuda-path DIR]
+--bazel7 measures Bazel 7 (tools/bazel7, MODULE.bazel) instead of Bazel 4.2.3; --cuda-path sets
+CUDA_PATH for the builds (e.g. the sid root's CUDA 13.5, to compare both on one toolkit).
 Set CUBINSTORE_BAZEL_TEST_REV=HEAD to measure the last commit instead of the working tree.
 """
 
@@ -34,6 +37,7 @@ from tests.bazel._workspace import (  # noqa: E402  (the path above makes the ch
     BuildResult,
     Workspace,
     find_bazel,
+    find_bazel7,
     find_venv,
 )
 
@@ -70,15 +74,19 @@ def table(figures: list[Figure]) -> str:
     return "\n".join(lines)
 
 
-def measure(work: Path, targets: tuple[str, ...]) -> list[Figure]:
-    bazel, venv = find_bazel(), find_venv()
+def measure(work: Path, targets: tuple[str, ...], bazel7: bool = False,
+            env: dict[str, str] | None = None) -> list[Figure]:
+    bazel, venv = (find_bazel7() if bazel7 else find_bazel()), find_venv()
     if bazel is None:
-        raise SystemExit("build_figures: Bazel not found (node_modules/.bin/bazelisk, bazelisk or bazel on PATH)")
+        raise SystemExit("build_figures: Bazel not found (node_modules/.bin/bazelisk, bazelisk or bazel on PATH;"
+                         " for --bazel7, tools/bootstrap_bazel7.sh)")
     disk_cache = work / "disk_cache"
     disk_cache.mkdir()
-    first = Workspace.create(work / "a" / "cubinstore", work / "output_base_a", bazel, venv)
+    first = Workspace.create(work / "a" / "cubinstore", work / "output_base_a", bazel, venv, bzlmod=bazel7)
     second = Workspace.create(work / "b" / "srv" / "releases" / "current" / "cubinstore",
-                              work / "output_base_b", bazel, venv)
+                              work / "output_base_b", bazel, venv, bzlmod=bazel7)
+    for ws in (first, second):
+        ws.env_defaults.update(env or {})
     try:
         logger.info("cold build in %s", first.root)
         cold = first.build(targets, disk_cache=disk_cache, clean=False)
@@ -112,12 +120,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--targets", nargs="+", default=list(ALL_TARGETS), help="targets to build")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copies and caches")
+    parser.add_argument("--bazel7", action="store_true", help="measure Bazel 7 (tools/bazel7) instead of 4.2.3")
+    parser.add_argument("--cuda-path", help="CUDA_PATH for the builds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
     work = Path(tempfile.mkdtemp(prefix="cubinstore-build-figures-"))
     try:
-        figures = measure(work, tuple(args.targets))
+        figures = measure(work, tuple(args.targets), bazel7=args.bazel7,
+                          env={"CUDA_PATH": args.cuda_path} if args.cuda_path else None)
     finally:
         if args.keep:
             logger.info("kept %s", work)

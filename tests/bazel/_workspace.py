@@ -46,6 +46,12 @@ SERVER_IDLE_S = 900
 # checkout shared with work in progress.
 TREE_ENV = "CUBINSTORE_BAZEL_TEST_REV"
 
+# Bazel 7: tools/bazel7 runs it in the Debian sid root that tools/bootstrap_bazel7.sh builds.
+BAZEL7 = REPO_ROOT / "tools" / "bazel7"
+SID_ROOT_ENV = "CUBINSTORE_SID_ROOT"
+# Under bzlmod a repository made by MODULE.bazel's use_repo_rule has a canonical name.
+BZLMOD_REPO_PREFIX = "_main~_repo_rules~"
+
 
 class WorkspaceError(Exception):
     """A test workspace could not be set up (missing tool, copy failed)."""
@@ -84,6 +90,23 @@ def find_bazel() -> Path | None:
         if found:
             return Path(found)
     return None
+
+
+def sid_root() -> Path:
+    return Path(os.environ.get(SID_ROOT_ENV, "/var/lib/cubinstore/sid"))
+
+
+def find_bazel7() -> Path | None:
+    """tools/bazel7, where the sid root it needs is complete; else None."""
+    root = sid_root()
+    if (root / ".cubinstore-ready").exists() and (root / "usr" / "bin" / "bazel").exists():
+        return BAZEL7
+    return None
+
+
+def sid_toolkit() -> Path:
+    """The CUDA 13.5 toolkit of the sid root, as a path on this host (Bazel 4.2.3 can use it too)."""
+    return sid_root() / "opt" / "cubinstore" / "site" / "nvidia" / "cu13"
 
 
 def find_toolkit() -> Path | None:
@@ -256,7 +279,8 @@ def read_execution_log(path: Path) -> list[Spawn]:
         spawns.append(Spawn(
             mnemonic=obj.get("mnemonic", ""),
             outputs=tuple(obj.get("listedOutputs", ())),
-            cache_hit=bool(obj.get("remoteCacheHit", False)),
+            # Bazel 4.2: remoteCacheHit; Bazel 7: cacheHit (remote or disk cache).
+            cache_hit=bool(obj.get("remoteCacheHit", obj.get("cacheHit", False))),
             runner=obj.get("runner", ""),
             arguments=tuple(obj.get("commandArgs", ())),
             environment=tuple((e["name"], e.get("value", "")) for e in obj.get("environmentVariables", ())),
@@ -305,12 +329,22 @@ class Workspace:
     output_base: Path
     bazel: Path
     env_defaults: dict[str, str] = field(default_factory=base_env)
+    bzlmod: bool = False  # Bazel 7 through MODULE.bazel: canonical repository names
     _builds: int = 0
 
     @classmethod
-    def create(cls, root: Path, output_base: Path, bazel: Path, venv: Path | None) -> Workspace:
+    def create(cls, root: Path, output_base: Path, bazel: Path, venv: Path | None,
+               bzlmod: bool = False) -> Workspace:
         copy_workspace(root, venv=venv)
-        return cls(root=root, output_base=output_base, bazel=bazel)
+        return cls(root=root, output_base=output_base, bazel=bazel, bzlmod=bzlmod)
+
+    def repo_dir(self, repo: str) -> str:
+        """The directory name of external repository `repo` (`local_cuda`, `cutlass`) under
+        `external/`, in the output base and on action command lines."""
+        return BZLMOD_REPO_PREFIX + repo if self.bzlmod else repo
+
+    def external(self, repo: str) -> Path:
+        return self.output_base / "external" / self.repo_dir(repo)
 
     @property
     def log_dir(self) -> Path:
@@ -386,7 +420,7 @@ class Workspace:
     def fetch_repository(self, repo: str, env: Mapping[str, str | None] | None = None) -> Path:
         """Makes Bazel (re)evaluate external repository `repo` with `env`; returns its directory."""
         self.run("query", ["--color=no", "--curses=no", f"@{repo}//:all"], env=env)
-        return self.output_base / "external" / repo
+        return self.external(repo)
 
     def shutdown(self) -> None:
         """Stops this output base's server (never raises: used at teardown)."""

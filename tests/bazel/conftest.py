@@ -29,9 +29,12 @@ from ._workspace import (
     BuildResult,
     Workspace,
     find_bazel,
+    find_bazel7,
     find_toolkit,
     find_venv,
     seed_disk_cache,
+    sid_root,
+    sid_toolkit,
 )
 
 REQUIRE_ENV = "CUBINSTORE_REQUIRE_BAZEL_TESTS"
@@ -132,6 +135,60 @@ def checkouts(bazel_tools: Tools, tmp_path_factory: pytest.TempPathFactory) -> I
     seeded = seed_disk_cache(disk_cache)
     try:
         yield Checkouts(shallow=shallow, deep=deep, disk_cache=disk_cache, seeded_from_developer_cache=seeded)
+    finally:
+        shallow.shutdown()
+        deep.shutdown()
+
+
+# -- Bazel 7 ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Bazel7Tools:
+    bazel: Path  # tools/bazel7
+    root: Path  # the sid root it runs in
+    toolkit: Path  # the root's CUDA 13.5 toolkit, as a path on this host
+
+
+@pytest.fixture(scope="session")
+def bazel7_tools(bazel_tools: Tools) -> Bazel7Tools:
+    bazel = find_bazel7()
+    if bazel is None:
+        unavailable(f"no Bazel 7 root at {sid_root()} (run tools/bootstrap_bazel7.sh)")
+    return Bazel7Tools(bazel=bazel, root=sid_root(), toolkit=sid_toolkit())
+
+
+@dataclass
+class Checkouts7:
+    """Two Bazel 7 copies at paths of different depth, each with its own output base and
+    without WORKSPACE (MODULE.bazel alone defines the external repositories), sharing a disk
+    cache that starts empty."""
+
+    shallow: Workspace
+    deep: Workspace
+    disk_cache: Path
+    _seed: BuildResult | None = None
+
+    def seed(self) -> BuildResult:
+        """The shallow checkout's cold build of //kernels:all into the shared disk cache (once)."""
+        if self._seed is None:
+            self._seed = self.shallow.build(ALL_TARGETS, disk_cache=self.disk_cache)
+        return self._seed
+
+
+@pytest.fixture(scope="session")
+def checkouts7(bazel7_tools: Bazel7Tools, bazel_tools: Tools,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkouts7]:
+    base = tmp_path_factory.mktemp("checkouts7")
+    shallow = Workspace.create(base / "a" / "cubinstore", base / "output_base_shallow",
+                               bazel7_tools.bazel, bazel_tools.venv, bzlmod=True)
+    deep = Workspace.create(base / "b" / "srv" / "releases" / "current" / "cubinstore",
+                            base / "output_base_deep", bazel7_tools.bazel, bazel_tools.venv, bzlmod=True)
+    for ws in (shallow, deep):
+        (ws.root / "WORKSPACE").unlink()
+    disk_cache = base / "disk_cache"
+    disk_cache.mkdir()
+    try:
+        yield Checkouts7(shallow=shallow, deep=deep, disk_cache=disk_cache)
     finally:
         shallow.shutdown()
         deep.shutdown()

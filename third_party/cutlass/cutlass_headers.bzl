@@ -30,7 +30,9 @@ def _detect_include_dir(rctx):
             return struct(path = explicit, source = "$CUBINSTORE_CUTLASS_INCLUDE", tried = tried)
         fail("cutlass_headers: $CUBINSTORE_CUTLASS_INCLUDE='{}' holds no cute/tensor.hpp and cutlass/version.h".format(explicit))
     tried.append("$CUBINSTORE_CUTLASS_INCLUDE (unset)")
-    workspace = rctx.path(Label("//:WORKSPACE")).dirname
+
+    # BUILD.bazel, not WORKSPACE: under bzlmod (Bazel 7) the workspace may have no WORKSPACE.
+    workspace = rctx.path(Label("//:BUILD.bazel")).dirname
     pythons = [(str(workspace) + "/.venv/bin/python3", "the workspace's .venv")]
     python3 = rctx.which("python3")
     if python3:
