@@ -9,8 +9,11 @@ that its ``KernelSpec`` values are frozen and safe to use. The facts it is check
 from __future__ import annotations
 
 import functools
+import gc
+import itertools
 import json
 import logging
+import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cubinstore import _abi
 from cubinstore._abi import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Arch, LaunchGeometry, dumps_canonical, kernel_id
-from cubinstore._digest import Digest, show
+from cubinstore._digest import EMPTY_SHA256_HEX, Digest, show
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -143,6 +146,23 @@ class KernelSpec:
         names.update(specs)
         object.__setattr__(self, "_names", MappingProxyType(names))
 
+    @classmethod
+    def _checked(cls, obj: dict[str, Any], specs: dict[str, EntrySpec]) -> KernelSpec:
+        """What ``__init__`` builds, from a kernel object the manifest's fast path checked.
+
+        The object is the manifest's private parse, so its dicts are wrapped, not copied.
+        """
+        spec = object.__new__(cls)
+        names = {e.name: e for e in specs.values()}
+        names.update(specs)
+        spec.__dict__.update(
+            id=obj["id"], family=obj["family"], params=MappingProxyType(obj["params"]), arch=obj["arch"],
+            digest=Digest.parse(obj["digest"]), size=obj["size"],
+            entries=MappingProxyType({s: e.types for s, e in specs.items()}), target=obj["target"],
+            entry_specs=MappingProxyType(specs), _names=MappingProxyType(names),
+        )
+        return spec
+
     @functools.cached_property
     def _key(self) -> tuple[Any, ...]:
         # Computed on first comparison only: opening a manifest of many kernels never needs it.
@@ -247,7 +267,7 @@ class _Checker:
         arch = obj["arch"]
         try:
             Arch.parse(arch)
-        except BadArgumentError:
+        except (BadArgumentError, TypeError):  # TypeError: an unhashable value (Arch.parse is cached)
             raise self.fail(f"{where}.arch", f"expected 'sm_<digits>' with optional 'a' or 'f' (e.g. 'sm_90a'), got {show(arch)}") from None
 
         if not isinstance(kid, str):
@@ -338,7 +358,7 @@ class _Checker:
         for pos, type_ in enumerate(types):
             try:
                 _abi.param_type(type_)
-            except BadArgumentError:
+            except (BadArgumentError, TypeError):  # TypeError: an unhashable value (param_type is cached)
                 raise self.fail(f"{where}[{pos}]", f"expected one of {_abi.type_grammar()}, got {show(type_)}") from None
         return tuple(types)
 
@@ -422,6 +442,363 @@ def _has_order(candidates: list[set[str]]) -> bool:
     return place(0, frozenset())
 
 
+# -- the fast path --------------------------------------------------------------------------------
+# Opening a release of tens of thousands of kernels must cost about one json.loads. Canonical
+# manifests (what the build and Manifest.build write) are validated here with few Python calls
+# per kernel and memoised checks, and their KernelSpecs are built only when asked for. The fast
+# path only ever *accepts*: whatever it is unsure of (v1, an ambiguous id order, any bad field)
+# goes to _Checker, which alone words the errors, so both paths accept exactly the same documents.
+class _Slow(Exception):
+    """The fast path declines this document; the full checker decides."""
+
+
+def _decline(_text: str) -> Any:
+    raise _Slow  # a float or NaN anywhere: no valid v2 field holds one
+
+
+_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
+_EMPTY_DIGEST = "sha256:" + EMPTY_SHA256_HEX
+_ENTRY_KEYS_3 = frozenset({"name", "params", "offsets"})
+_KERNEL_FIELDS = ("id", "family", "params", "arch", "digest", "size", "entries", "target")
+_chain = itertools.chain.from_iterable
+# Whole columns joined by newlines (no pattern below matches one), checked in one regex call.
+_DIGESTS_RE = re.compile(r"(?:sha256:[0-9a-f]{64}\n)+", re.ASCII)
+_IDENTS_RE = re.compile(rf"(?:{_IDENT_RE.pattern}\n)+", re.ASCII)
+_LABELS_RE = re.compile(rf"(?:{_LABEL_RE.pattern}\n)+", re.ASCII)
+_LAUNCH_KEYS = frozenset({"block", "shared_mem", "cluster", "grid"})
+# After a quote, whitespace could hide a key token from the count below: such text goes slow.
+_WS_AFTER_QUOTE = re.compile(r'"[ \t\n\r]')
+
+
+def _one(i: int) -> tuple[int]:
+    return (i,)
+
+
+def _id_order(kid: object, family: str, params: dict[str, Any], arch: str) -> tuple[str, ...]:
+    """The param keys in the order the family's first id renders them, when that is unambiguous."""
+    if type(kid) is not str:
+        raise _Slow
+    parts = kid.split("/")
+    if len(parts) != len(params) + 2 or parts[0] != family or parts[-1] != arch:
+        raise _Slow
+    order = []
+    for segment in parts[1:-1]:
+        keys = [k for k, v in params.items() if (v if type(v) is str else f"{k}{v}") == segment]
+        if len(keys) != 1 or keys[0] in order:
+            raise _Slow
+        order.append(keys[0])
+    return tuple(order)
+
+
+def _dims_ok(column: list[Any], limit: int) -> None:
+    """_abi._dims3 over a column: each an int or a list of 1 to 3 ints, all in [1, limit]."""
+    kinds = set(map(type, column))
+    if kinds == {list}:
+        lists, flat = column, list(_chain(column))
+    elif kinds <= {int, list}:
+        lists = [v for v in column if type(v) is list]
+        flat = [*_chain(lists), *(v for v in column if type(v) is int)]
+    else:
+        raise _Slow
+    if lists and not set(map(len, lists)) <= {1, 2, 3}:
+        raise _Slow
+    if not set(map(type, flat)) <= {int} or min(flat) < 1 or max(flat) > limit:
+        raise _Slow
+
+
+def _launches_ok(launches: list[dict[str, Any]]) -> None:
+    """LaunchGeometry.from_json's rules over every launch object, column by column."""
+    if not all("block" in keys and keys <= _LAUNCH_KEYS for keys in set(map(frozenset, launches))):
+        raise _Slow
+    _dims_ok([g["block"] for g in launches], 1024)
+    smem = [g.get("shared_mem", 0) for g in launches]
+    if set(map(type, smem)) != {int} or min(smem) < 0 or max(smem) > 1 << 20:
+        raise _Slow
+    clusters = [c for g in launches if (c := g.get("cluster")) is not None]
+    if clusters:
+        _dims_ok(clusters, 16)
+    grids = [r for g in launches if (r := g.get("grid")) is not None]
+    if grids:
+        if set(map(type, grids)) != {list} or not set(map(len, grids)) <= {1, 2, 3}:
+            raise _Slow
+        items = list(_chain(grids))
+        if not set(map(type, items)) <= {int, str}:
+            raise _Slow
+        numbers = [x for x in items if type(x) is int]
+        if numbers and (min(numbers) < 1 or max(numbers) >= 2**31):
+            raise _Slow
+        try:
+            for rule in {x for x in items if type(x) is str}:
+                _abi.check_rule(rule)
+        except BadArgumentError:
+            raise _Slow from None
+
+
+def _entry_ok(types: tuple[Any, ...], offsets: tuple[int, ...], arch: Arch) -> None:
+    """_Checker._entry's rules for one (types, offsets) pair, as a yes/no."""
+    try:
+        parsed = [_abi.param_type(t) for t in types]
+    except BadArgumentError:
+        raise _Slow from None
+    if len(parsed) > _abi.MAX_PARAMS or len(offsets) != len(types):
+        raise _Slow
+    if arch.major in _abi.PARAM_BANK_OFFSET and offsets != _abi.param_layout(parsed, arch):
+        raise _Slow
+
+
+def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index]:
+    """Validate a v2 document the quick way and index it; raises _Slow when unsure.
+
+    Checks run column by column (one C-level pass each: ``set(map(type, ...))``, one regex over
+    the joined column), so the per-kernel Python work is the id rendering and little else.
+    """
+    if "\\" in text or _WS_AFTER_QUOTE.search(text):
+        raise _Slow
+    try:
+        doc = json.loads(text, parse_constant=_decline, parse_float=_decline)
+    except (ValueError, RecursionError):
+        raise _Slow from None
+    if type(doc) is not dict or doc.keys() != _TOP_KEYS or doc["schema"] != SCHEMA:
+        raise _Slow
+    kernels = doc["kernels"]
+    if type(kernels) is not list or not kernels:
+        raise _Slow
+    n = len(kernels)
+    if set(map(type, kernels)) != {dict} or set(map(frozenset, kernels)) != {_KERNEL_KEYS}:
+        raise _Slow
+    ids, families, params, archs, digests, sizes, entries, targets = (
+        list(map(operator.itemgetter(key), kernels)) for key in _KERNEL_FIELDS)
+
+    if set(map(type, families)) != {str} or set(map(type, archs)) != {str} or set(map(type, params)) != {dict}:
+        raise _Slow
+    if not all(map(_WORD_RE.fullmatch, set(families))):
+        raise _Slow
+    try:
+        parsed_archs = {a: Arch.parse(a) for a in set(archs)}
+    except BadArgumentError:
+        raise _Slow from None
+    values = list(_chain(map(dict.values, params)))
+    if not set(map(type, values)) <= {int, str}:  # no bool, float, list or null
+        raise _Slow
+    if not all(type(v) is int or _WORD_RE.fullmatch(v) for v in set(values)):
+        raise _Slow
+
+    # Ids: each family's first id fixes its param order; every id must render in that order
+    # (then its params have the family's keys, and (family, params, arch) is unique with the id).
+    first = dict(zip(reversed(families), range(n - 1, -1, -1)))
+    orders = {f: _id_order(ids[i], f, params[i], archs[i]) for f, i in first.items()}
+    if not all(all(map(_IDENT_RE.fullmatch, params[i])) for i in first.values()):
+        raise _Slow
+    if len(first) == 1:
+        groups: dict[str, Any] = {families[0]: range(n)}
+    else:
+        groups = {}
+        for i, f in enumerate(families):
+            groups.setdefault(f, []).append(i)
+    stems: list[str] = [""] * n
+    for f, members in groups.items():
+        order = orders[f]
+        rows = params if len(groups) == 1 else [params[i] for i in members]
+        if set(map(len, rows)) != {len(order)}:
+            raise _Slow
+        columns = [[v if type(v) is str else f"{k}{v}" for v in map(operator.itemgetter(k), rows)] for k in order]
+        family_stems = list(map("/".join, zip(itertools.repeat(f, len(rows)), *columns)))
+        family_archs = archs if len(groups) == 1 else [archs[i] for i in members]
+        family_ids = ids if len(groups) == 1 else [ids[i] for i in members]
+        if list(map("/".join, zip(family_stems, family_archs))) != list(family_ids):
+            raise _Slow
+        if len(groups) == 1:
+            stems = family_stems
+        else:
+            for i, stem in zip(members, family_stems):
+                stems[i] = stem
+    by_id = dict(zip(ids, range(n)))
+    if len(by_id) != n:
+        raise _Slow  # a duplicate id
+
+    if (set(map(type, sizes)) != {int} or min(sizes) <= 0 or max(sizes) > MAX_BLOB_SIZE
+            or not _DIGESTS_RE.fullmatch("\n".join(digests) + "\n")):
+        raise _Slow
+    distinct = set(digests)
+    if _EMPTY_DIGEST in distinct or (len(distinct) != n and len(set(zip(digests, sizes))) != len(distinct)):
+        raise _Slow  # the empty blob, or one digest with two sizes
+    joined = "\n".join(targets) + "\n"
+    if not _LABELS_RE.fullmatch(joined) or (".." in joined and any(
+            ".." in t.replace(":", "/").split("/") for t in targets if ".." in t)):
+        raise _Slow
+
+    if set(map(type, entries)) != {dict} or not all(entries):
+        raise _Slow
+    symbols = list(_chain(entries))
+    bodies = list(_chain(map(dict.values, entries)))
+    if not _IDENTS_RE.fullmatch("\n".join(symbols) + "\n") or set(map(type, bodies)) != {dict}:
+        raise _Slow
+    if not set(map(frozenset, bodies)) <= {_ENTRY_KEYS_3, _ENTRY_KEYS}:
+        raise _Slow
+    names = [v["name"] for v in bodies]
+    joined = "".join(names)  # a TypeError for a name that is not a str
+    # [ -~]{1,1024} at C speed: printable ASCII is exactly 0x20..0x7e.
+    if not (joined.isascii() and joined.isprintable()) or min(map(len, names)) < 1 or max(map(len, names)) > 1024:
+        raise _Slow
+    for e in entries:
+        if len(e) > 1 and len({v["name"] for v in e.values()}) != len(e):
+            raise _Slow  # two entries of one kernel share a readable name
+    types = [v["params"] for v in bodies]
+    offsets = [v["offsets"] for v in bodies]
+    launches = [v.get("launch") for v in bodies]
+    if set(map(type, types)) != {list} or set(map(type, offsets)) != {list}:
+        raise _Slow
+    flat = list(_chain(offsets))
+    if flat and (not set(map(type, flat)) <= {int} or min(flat) < 0):
+        raise _Slow
+    if not set(map(type, launches)) <= {dict, type(None)}:
+        raise _Slow
+    geometries = [g for g in launches if g is not None]
+    if geometries:
+        _launches_ok(geometries)
+    entry_archs = archs if len(bodies) == n else [a for a, e in zip(archs, entries) for _ in e]
+    # Entries of one shape are checked once (offsets are ints by now; a tuple of types only
+    # equals a checked tuple of strs).
+    for arch, types_key, offsets_key in set(zip(entry_archs, map(tuple, types), map(tuple, offsets))):
+        _entry_ok(types_key, offsets_key, parsed_archs[arch])
+
+    # Duplicate keys: json.loads keeps the last silently. With no backslash, every '"' delimits
+    # a string and no quote is followed by whitespace, so each '":' in the text is a key's
+    # closing quote or a string starting with ':' (of the checked strings, only a readable name
+    # can). The parsed document has fewer keys than the text exactly when a key was repeated.
+    keys = (2 + len(_KERNEL_KEYS) * n + sum(map(len, params)) + len(bodies) + sum(map(len, bodies))
+            + sum(map(len, geometries)))
+    colons = ("\n" + "\n".join(names)).count("\n:")
+    if text.count('":') != keys + colons:
+        raise _Slow
+
+    by_stem = dict(zip(stems, map(_one, range(n))))
+    if len(by_stem) != n:  # several archs of one point
+        by_stem = {}
+        for i, stem in enumerate(stems):
+            by_stem[stem] = by_stem.get(stem, ()) + (i,)
+    return kernels, _Index(kernels, None, by_id, by_stem, orders)
+
+
+def _spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
+    """The KernelSpec of a kernel object _fast_index accepted (no check is repeated)."""
+    specs: dict[str, EntrySpec] = {}
+    for symbol, value in obj["entries"].items():
+        launch = value.get("launch")
+        geometry = None
+        if launch is not None:
+            key = repr(launch)  # the validated JSON's repr: ints, strs, lists, None only
+            geometry = launches.get(key)
+            if geometry is None:
+                geometry = launches.setdefault(key, LaunchGeometry.from_json(launch, symbol))
+        entry = object.__new__(EntrySpec)  # a frozen dataclass, filled without its per-field setattr
+        entry.__dict__.update(symbol=symbol, name=value["name"], types=tuple(value["params"]),
+                              offsets=tuple(value["offsets"]), launch=geometry)
+        specs[symbol] = entry
+    return KernelSpec._checked(obj, specs)
+
+
+class _Index:
+    """A manifest's lookups. KernelSpecs of a fast-path manifest are built on first use.
+
+    ``by_id`` maps an id, ``by_stem`` an id without its arch, to kernel positions; ``orders``
+    is each family's param order in its ids (fast path), so a family and all of its params
+    render one stem: one dict lookup. Lazily filled parts use setdefault, so threads that
+    race on one position all get the same KernelSpec.
+    """
+
+    def __init__(self, objs: list[dict[str, Any]] | None, specs: tuple[KernelSpec, ...] | None,
+                 by_id: dict[str, int], by_stem: dict[str, tuple[int, ...]], orders: dict[str, tuple[str, ...]]) -> None:
+        self._objs = objs
+        self._specs: dict[int, KernelSpec] = dict(enumerate(specs)) if specs is not None else {}
+        self._count = len(objs) if objs is not None else len(specs or ())
+        self._launches: dict[str, LaunchGeometry] = {}
+        self.by_id = by_id
+        self.by_stem = by_stem
+        self.orders = orders
+        self._by_point: dict[tuple[str, frozenset[Any]], tuple[int, ...]] | None = None
+        if objs is None:  # the slow path has its specs already: index them by point
+            by_point: dict[tuple[str, frozenset[Any]], list[int]] = {}
+            for i, spec in self._specs.items():
+                by_point.setdefault((spec.family, frozenset(spec.params.items())), []).append(i)
+            self._by_point = {p: tuple(v) for p, v in by_point.items()}
+        self._cache: dict[str, Any] = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def spec(self, i: int) -> KernelSpec:
+        spec = self._specs.get(i)
+        if spec is None:
+            assert self._objs is not None  # every position of a slow-path index is filled
+            spec = self._specs.setdefault(i, _spec_from_obj(self._objs[i], self._launches))
+        return spec
+
+    def _field(self, i: int, name: str) -> Any:
+        return self._objs[i][name] if self._objs is not None else getattr(self._specs[i], name)
+
+    def all(self) -> tuple[KernelSpec, ...]:
+        specs = self._cache.get("all")
+        if specs is None:
+            collecting = gc.isenabled()
+            gc.disable()  # tens of thousands of new acyclic objects: see Manifest.from_bytes
+            try:
+                specs = self._cache.setdefault("all", tuple(map(self.spec, range(self._count))))
+            finally:
+                if collecting:
+                    gc.enable()
+        return specs
+
+    def _lazy(self, name: str, build: Any) -> Any:
+        value = self._cache.get(name)
+        if value is None:
+            value = self._cache.setdefault(name, build())
+        return value
+
+    def families(self) -> dict[str, tuple[int, ...]]:
+        def build() -> dict[str, tuple[int, ...]]:
+            out: dict[str, list[int]] = {}
+            for i in range(self._count):
+                out.setdefault(self._field(i, "family"), []).append(i)
+            return {f: tuple(v) for f, v in out.items()}
+        return self._lazy("families", build)
+
+    def archs(self) -> tuple[str, ...]:
+        return self._lazy("archs", lambda: tuple(sorted({self._field(i, "arch") for i in range(self._count)})))
+
+    def blobs(self) -> tuple[tuple[Digest, int], ...]:
+        def build() -> tuple[tuple[Digest, int], ...]:
+            pairs = {(str(self._field(i, "digest")), self._field(i, "size")) for i in range(self._count)}
+            return tuple((Digest.parse(d), s) for d, s in sorted(pairs))
+        return self._lazy("blobs", build)
+
+    def ids_of(self) -> dict[str, tuple[str, ...]]:
+        def build() -> dict[str, tuple[str, ...]]:
+            out: dict[str, list[str]] = {}
+            for i in range(self._count):
+                out.setdefault(str(self._field(i, "digest")), []).append(self._field(i, "id"))
+            return {d: tuple(v) for d, v in out.items()}
+        return self._lazy("ids_of", build)
+
+    def point(self, family: str, params: Mapping[str, ParamValue]) -> list[KernelSpec]:
+        """The kernels of ``family`` whose params are exactly ``params``, every arch."""
+        if self._by_point is not None:
+            try:
+                return [self._specs[i] for i in self._by_point.get((family, frozenset(params.items())), ())]
+            except TypeError:  # an unhashable value names no point
+                return []
+        order = self.orders.get(family)
+        if order is None or len(order) != len(params):
+            return []
+        try:
+            stem = "/".join([family, *[v if type(v := params[k]) is str else f"{k}{v}" for k in order]])
+        except KeyError:
+            return []
+        assert self._objs is not None
+        # Rendering can collide (an int 4 and a string 'vec4'): keep only exact params.
+        return [self.spec(i) for i in self.by_stem.get(stem, ()) if self._objs[i]["params"] == params]
+
+
 @dataclass(frozen=True, eq=False)
 class Manifest:
     """A validated manifest. Build one with ``from_path``, ``from_bytes``, ``from_digest`` or ``build``."""
@@ -429,12 +806,8 @@ class Manifest:
     raw: bytes = field(repr=False)
     digest: Digest
     source: str
-    kernels: tuple[KernelSpec, ...] = field(repr=False)
-    _by_id: Mapping[str, KernelSpec] = field(repr=False)
     schema: str = SCHEMA
-    _by_family: Mapping[str, tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)
-    _by_stem: Mapping[str, tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)  # id without arch
-    _by_point: Mapping[tuple[str, frozenset[Any]], tuple[KernelSpec, ...]] = field(default_factory=dict, repr=False)
+    _index: _Index = field(default=None, repr=False)  # type: ignore[assignment]
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -451,17 +824,31 @@ class Manifest:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise check.fail("file", f"expected UTF-8, got an invalid byte at offset {exc.start}") from None
+        # Parsing creates hundreds of thousands of containers, none of them cyclic: the cyclic
+        # collector would re-scan them many times (more than half of the time of a large open).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-        except _DuplicateKeyError as exc:
-            raise check.fail("file", f"duplicate key {show(exc.args[0])}") from None
-        except json.JSONDecodeError as exc:
-            raise check.fail("file", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-        except RecursionError:
-            raise check.fail("file", "JSON nested too deeply") from None
-        except ValueError as exc:  # NaN/Infinity, integers too long to convert
-            raise check.fail("file", f"not valid JSON: {exc}") from None
-        return cls._from_doc(doc, raw, source)
+            try:
+                _, index = _fast_index(text)
+            except Exception:  # noqa: BLE001 - any doubt: the full checker decides and words the error
+                pass
+            else:
+                return cls(raw=raw, digest=Digest.of(raw), source=source, schema=SCHEMA, _index=index)
+            try:
+                doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+            except _DuplicateKeyError as exc:
+                raise check.fail("file", f"duplicate key {show(exc.args[0])}") from None
+            except json.JSONDecodeError as exc:
+                raise check.fail("file", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+            except RecursionError:
+                raise check.fail("file", "JSON nested too deeply") from None
+            except ValueError as exc:  # NaN/Infinity, integers too long to convert
+                raise check.fail("file", f"not valid JSON: {exc}") from None
+            return cls._from_doc(doc, raw, source)
+        finally:
+            if collecting:
+                gc.enable()
 
     @classmethod
     def _from_doc(cls, doc: object, raw: bytes, source: str) -> Manifest:
@@ -479,18 +866,14 @@ class Manifest:
         if not isinstance(kernels, list) or not kernels:
             raise check.fail("kernels", f"expected a non-empty list, got {show(kernels)}")
         specs = tuple(check.kernel(i, k) for i, k in enumerate(kernels))
-        by_id: dict[str, KernelSpec] = {}
-        by_family: dict[str, list[KernelSpec]] = {}
-        by_stem: dict[str, list[KernelSpec]] = {}
-        by_point: dict[tuple[str, frozenset[Any]], list[KernelSpec]] = {}
+        by_id: dict[str, int] = {}
+        by_stem: dict[str, list[int]] = {}
         sizes: dict[Digest, tuple[int, str]] = {}
         for i, spec in enumerate(specs):
             if spec.id in by_id:
                 raise check.fail(f"kernels[{i}].id", f"duplicate id {show(spec.id)}")
-            by_id[spec.id] = spec
-            by_family.setdefault(spec.family, []).append(spec)
-            by_stem.setdefault(spec.id.rsplit("/", 1)[0], []).append(spec)
-            by_point.setdefault((spec.family, frozenset(spec.params.items())), []).append(spec)
+            by_id[spec.id] = i
+            by_stem.setdefault(spec.id.rsplit("/", 1)[0], []).append(i)
             seen = sizes.setdefault(spec.digest, (spec.size, spec.id))
             if seen[0] != spec.size:
                 raise check.fail(
@@ -498,12 +881,8 @@ class Manifest:
                     f"{spec.digest} has size {seen[0]} in kernel {show(seen[1])}, got {spec.size}",
                 )
         check.identities(specs)
-        return cls(
-            raw=raw, digest=Digest.of(raw), source=source, kernels=specs, _by_id=MappingProxyType(by_id),
-            schema=schema, _by_family=MappingProxyType({f: tuple(v) for f, v in by_family.items()}),
-            _by_stem=MappingProxyType({f: tuple(v) for f, v in by_stem.items()}),
-            _by_point=MappingProxyType({f: tuple(v) for f, v in by_point.items()}),
-        )
+        index = _Index(None, specs, by_id, {s: tuple(v) for s, v in by_stem.items()}, {})
+        return cls(raw=raw, digest=Digest.of(raw), source=source, schema=schema, _index=index)
 
     @classmethod
     def from_path(cls, path: str | Path) -> Manifest:
@@ -549,35 +928,48 @@ class Manifest:
 
     # -- queries --------------------------------------------------------------------------------
 
+    @property
+    def kernels(self) -> tuple[KernelSpec, ...]:
+        """Every kernel, in manifest order (built on first access: a lookup never needs them all)."""
+        return self._index.all()
+
     def __iter__(self) -> Iterator[KernelSpec]:
         return iter(self.kernels)
 
     def __len__(self) -> int:
-        return len(self.kernels)
+        return len(self._index)
 
     @property
     def archs(self) -> tuple[str, ...]:
         """Distinct archs, sorted."""
-        return tuple(sorted({k.arch for k in self.kernels}))
+        return self._index.archs()
 
     @property
     def blobs(self) -> tuple[tuple[Digest, int], ...]:
         """The closure: each distinct (digest, size) the kernels need, sorted by digest."""
-        return tuple(sorted({(k.digest, k.size) for k in self.kernels}, key=lambda b: b[0].hex))
+        return self._index.blobs()
+
+    def ids_of(self, digest: Digest) -> tuple[str, ...]:
+        """The ids of the kernels whose CUBIN is ``digest`` (one index for the whole manifest)."""
+        return self._index.ids_of().get(str(digest), ())
+
+    def _families(self) -> str:
+        return ", ".join(sorted(self._index.families()))
 
     def by_id(self, kernel_id: str) -> KernelSpec:
-        try:
-            return self._by_id[kernel_id]
-        except KeyError:
+        i = self._index.by_id.get(kernel_id) if isinstance(kernel_id, str) else None
+        if i is None:
             raise KernelNotFoundError(
                 f"no kernel {show(kernel_id)} in manifest {self.source} ({self.digest}); "
-                f"it has {len(self.kernels)} kernels of families {', '.join(sorted({k.family for k in self.kernels}))}"
+                f"it has {len(self)} kernels of families {self._families()}"
             ) from None
+        return self._index.spec(i)
 
     def find(self, family: str, **params: ParamValue) -> list[KernelSpec]:
         """Kernels of ``family`` whose params include every given ``key=value``, all archs, sorted by id."""
+        spec = self._index.spec
         return sorted(
-            (k for k in self._by_family.get(family, ())
+            (k for k in map(spec, self._index.families().get(family, ()))
              if all(key in k.params and k.params[key] == v for key, v in params.items())),
             key=lambda k: k.id,
         )
@@ -590,26 +982,30 @@ class Manifest:
         ``sm_90`` on 9.0), then the highest minor not above the GPU's.
         """
         cc = _check_cc(compute_capability)
-        point = self._by_point.get((family_or_id, frozenset(params.items()))) if params else None
-        if point is not None:  # a family and all of its params: one dict lookup
-            candidates = list(point)
-        elif family_or_id in self._by_id:
-            candidates = [self._by_id[family_or_id]]
+        index = self._index
+        candidates = index.point(family_or_id, params) if params else None
+        one_point = bool(candidates)  # a family and all of its params: one dict lookup
+        if one_point:
+            pass
+        elif family_or_id in index.by_id:
+            candidates = [index.spec(index.by_id[family_or_id])]
             if params:
                 raise BadArgumentError(f"select({family_or_id!r}): a full kernel id takes no params, got {sorted(params)}")
         else:
-            candidates = list(self._by_stem.get(family_or_id, ()))
+            candidates = [index.spec(i) for i in index.by_stem.get(family_or_id, ())]
             if candidates and params:
                 candidates = [k for k in candidates if all(k.params.get(p) == v for p, v in params.items())]
             elif not candidates:
                 candidates = self.find(family_or_id, **params)
+        assert candidates is not None
         if not candidates:
             asked = family_or_id + "".join(f" {k}={v!r}" for k, v in sorted(params.items()))
             raise KernelNotFoundError(
                 f"no kernel matches {asked} in manifest {self.source} ({self.digest}); "
-                f"families: {', '.join(sorted({k.family for k in self.kernels}))}"
+                f"families: {self._families()}"
             )
-        compatible = [k for k in candidates if arch_compatible(k.arch, cc)]
+        parse = Arch.parse  # cached per arch string
+        compatible = [k for k in candidates if parse(k.arch).runs_on(cc)]
         sm = f"sm_{cc[0]}{cc[1]}"
         if not compatible:
             raise IncompatibleArchError(
@@ -617,14 +1013,16 @@ class Manifest:
                 f"candidates have {', '.join(sorted({k.arch for k in candidates}))}; "
                 f"manifest {self.source} has archs {', '.join(self.archs)}; build the kernels for {sm} or {sm}a"
             )
-        variants = {tuple(sorted(k.params.items())) for k in compatible}
-        if len(variants) > 1:
-            differing = sorted({key for v in variants for key, _ in v if len({dict(w).get(key) for w in variants}) > 1})
-            raise BadArgumentError(
-                f"select({family_or_id!r}) is ambiguous: {len(variants)} parameter sets match; "
-                f"pass {', '.join(differing)}"
-            )
+        if not one_point:  # one point's kernels share their params
+            variants = {tuple(sorted(k.params.items())) for k in compatible}
+            if len(variants) > 1:
+                differing = sorted({key for v in variants for key, _ in v if len({dict(w).get(key) for w in variants}) > 1})
+                raise BadArgumentError(
+                    f"select({family_or_id!r}) is ambiguous: {len(variants)} parameter sets match; "
+                    f"pass {', '.join(differing)}"
+                )
         # The highest minor not above the GPU's, then the most specific (a, then f, then plain).
-        best = max(compatible, key=lambda k: (Arch.parse(k.arch).minor, Arch.parse(k.arch).preference))
+        best = compatible[0] if len(compatible) == 1 else max(
+            compatible, key=lambda k: (parse(k.arch).minor, parse(k.arch).preference))
         _log.debug("selected %s (%s) for compute capability %d.%d", best.id, best.digest, cc[0], cc[1])
         return best
