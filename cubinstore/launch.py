@@ -144,16 +144,26 @@ class Library:
     def __repr__(self) -> str:
         return f"Library({self.manifest.source!r}, {len(self.manifest)} kernels)"
 
-    def kernel(self, id_or_family: str, *, device: Any = None, **params: str | int) -> Kernel:
+    def kernel(self, id_or_family: str, *, device: Any = None, jit: bool | None = None, **params: str | int) -> Kernel:
         """The kernel `id_or_family` (exact id, or family narrowed by `params`) loaded on `device`.
 
         `device` is an ordinal, a `torch.device`, a `cuda.core.Device`, or None for the
         current device. The arch is chosen for that device's compute capability; a CUBIN
         that cannot run there raises `IncompatibleArchError` before the driver sees it.
+
+        A point of a family that the manifest lacks is recorded in the store's warm set and,
+        when the family carries a JIT template and run-time compilation is on (`jit`, default
+        `CUBINSTORE_JIT`), compiled from the release's own sources under a content key; else
+        `KernelNotFoundError` names the nearest points.
         """
         ordinal = _device_ordinal(device)
         cc = _cuda.compute_capability(ordinal)
-        spec = self.manifest.select(id_or_family, cc, **params)
+        try:
+            spec = self.manifest.select(id_or_family, cc, **params)
+        except KernelNotFoundError:
+            if not params or not self.manifest.find(id_or_family):  # not a point of a known family
+                raise
+            spec = self._missing_point(id_or_family, params, cc, jit)
         module = _load(spec, ordinal, cc, self.store)
         functions: dict[str, _Function] = {}
         for symbol in spec.entries:
@@ -161,6 +171,27 @@ class Library:
             _check_function_layout(spec, symbol, fn, ordinal)
             functions[symbol] = fn
         return Kernel(spec, ordinal, functions, module.load_seconds)
+
+
+    def _missing_point(self, family: str, params: dict[str, str | int], cc: tuple[int, int], jit: bool | None) -> KernelSpec:
+        from cubinstore._jitfamily import resolve_miss  # standard library up to the compile
+
+        template = self.manifest.jit_templates.get(family)
+        return resolve_miss(self.manifest, family, params, _jit_arch(family, template, cc), template=template,
+                            store=self.store, jit=jit)
+
+
+def _jit_arch(family: str, template: Any, cc: tuple[int, int]) -> str:
+    """The arch to compile a missing point for: the template's best arch for `cc`, else `sm_<cc>`."""
+    if template is None or not template.archs:
+        return f"sm_{cc[0]}{cc[1]}"
+    runnable = [_abi.Arch.parse(a) for a in template.archs if _abi.Arch.parse(a).runs_on(cc)]
+    if not runnable:
+        raise IncompatibleArchError(
+            f"family {family!r}: its JIT template compiles for {', '.join(template.archs)}, none of which "
+            f"runs on compute capability {cc[0]}.{cc[1]}"
+        )
+    return str(max(runnable, key=lambda a: (a.minor, a.preference)))
 
 
 def _device_ordinal(device: Any) -> int:

@@ -58,6 +58,8 @@ _SCHEMAS = (SCHEMA, SCHEMA_V1)
 PARAM_TYPES = frozenset(_abi.SCALAR_TYPES)
 
 _TOP_KEYS = frozenset({"schema", "kernels"})
+# v2 only, optional: family -> {"jit": <cubinstore/jit-family/v1 template>} for points no release has.
+_FAMILIES_KEY = "families"
 _KERNEL_KEYS = frozenset({"id", "family", "params", "arch", "digest", "size", "entries", "target"})
 _ENTRY_KEYS = frozenset({"name", "params", "offsets", "launch"})
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
@@ -430,6 +432,28 @@ def _upgrade_v1_entries(obj: dict[str, Any]) -> dict[str, Any]:
     except BadArgumentError:
         pass  # left as is: validation names the bad field
     return obj
+
+
+def _jit_templates(check: _Checker, families: object, kernel_families: set[str]) -> dict[str, Any]:
+    """The ``families`` section: each family's JIT template, validated (``cubinstore._jitfamily``)."""
+    if not isinstance(families, dict):
+        raise check.fail(_FAMILIES_KEY, f"expected an object of family -> {{jit}}, got {show(families)}")
+    if not families:
+        return {}
+    from cubinstore._jitfamily import FamilyTemplate  # standard library only; read only when present
+
+    out = {}
+    for family, section in families.items():
+        where = f"{_FAMILIES_KEY}.{family}"
+        if family not in kernel_families:
+            raise check.fail(where, f"names no family of the manifest's kernels ({', '.join(sorted(kernel_families))})")
+        if not isinstance(section, dict) or set(section) != {"jit"}:
+            raise check.fail(where, f"expected {{\"jit\": <template>}}, got {show(section)}")
+        template = FamilyTemplate.from_json(section["jit"], where=f"invalid manifest {check.source}: {where}.jit")
+        if template.family != family:
+            raise check.fail(f"{where}.jit.family", f"expected {show(family)}, got {show(template.family)}")
+        out[family] = template
+    return out
 
 
 def _has_order(candidates: list[set[str]]) -> bool:
@@ -808,6 +832,9 @@ class Manifest:
     source: str
     schema: str = SCHEMA
     _index: _Index = field(default=None, repr=False)  # type: ignore[assignment]
+    #: family -> its JIT template (``cubinstore._jitfamily.FamilyTemplate``), for families that allow
+    #: compiling points the release lacks
+    jit_templates: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -855,10 +882,11 @@ class Manifest:
         check = _Checker(source)
         if not isinstance(doc, dict):
             raise check.fail("top level", f"expected an object, got {type(doc).__name__}")
-        unknown = sorted(set(doc) - _TOP_KEYS)
-        if unknown:
-            raise check.fail("top level", f"unknown key {show(unknown[0])}; allowed keys: kernels, schema")
         schema = doc.get("schema")
+        allowed = _TOP_KEYS | ({_FAMILIES_KEY} if schema == SCHEMA else set())
+        unknown = sorted(set(doc) - allowed)
+        if unknown:
+            raise check.fail("top level", f"unknown key {show(unknown[0])}; allowed keys: {', '.join(sorted(allowed))}")
         if schema not in _SCHEMAS:
             raise check.fail("schema", f"expected {SCHEMA!r} or {SCHEMA_V1!r}, got {show(schema)}")
         check.schema = schema
@@ -881,8 +909,10 @@ class Manifest:
                     f"{spec.digest} has size {seen[0]} in kernel {show(seen[1])}, got {spec.size}",
                 )
         check.identities(specs)
+        templates = _jit_templates(check, doc.get(_FAMILIES_KEY, {}), {s.family for s in specs})
         index = _Index(None, specs, by_id, {s: tuple(v) for s, v in by_stem.items()}, {})
-        return cls(raw=raw, digest=Digest.of(raw), source=source, schema=schema, _index=index)
+        return cls(raw=raw, digest=Digest.of(raw), source=source, schema=schema, _index=index,
+                   jit_templates=MappingProxyType(templates))
 
     @classmethod
     def from_path(cls, path: str | Path) -> Manifest:
@@ -918,13 +948,20 @@ class Manifest:
         return cls.from_path(ref)
 
     @classmethod
-    def build(cls, kernels: Iterable[KernelSpec | Mapping[str, Any]], *, source: str = "<built>") -> Manifest:
+    def build(cls, kernels: Iterable[KernelSpec | Mapping[str, Any]], *, source: str = "<built>",
+              jit_templates: Mapping[str, Any] | None = None) -> Manifest:
         """Canonical manifest of ``kernels`` (specs or JSON objects), validated like any other.
 
         A JSON object's entries may be v1 lists of types: they get the ABI rule's offsets.
+        ``jit_templates`` maps a family to its JIT template (a ``FamilyTemplate`` or its JSON).
         """
         objs = [k.to_json() if isinstance(k, KernelSpec) else _upgrade_v1_entries(dict(k)) for k in kernels]
-        return cls.from_bytes(dumps_canonical({"schema": SCHEMA, "kernels": objs}), source=source)
+        doc: dict[str, Any] = {"schema": SCHEMA, "kernels": objs}
+        if jit_templates:
+            doc[_FAMILIES_KEY] = {
+                family: {"jit": t.to_json() if hasattr(t, "to_json") else dict(t)} for family, t in jit_templates.items()
+            }
+        return cls.from_bytes(dumps_canonical(doc), source=source)
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -946,8 +983,11 @@ class Manifest:
 
     @property
     def blobs(self) -> tuple[tuple[Digest, int], ...]:
-        """The closure: each distinct (digest, size) the kernels need, sorted by digest."""
-        return self._index.blobs()
+        """The closure: each distinct (digest, size) the kernels and JIT templates need, sorted by digest."""
+        if not self.jit_templates:
+            return self._index.blobs()
+        bundles = {(t.bundle, t.bundle_size) for t in self.jit_templates.values()}
+        return tuple(sorted(set(self._index.blobs()) | bundles, key=lambda b: b[0].hex))
 
     def ids_of(self, digest: Digest) -> tuple[str, ...]:
         """The ids of the kernels whose CUBIN is ``digest`` (one index for the whole manifest)."""

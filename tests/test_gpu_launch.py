@@ -50,6 +50,29 @@ def _axpy_manifest(digest: str, size: int, arch: str = "sm_90a", types: list[str
     }])
 
 
+def test_a_missing_point_of_a_family_is_recorded_and_names_the_nearest_points(tmp_path: Path) -> None:
+    # What Library.kernel does when select() misses a point of a known family, with JIT off.
+    from cubinstore import _warmset
+
+    local = LocalStore(tmp_path)
+    lib = launch.open(_axpy_manifest("sha256:" + "ab" * 32, 4096), Store([local]))
+    with pytest.raises(KernelNotFoundError, match=r"^no kernel axpy dtype='f32' vec=8 sm_90 in manifest sha256:[0-9a-f]{64}; nearest: axpy/f32/vec4/sm_90a"):
+        lib._missing_point("axpy", {"dtype": "f32", "vec": 8}, (9, 0), jit=False)
+    (record,) = [r for r in _warmset.records(local) if r.family == "axpy"]
+    assert record.params == {"dtype": "f32", "vec": 8}
+
+
+def test_the_jit_arch_is_the_templates_best_for_the_device() -> None:
+    from types import SimpleNamespace
+
+    template = SimpleNamespace(archs=("sm_80", "sm_90a", "sm_90"))
+    assert launch._jit_arch("g", template, (9, 0)) == "sm_90a"
+    assert launch._jit_arch("g", template, (8, 6)) == "sm_80"
+    assert launch._jit_arch("g", None, (8, 9)) == "sm_89"
+    with pytest.raises(IncompatibleArchError, match=r"^family 'g': its JIT template compiles for sm_80, sm_90a, sm_90, none of which runs on compute capability 10\.0"):
+        launch._jit_arch("g", template, (10, 0))
+
+
 def test_kernel_without_a_gpu_is_a_typed_error_and_open_needs_none(tmp_path: Path) -> None:
     if _cuda.available()[0]:
         pytest.skip("a CUDA device is present; this checks the no-driver path")

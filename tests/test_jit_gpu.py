@@ -22,7 +22,7 @@ from cubinstore._jitfamily import cutlass_include, template_for_sources  # noqa:
 from cubinstore._jitkey import locate_toolkit  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
-from cubinstore.store import LocalStore, MemoryStore, Store  # noqa: E402
+from cubinstore.store import DirectorySource, LocalStore, MemoryStore, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GEMM_FILES = ["kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh"]
@@ -89,3 +89,40 @@ def test_jit_kernel_launches_like_a_manifest_kernel(store: Store) -> None:
     assert torch.equal(x, torch.arange(1000, device="cuda", dtype=torch.float32) * 3.0)
     again = jit.compile(tu, include_dirs=[], arch=None, entries={"scale": ["i32", "f32", "ptr"]}, store=store)
     assert again.compiled is False and again.key == k.key  # arch=None is the device's: sm_90a on an H200
+
+
+def test_a_point_the_release_lacks_compiles_from_the_manifests_own_template(
+        store: Store, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The release's manifest embeds the gemm family's JIT template; its source bundle is a blob
+    # of the build (found here beside the CUBINs, in production in the cache CI filled).
+    import os
+
+    from cubinstore import ops
+
+    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
+    if not path.is_file():
+        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
+    manifest = Manifest.from_path(path)
+    if "gemm" not in manifest.jit_templates:
+        pytest.skip("the manifest's gemm family has no JIT template")
+    assert not manifest.find("gemm", **POINT), "the point must be one the release lacks"
+    build = Store([MemoryStore(1 << 28), LocalStore(tmp_path_factory.mktemp("release") / "home"),
+                   DirectorySource(path.parent), DirectorySource(path.parent, suffix=".sources.json")])
+    lib = cubinstore.open(manifest, build)
+    kernel = lib.kernel("gemm", jit=True, **POINT)
+    assert dict(kernel.spec.params) == POINT and kernel.spec.arch == "sm_90a"
+    with pytest.raises(cubinstore.KernelNotFoundError, match=r"^no kernel gemm bm=128 .* run-time compilation is off"):
+        cubinstore.open(manifest, Store([MemoryStore(1 << 20)])).kernel("gemm", jit=False, bm=128, bn=128, bk=64, stages=3, cluster=1)
+    previous = ops._library
+    ops.set_library(cubinstore.open(Manifest.build([kernel.spec]), build))
+    try:
+        m, n, k = 1000, 776, 520
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        importlib.import_module("cubinstore.ops.gemm").gemm_with(a, b, out=d, kernel_id=kernel.spec.id, splits=1)
+        torch.cuda.synchronize()
+        ref = a.double() @ b.double().T
+        assert (torch.linalg.norm(d.double() - ref) / torch.linalg.norm(ref)).item() < 1e-2
+    finally:
+        ops.set_library(previous)

@@ -453,3 +453,45 @@ def test_deep_copy_of_doc_is_not_shared() -> None:
     m = parse(copy.deepcopy(doc))
     doc["kernels"][0]["params"]["vec"] = 8
     assert m.kernels[0].params["vec"] == 4
+
+
+# -- JIT templates ----------------------------------------------------------------------------------
+
+def _template(family: str = "axpy", **changes: Any) -> dict[str, Any]:
+    doc = {
+        "schema": "cubinstore/jit-family/v1", "family": family, "grid_keys": ["dtype", "vec"],
+        "source": "kernels/axpy/axpy.cu", "bundle": {"digest": "sha256:" + "ef" * 32, "size": 1234},
+        "defines": ["DTYPE_{dtype}", "VEC={vec}"], "copts": [], "includes": [],
+        "entries": {"axpy_{dtype}": ["i32", "{dtype}", "ptr", "ptr"]}, "archs": ["sm_90a"], "package": "kernels/axpy",
+    }
+    doc.update(changes)
+    return doc
+
+
+def test_a_family_jit_template_is_read_and_its_bundle_is_in_the_closure() -> None:
+    m = Manifest.build([good_kernel()], jit_templates={"axpy": _template()})
+    assert set(m.jit_templates) == {"axpy"} and m.jit_templates["axpy"].grid_keys == ("dtype", "vec")
+    assert (Digest("ef" * 32), 1234) in m.blobs and (Digest(HEX), len(DATA)) in m.blobs
+    assert Manifest.from_bytes(m.raw).jit_templates["axpy"] == m.jit_templates["axpy"]
+
+
+@pytest.mark.parametrize("families, message", [
+    ({"gemm": {"jit": _template("gemm")}}, "families.gemm: names no family of the manifest's kernels (axpy)"),
+    ({"axpy": {"jit": _template("gemm")}}, "families.axpy.jit.family: expected 'axpy', got 'gemm'"),
+    ({"axpy": {"aot": 1}}, "families.axpy: expected {\"jit\": <template>}"),
+    ({"axpy": {"jit": _template(bundle={"digest": "sha256:xyz", "size": 1})}}, "families.axpy.jit: bundle.digest: invalid digest"),
+    ([], "families: expected an object of family -> {jit}"),
+])
+def test_malformed_jit_templates_are_rejected_naming_the_field(families: Any, message: str) -> None:
+    doc = {"schema": "cubinstore/manifest/v2", "kernels": [Manifest.build([good_kernel()]).kernels[0].to_json()],
+           "families": families}
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_bytes(dumps_canonical(doc), source="m.json")
+    assert str(info.value).startswith("invalid manifest m.json: " + message), str(info.value)
+
+
+def test_v1_manifests_have_no_families_section() -> None:
+    doc = doc_with()
+    doc["families"] = {}
+    with pytest.raises(ManifestError, match=r"^invalid manifest m\.json: top level: unknown key 'families'; allowed keys: kernels, schema"):
+        parse(doc)

@@ -14,8 +14,8 @@ too:
 - launch geometry is evaluated (integer arithmetic) and its grid rules checked.
 
 Usage: manifest_tool.py SPEC.json OUT.json
-SPEC.json: {"demangler": CMD, "kernels": [{"id", "family", "params", "arch", "entries",
-            "launch", "target", "cubin"}]}
+SPEC.json: {"demangler": CMD, "jit_templates": [PATH], "kernels": [{"id", "family", "params",
+            "arch", "entries", "launch", "target", "cubin"}]}
 """
 
 from __future__ import annotations
@@ -208,8 +208,14 @@ def main(argv: list[str]) -> int:
     with open(argv[1], encoding="utf-8") as f:
         spec = json.load(f)
     kernels = [manifest_entry(k, spec["demangler"]) for k in spec["kernels"]]
+    templates = {}
+    for path in spec.get("jit_templates", []):
+        with open(path, encoding="utf-8") as f:
+            template = json.load(f)
+        templates[template.get("family")] = template
     try:
-        manifest = Manifest.build(kernels, source="the built manifest")  # the runtime's own validation
+        # The runtime's own validation, JIT templates included.
+        manifest = Manifest.build(kernels, source="the built manifest", jit_templates=templates)
     except CubinstoreError as exc:
         raise BuildError(str(exc)) from None
     with open(argv[2], "wb") as f:

@@ -18,6 +18,7 @@ CubinSetInfo = provider(
     doc = "The instantiations of one or more families.",
     fields = {
         "instances": "(list of CubinInfo) every instantiation",
+        "jit_templates": "(list of File) the families' JIT templates (cubinstore/jit-family/v1 JSON)",
     },
 )
 

@@ -1,6 +1,7 @@
 """cubin_instantiations: one cuda_cubin target per point of an instantiation matrix."""
 
 load("//tools/private/rules:cubin_family.bzl", "cubin_family")
+load("//tools/private/rules:cubin_jit_template.bzl", "cubin_jit_template")
 load("//tools/private/rules:cubin_tu.bzl", "cubin_tu")
 load("//tools/private/rules:cuda_cubin.bzl", "cuda_cubin")
 
@@ -82,6 +83,7 @@ def cubin_instantiations(
         copts = [],
         launch = {},
         family = None,
+        jit = False,
         visibility = None):
     """Expands an instantiation matrix into one cuda_cubin per (grid point, arch).
 
@@ -114,6 +116,9 @@ def cubin_instantiations(
         arithmetic over placeholders; `grid` items may also use `args[i]`, `sm_count`,
         `cdiv`, `min` and `max`, evaluated at launch.
       family: family name in the manifest; defaults to `name`.
+      jit: also write the family's JIT template (target `<name>_jit`, a cubin_jit_template of
+        the same sources, defines, copts and entries), which the manifest embeds, so the
+        runtime can compile points the grid lacks. Entries must then be symbols.
       visibility: visibility of the family target.
     """
     if (src_template == None) == (not srcs):
@@ -153,4 +158,21 @@ def cubin_instantiations(
                 launch_json = _launch_for(launch, entries, params),
             )
             instances.append(":" + target)
-    cubin_family(name = name, instances = instances, visibility = visibility)
+    jit_template = None
+    if jit:
+        if any(["{" in h for h in hdrs]):
+            fail("cubin_instantiations '{}': jit = True needs one header set for every point, 'hdrs' has placeholders".format(name))
+        jit_template = ":" + name + "_jit"
+        cubin_jit_template(
+            name = name + "_jit",
+            family = family,
+            grid_keys = _points(grid)[0].keys(),
+            src = src_template if src_template != None else srcs[0],
+            hdrs = hdrs,
+            deps = deps,
+            defines = defines,
+            copts = copts,
+            entries = entries,
+            archs = archs,
+        )
+    cubin_family(name = name, instances = instances, jit_template = jit_template, visibility = visibility)

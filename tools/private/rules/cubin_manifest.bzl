@@ -6,12 +6,15 @@ load("//tools/private/rules:cuda_cubin.bzl", "ACTION_ENV")
 
 def _cubin_manifest_impl(ctx):
     instances = []
+    templates = []
     for family in ctx.attr.families:
         instances.extend(family[CubinSetInfo].instances)
+        templates.extend(family[CubinSetInfo].jit_templates)
     demangler_files = [f for f in ctx.files._demangler if f.basename != "demangler.id"]
     spec = ctx.actions.declare_file(ctx.label.name + ".spec.json")
     ctx.actions.write(spec, json.encode({
         "demangler": demangler_files[0].path if demangler_files else DEMANGLER,
+        "jit_templates": [t.path for t in templates],
         "kernels": [
             {
                 "id": i.id,
@@ -31,7 +34,7 @@ def _cubin_manifest_impl(ctx):
         executable = ctx.executable._tool,
         arguments = [spec.path, manifest.path],
         inputs = depset(
-            [spec] + [i.cubin for i in instances] + ctx.files._demangler,
+            [spec] + [i.cubin for i in instances] + templates + ctx.files._demangler,
             transitive = [ctx.attr._tool[PyToolInfo].srcs],
         ),
         outputs = [manifest],
