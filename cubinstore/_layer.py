@@ -45,6 +45,10 @@ class Layer:
     def write(self, digest: Digest, data: bytes) -> None:
         raise StoreError(f"{self.name} is read only; cannot store {digest}")
 
+    def write_verified(self, digest: Digest, data: bytes) -> None:
+        """``write`` of an immutable ``bytes`` object the Store has just verified (a layer may skip re-hashing)."""
+        self.write(digest, data)
+
     def discard(self, digest: Digest, size: int | None, reason: str) -> None:
         """Called after bytes from ``read`` failed verification (quarantine, drop, or just log)."""
 

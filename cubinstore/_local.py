@@ -7,11 +7,13 @@ Every path below the root is reached through directory descriptors without follo
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -33,6 +35,7 @@ from cubinstore._safedir import (
     fsync_fd,
     new_temp,
     read_at,
+    read_below,
 )
 from cubinstore.errors import CubinstoreError, StoreError
 
@@ -146,8 +149,16 @@ class LocalStore(Layer):
     # -- Layer ----------------------------------------------------------------------------------
 
     def read(self, digest: Digest, size: int | None) -> bytes | None:
+        hex_ = digest.hex
         try:
-            return self.read_file(("cas", digest.hex[:2]), digest.hex, limit_for(size), touch=True)
+            cas = self._fs.held_dir("v1", "cas")  # a hit opens two names, not a walk from the root
+            data = None if cas is None else read_below(cas, hex_[:2], hex_, limit_for(size),
+                                                       path=self.cas_dir / hex_[:2] / hex_, touch=True)
+            if data is None:  # the walk decides: `cas` may not have existed, or been replaced
+                data = self.read_file(("cas", hex_[:2]), hex_, limit_for(size), touch=True)
+                if data is not None:
+                    self._fs.held_dir("v1", "cas", refresh=True)
+            return data
         except NotRegularFile as exc:
             # Never follow a planted symlink; the next write replaces the link itself.
             _log.warning("ignoring %s: %s", self.path_for(digest), exc)
@@ -156,6 +167,10 @@ class LocalStore(Layer):
     def write(self, digest: Digest, data: bytes) -> None:
         """Store verified bytes; re-hashes so nothing unverified can ever land at a final path."""
         verify(data, digest, None, where="the caller of LocalStore.write")
+        self.write_verified(digest, data)
+
+    def write_verified(self, digest: Digest, data: bytes) -> None:
+        """``write`` for the immutable ``bytes`` the Store hashed a moment ago: once per blob is enough."""
         self.write_file(("cas", digest.hex[:2]), digest.hex, data)
         _log.debug("stored %s (%d bytes) in %s", digest, len(data), self.root)
 
@@ -300,8 +315,17 @@ class LocalStore(Layer):
             _log.warning("cannot remove staged file %s: %s", self.v1 / "staging" / name, exc)
 
     # -- persistent counters (for `cubinstore stats`) -------------------------------------------
+    # A hit must not pay a lock and a file rewrite (that was most of a verified load), so counts
+    # gather in memory per store root and are added to stats.json under its lock in batches
+    # (every _FLUSH_EVENTS counts or _FLUSH_SECONDS), when read here, and at exit. Each flush is
+    # a locked read-add-write, so concurrent processes never lose each other's counts.
 
     def read_stats(self) -> dict[str, int]:
+        """The persistent counters, this process's pending counts included."""
+        self.flush_stats()
+        return self._read_stats_file()
+
+    def _read_stats_file(self) -> dict[str, int]:
         counts = dict.fromkeys(STAT_KEYS, 0)
         try:
             data = self.read_file((), "stats.json", 1 << 16)
@@ -323,21 +347,88 @@ class LocalStore(Layer):
         return counts
 
     def add_stats(self, delta: dict[str, int]) -> None:
-        """Add to the persistent counters. Best effort: counting must never make a load fail."""
+        """Add to the counters: in memory now, in stats.json with the next flush. Never fails."""
         if not any(delta.values()):
+            return
+        if _pending.add(self, delta):
+            self.flush_stats()
+
+    def flush_stats(self) -> None:
+        """Add this process's pending counts to stats.json. Best effort: counting must never make a load fail."""
+        delta = _pending.take(self.root)
+        if delta is None:
             return
         try:
             with self.file_lock((), "stats.lock", 5.0, what="stats"):
-                counts = self.read_stats()
+                counts = self._read_stats_file()
                 for key, value in delta.items():
                     counts[key] = counts.get(key, 0) + value
                 self.write_file((), "stats.json", json.dumps(counts, sort_keys=True).encode() + b"\n", durable=False)
         except StoreError as exc:
             _log.warning("cannot update stats in %s: %s", self.stats_path, exc)
+            _pending.put_back(self, delta)
 
     def iter_digests(self) -> Iterator[Digest]:
         entries, _ = self.scan()
         return (e.digest for e in entries)
+
+
+_FLUSH_EVENTS = 1024
+_FLUSH_SECONDS = 10.0
+
+
+class _PendingStats:
+    """Counts of this process not yet in a store's stats.json, per store root."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_root: dict[Path, tuple[LocalStore, dict[str, int], list[float]]] = {}
+        self._registered = False
+
+    def add(self, local: LocalStore, delta: dict[str, int]) -> bool:
+        """Record ``delta``; True when the root's batch is due for a flush."""
+        with self._lock:
+            item = self._by_root.get(local.root)
+            if item is None:
+                item = self._by_root[local.root] = (local, dict.fromkeys(STAT_KEYS, 0), [time.monotonic(), 0])
+                if not self._registered:
+                    atexit.register(self.flush_all)
+                    self._registered = True
+            counts, batch = item[1], item[2]
+            for key, value in delta.items():
+                counts[key] = counts.get(key, 0) + value
+            batch[1] += 1
+            return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
+
+    def take(self, root: Path) -> dict[str, int] | None:
+        with self._lock:
+            item = self._by_root.pop(root, None)
+        return None if item is None or not any(item[1].values()) else item[1]
+
+    def put_back(self, local: LocalStore, delta: dict[str, int]) -> None:
+        with self._lock:
+            item = self._by_root.get(local.root)
+            if item is None:
+                self._by_root[local.root] = (local, dict(delta), [time.monotonic(), 0])
+            else:
+                for key, value in delta.items():
+                    item[1][key] = item[1].get(key, 0) + value
+
+    def flush_all(self) -> None:
+        with self._lock:
+            stores = [item[0] for item in self._by_root.values()]
+        for local in stores:
+            local.flush_stats()
+
+    def forget(self) -> None:
+        """In a forked child: the parent flushes its own counts."""
+        self._lock = threading.Lock()
+        self._by_root = {}
+
+
+_pending = _PendingStats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pending.forget)
 
 
 def _list(fd: int, where: Path) -> list[tuple[str, os.stat_result]]:

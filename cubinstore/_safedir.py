@@ -20,6 +20,8 @@ import logging
 import os
 import secrets
 import stat
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import BinaryIO
 
 from cubinstore.errors import StoreError, UnsafeStoreError
 
-__all__ = ["DIR_MODE", "StoreRoot", "atomic_file_at", "atomic_write_at", "fsync_fd", "read_at"]
+__all__ = ["DIR_MODE", "StoreRoot", "atomic_file_at", "atomic_write_at", "fsync_fd", "read_at", "read_below"]
 
 _log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXE
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _CHUNK = 1 << 20
 TEMP_PREFIX = ".tmp."
+TOUCH_AFTER = 3600.0
 
 
 class NotRegularFile(Exception):
@@ -51,6 +54,26 @@ class StoreRoot:
     def __init__(self, root: Path, *, allow_shared: bool) -> None:
         self.root = root
         self.allow_shared = allow_shared
+        self._held: dict[tuple[str, ...], int] = {}
+        self._held_lock = threading.Lock()
+
+    def held_dir(self, *parts: str, refresh: bool = False) -> int | None:
+        """A descriptor of ``root/parts...`` (opened like ``dir``) kept open for reads.
+
+        Hits then open two names instead of walking from the root. Reads through it need no
+        re-check (every byte is verified); a caller that misses passes ``refresh`` after a
+        fresh walk found the directory replaced. Old descriptors are never closed: another
+        thread may be using one, and a closed number could be reused for another file.
+        """
+        fd = None if refresh else self._held.get(parts)
+        if fd is None:
+            with self._held_lock:
+                fd = None if refresh else self._held.get(parts)
+                if fd is None:
+                    fd = self._open(parts, create=False, check=False)
+                    if fd is not None:
+                        self._held[parts] = fd
+        return fd
 
     @contextmanager
     def dir(self, *parts: str, create: bool = False, check: bool = False) -> Iterator[int | None]:
@@ -144,10 +167,32 @@ class StoreRoot:
             )
 
 
+def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path, touch: bool = False) -> bytes | None:
+    """``read_at`` of ``sub/name`` below ``dir_fd``, ``sub`` opened without following a link.
+
+    None if absent; a symlinked ``sub`` is a miss (logged), like a walk of ``StoreRoot.dir``.
+    """
+    try:
+        fd = os.open(sub, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            _log.warning("ignoring %s: a symlink or not a directory; cubinstore never follows links inside its store",
+                         path.parent)
+            return None
+        raise StoreError(f"cannot open {path.parent}: {exc.strerror or exc}") from exc
+    try:
+        return read_at(fd, name, limit, path=path, touch=touch)
+    finally:
+        os.close(fd)
+
+
 def read_at(dir_fd: int, name: str, limit: int, *, path: Path, touch: bool = False) -> bytes | None:
     """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd``; None if absent.
 
-    A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock).
+    A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock)
+    when it is ``TOUCH_AFTER`` seconds old or more.
     """
     try:
         fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
@@ -166,7 +211,8 @@ def read_at(dir_fd: int, name: str, limit: int, *, path: Path, touch: bool = Fal
 def read_fd(fd: int, limit: int, *, path: Path, touch: bool = False) -> bytes:
     """Read at most ``limit + 1`` bytes from the open regular file ``fd`` (``NotRegularFile`` otherwise)."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{path} is not a regular file")
         chunks: list[bytes] = []
         total = 0
@@ -176,7 +222,8 @@ def read_fd(fd: int, limit: int, *, path: Path, touch: bool = False) -> bytes:
                 break
             chunks.append(chunk)
             total += len(chunk)
-        if touch:
+        # An hour of resolution is plenty for gc's LRU order, and most hits then write nothing.
+        if touch and time.time() - st.st_mtime >= TOUCH_AFTER:
             try:
                 os.utime(fd)
             except OSError as exc:  # a read-only shared store still serves reads

@@ -73,6 +73,9 @@ class Store:
                 raise BadArgumentError(f"Store layers must be Layer instances, got {show(layer)}")
         self.strict = strict
         self.backfill = backfill
+        # Fixed with the layers: the first one that locks, and the local store that keeps the counts.
+        self._lock_at = next((i for i, layer in enumerate(self.layers) if layer.lockable), len(self.layers))
+        self._local = next((layer for layer in self.layers if isinstance(layer, LocalStore)), None)
         self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0, "verification_failures": 0}
         self._counts_lock = threading.Lock()
 
@@ -98,7 +101,7 @@ class Store:
     @property
     def local(self) -> LocalStore | None:
         """The first local directory layer, if any."""
-        return next((layer for layer in self.layers if isinstance(layer, LocalStore)), None)
+        return self._local
 
     @property
     def stats(self) -> StoreStats:
@@ -120,7 +123,7 @@ class Store:
 
         outcomes: list[str] = []
         errors: list[CubinstoreError] = []
-        lock_at = next((i for i, layer in enumerate(self.layers) if layer.lockable), len(self.layers))
+        lock_at = self._lock_at
         found = self._try(digest, size, name, range(min(lock_at + 1, len(self.layers))), outcomes, errors)
         lock = self.layers[lock_at].lock(digest) if found is None and lock_at + 1 < len(self.layers) else None
         if lock is not None:
@@ -165,6 +168,8 @@ class Store:
             if data is None:
                 outcomes.append(f"{layer.name}: miss")
                 continue
+            if type(data) is not bytes:  # verify (and later store) an immutable copy
+                data = bytes(data)
             if not layer.trusted:
                 try:
                     if len(data) > limit_for(size):
@@ -193,7 +198,7 @@ class Store:
             if not layer.writable:
                 continue
             try:
-                layer.write(digest, data)
+                layer.write_verified(digest, data)  # `data` is the immutable bytes verified above
             except StoreError as exc:
                 if self.strict:
                     raise StoreError(f"cannot store {digest}{_for(name)} in {layer.name}: {exc}") from exc
@@ -224,7 +229,7 @@ class Store:
                 self._counts[key] += value
 
     def _persist(self, **delta: int) -> None:
-        local = self.local
+        local = self._local
         if local is not None:
             local.add_stats(delta)
 
