@@ -8,7 +8,9 @@ Nothing here imports CUDA; the GPU side loads lazily.
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from cubinstore._digest import Digest
 from cubinstore.errors import (
@@ -30,10 +32,42 @@ from cubinstore.errors import (
     TrustError,
     UnsafeStoreError,
 )
-from cubinstore.launch import Kernel, Library, open
-from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
-from cubinstore.store import Store, StoreStats
-from cubinstore.tensormap import TensorMap
+
+if TYPE_CHECKING:
+    from cubinstore.launch import Kernel, Library, open
+    from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
+    from cubinstore.store import Store, StoreStats
+    from cubinstore.tensormap import TensorMap
+
+# Imported on first use (PEP 562), so `import cubinstore` costs only the errors and Digest: a
+# process that opens a manifest pays for the manifest, one that never launches never loads
+# the launcher, and HTTP (http.client, ssl, email) comes in only with a remote.
+_LAZY = {
+    "Kernel": "cubinstore.launch",
+    "Library": "cubinstore.launch",
+    "open": "cubinstore.launch",
+    "KernelSpec": "cubinstore.manifest",
+    "Manifest": "cubinstore.manifest",
+    "arch_compatible": "cubinstore.manifest",
+    "parse_arch": "cubinstore.manifest",
+    "Store": "cubinstore.store",
+    "StoreStats": "cubinstore.store",
+    "TensorMap": "cubinstore.tensormap",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cubinstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"
 

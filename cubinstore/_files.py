@@ -6,7 +6,6 @@ import errno
 import logging
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -112,6 +111,8 @@ def atomic_file(path: Path, *, mode: int = 0o644, durable: bool = True) -> Itera
     directory = path.parent
     try:
         directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        import tempfile  # only the few writers outside the store need it; keeps `import cubinstore` small
+
         fd, tmp_name = tempfile.mkstemp(prefix=f".tmp.{path.name}.", dir=directory)
     except OSError as exc:
         raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc

@@ -18,7 +18,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import stat
 import threading
 import time
@@ -253,7 +252,7 @@ def unlink_quiet(dir_fd: int, name: str, path: Path) -> None:
 def new_temp(dir_fd: int, name: str, directory: Path) -> tuple[int, str]:
     """Create a fresh temp file beside ``name`` (mode 0600, never through a link): (fd, its name)."""
     for _ in range(100):
-        tmp = f"{TEMP_PREFIX}{name}.{secrets.token_hex(6)}"
+        tmp = f"{TEMP_PREFIX}{name}.{os.urandom(6).hex()}"  # what secrets.token_hex does, without its imports
         try:
             return os.open(tmp, _TEMP_FLAGS, 0o600, dir_fd=dir_fd), tmp
         except FileExistsError:

@@ -9,15 +9,16 @@ and re-checks before going further, so N processes needing one blob download it 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from cubinstore import _env
 from cubinstore._digest import Digest, show
 from cubinstore._files import verify
-from cubinstore._http import HttpStore, redact
 from cubinstore._layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore._local import LocalStore
 from cubinstore._memory import MemoryStore
@@ -33,6 +34,9 @@ from cubinstore.errors import (
 )
 from cubinstore.manifest import MAX_BLOB_SIZE
 
+if TYPE_CHECKING:
+    from cubinstore._http import HttpStore
+
 __all__ = [
     "DirectorySource",
     "DiskCacheStore",
@@ -46,6 +50,15 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    # http.client pulls in ssl and email: a process with no remote never imports them.
+    if name == "HttpStore":
+        from cubinstore._http import HttpStore
+
+        return HttpStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,8 @@ class Store:
         if disk_cache is not None:
             layers.append(DiskCacheStore(disk_cache))
         remotes = [*extra_remotes, *_env.remotes()]
+        if remotes:
+            from cubinstore._http import HttpStore, redact
         if _env.offline():
             if remotes:
                 _log.debug("CUBINSTORE_OFFLINE is set: not using remotes %s", ", ".join(map(redact, remotes)))
@@ -208,7 +223,8 @@ class Store:
                  errors: list[CubinstoreError]) -> CubinstoreError:
         tried = "; ".join(dict.fromkeys(outcomes)) or "no layers configured"  # the re-check under the lock repeats
         hint = ""
-        if not any(isinstance(layer, HttpStore) for layer in self.layers):
+        http = sys.modules.get("cubinstore._http")  # not imported: no layer can be an HttpStore
+        if http is None or not any(isinstance(layer, http.HttpStore) for layer in self.layers):
             hint = (
                 " (no remote store: CUBINSTORE_OFFLINE is set)" if _env.offline()
                 else " (no remote store configured: set CUBINSTORE_REMOTE or run `cubinstore prefetch --remote URL`)"
