@@ -59,15 +59,17 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
     Blobs are fetched one at a time and streamed into a temp file renamed at the end, so
     memory stays at one blob and a failed pack leaves no partial bundle.
     """
+    from cubinstore._prefetch import without_memory
+
     out = Path(out)
     blobs = manifest.blobs
+    store = without_memory(store)  # each blob is read once: caching its bytes would only copy them
     with atomic_file(out) as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             tar.addfile(_member(MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
             done_bytes = 0
             for i, (digest, size) in enumerate(blobs):
-                names = ", ".join(k.id for k in manifest.kernels if k.digest == digest)
-                data = store.get(digest, size, name=names)
+                data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
                 tar.addfile(_member(f"cas/{digest.hex}", len(data)), io.BytesIO(data))
                 done_bytes += len(data)
                 if progress:
@@ -156,6 +158,7 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
         raise BundleError(f"bundle {path}: its manifest names {declared} bytes of blobs, more than the {_MAX_TOTAL} allowed")
     count = 1
     done = 0
+    seen: set[str] = set()
     while True:
         member = tar.next()
         if member is None:
@@ -169,10 +172,11 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
         hex_ = match.group(1)
         if hex_ not in needed:
             raise BundleError(f"bundle {path}: blob sha256:{hex_} is not referenced by its manifest")
-        if any(d.hex == hex_ for _, d in staged):
+        if hex_ in seen:
             raise BundleError(f"bundle {path}: duplicate member {show(member.name)}")
+        seen.add(hex_)
         digest, size = needed[hex_]
-        ids = ", ".join(k.id for k in manifest.kernels if k.digest == digest)
+        ids = ", ".join(manifest.ids_of(digest))
         if member.size != size:  # checked on the header: nothing read yet
             raise BundleError(f"bundle {path}: blob {digest} ({ids}) has {member.size} bytes, expected {size}")
         handle = tar.extractfile(member)
@@ -197,10 +201,10 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
         done += size
         if progress:
             progress(len(staged), len(needed), done)
-    missing = sorted(set(needed) - {d.hex for _, d in staged})
+    missing = sorted(set(needed) - seen)
     if missing:
         digest = needed[missing[0]][0]
-        raise BundleError(f"bundle {path}: missing blob {digest} ({', '.join(k.id for k in manifest.kernels if k.digest == digest)})")
+        raise BundleError(f"bundle {path}: missing blob {digest} ({', '.join(manifest.ids_of(digest))})")
 
 
 def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
@@ -232,12 +236,13 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
                 raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
         # Everything verified: publish. A failure here leaves only complete, verified entries.
         try:
-            with pins_lock(local) if pin else nullcontext():
+            with pins_lock(local) if pin else nullcontext(), local.batch():  # each shard fsynced once
                 local.write(manifest.digest, manifest.raw)
+                staged.reverse()  # committed from the end: each pop is O(1)
                 while staged:
-                    tmp, digest = staged[0]
+                    tmp, digest = staged[-1]
                     local.commit_staged(tmp, digest)
-                    staged.pop(0)
+                    staged.pop()
                 if pin:
                     pin_manifest(local, manifest, locked=True)
         except StoreError as exc:

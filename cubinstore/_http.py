@@ -13,9 +13,11 @@ import functools
 import http.client
 import io
 import logging
+import os
 import random
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,7 @@ _log = logging.getLogger(__name__)
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _PUT_OK = frozenset({200, 201, 204})
 _CHUNK = 1 << 16
+_MAX_IDLE = 64  # idle keep-alive connections kept per remote (a prefetch runs up to CUBINSTORE_FETCH_JOBS at once)
 
 
 class _Transient(Exception):
@@ -91,7 +94,8 @@ class HttpStore(Layer):
         self._host = parts.hostname
         self._port = port
         self._prefix = parts.path.rstrip("/")
-        self._headers = {"Connection": "close", "User-Agent": "cubinstore"}
+        # HTTP/1.1 keep-alive: one TCP (and TLS) handshake per connection, not per blob.
+        self._headers = {"User-Agent": "cubinstore"}
         if parts.username is not None:
             token = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             self._headers["Authorization"] = "Basic " + base64.b64encode(token).decode("ascii")
@@ -110,6 +114,9 @@ class HttpStore(Layer):
         self.breaker_reset = breaker_reset
         self._down_until = 0.0
         self._down_reason = ""
+        self._idle: list[http.client.HTTPConnection] = []
+        self._idle_lock = threading.Lock()
+        self._idle_pid = os.getpid()
 
     @property
     def name(self) -> str:
@@ -201,6 +208,32 @@ class HttpStore(Layer):
             "to use only the local store"
         )
 
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle keep-alive connection (True) or a new, unconnected one (False)."""
+        with self._idle_lock:
+            if self._idle_pid != os.getpid():  # forked: the parent's sockets are not ours to use
+                self._idle, self._idle_pid = [], os.getpid()
+            conn = self._idle.pop() if self._idle else None
+        return (conn, True) if conn is not None else (self._new_connection(timeout), False)
+
+    def _new_connection(self, timeout: float) -> http.client.HTTPConnection:
+        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return cls(self._host, self._port, timeout=timeout)
+
+    def _keep(self, conn: http.client.HTTPConnection) -> None:
+        with self._idle_lock:
+            if self._idle_pid == os.getpid() and len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle keep-alive connections (they also close when the process exits)."""
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
     def _attempt(
         self, method: str, path: str, body: bytes | None, size: int | None, deadline: float, url: str,
         limit: int | None = None,
@@ -211,17 +244,33 @@ class HttpStore(Layer):
                 raise _NoResponse(f"total deadline of {self.deadline:g}s passed")
             return left
 
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = cls(self._host, self._port, timeout=min(self.connect_timeout, remaining()))
+        conn, reused = self._connection(min(self.connect_timeout, remaining()))
+        try:
+            return self._exchange(conn, method, path, body, size, url, limit, remaining)
+        except _NoResponse:
+            if not reused:
+                raise
+        # The server may close an idle connection at any time (nginx's keepalive_timeout): a
+        # reused one that gave no response is retried once on a new one, not counted as a failure.
+        conn = self._new_connection(min(self.connect_timeout, remaining()))
+        return self._exchange(conn, method, path, body, size, url, limit, remaining)
+
+    def _exchange(
+        self, conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, size: int | None,
+        url: str, limit: int | None, remaining: Callable[[], float],
+    ) -> tuple[int, bytes | None]:
+        """One request on ``conn``; the connection is kept for the next one only after a clean, whole response."""
         # Every receive (status line, headers, body) waits at most the time left, so a server
         # that sends one byte a second cannot stretch the deadline; see _DeadlineReader.
         conn.response_class = functools.partial(_DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
         got_response = False
+        keep = False
         try:
-            try:
-                conn.connect()
-            except (OSError, http.client.HTTPException) as exc:
-                raise _NoResponse(f"cannot connect: {_describe(exc)}") from exc
+            if conn.sock is None:
+                try:
+                    conn.connect()
+                except (OSError, http.client.HTTPException) as exc:
+                    raise _NoResponse(f"cannot connect: {_describe(exc)}") from exc
             sock = conn.sock
             if not isinstance(sock, socket.socket):
                 raise _Transient("connection has no socket after connect")
@@ -236,12 +285,18 @@ class HttpStore(Layer):
                 got_response = True
                 if method != "GET" or resp.status != 200:
                     resp.read(4096)  # a short error page; never an unbounded read
+                    keep = resp.isclosed() and not resp.will_close
                     return resp.status, None
-                return 200, self._read_body(resp, size, url, limit)
+                data = self._read_body(resp, size, url, limit)
+                keep = resp.isclosed() and not resp.will_close  # whole body read, server keeps the connection
+                return 200, data
             except (OSError, http.client.HTTPException) as exc:
                 raise (_Transient if got_response else _NoResponse)(_describe(exc)) from exc
         finally:
-            conn.close()
+            if keep:
+                self._keep(conn)
+            else:
+                conn.close()
 
     def _read_body(self, resp: http.client.HTTPResponse, size: int | None, url: str, limit: int | None = None) -> bytes:
         limit = limit_for(size) if limit is None else limit

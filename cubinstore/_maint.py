@@ -152,7 +152,7 @@ def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] |
         report.checked += 1
         path = local.path_for(digest)
         try:
-            data = local.read_file(("cas", digest.hex[:2]), digest.hex, size if size is not None else MAX_BLOB_SIZE)
+            data = local.read_entry(digest, size if size is not None else MAX_BLOB_SIZE)
             if data is None:
                 report.missing.append(digest)
                 continue

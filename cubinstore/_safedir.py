@@ -264,8 +264,10 @@ def new_temp(dir_fd: int, name: str, directory: Path) -> tuple[int, str]:
 
 @contextmanager
 def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644,
-                   durable: bool = True) -> Iterator[BinaryIO]:
+                   durable: bool = True, sync_dir: bool = True) -> Iterator[BinaryIO]:
     """Stream into a temp file in ``dir_fd``; on a clean exit fsync it and rename it to ``name``.
+
+    ``sync_dir=False``: the caller fsyncs the directory later (once for many renames).
 
     Any exception removes the temp file; an ``OSError`` becomes a ``StoreError`` naming the path
     (an old file at ``name`` is unchanged).
@@ -285,12 +287,12 @@ def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644
         if isinstance(exc, OSError):
             raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from exc
         raise
-    if durable:
+    if durable and sync_dir:
         fsync_fd(dir_fd, directory)
 
 
 def atomic_write_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644,
-                    durable: bool = True) -> None:
+                    durable: bool = True, sync_dir: bool = True) -> None:
     """``atomic_file_at`` for bytes already in memory."""
-    with atomic_file_at(dir_fd, name, directory, mode=mode, durable=durable) as f:
+    with atomic_file_at(dir_fd, name, directory, mode=mode, durable=durable, sync_dir=sync_dir) as f:
         f.write(data)

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn, TextIO
@@ -45,20 +46,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal."""
+    """A one-line progress bar on stderr (blobs, bytes, rate), only when stderr is a terminal."""
 
     def __init__(self, label: str, stream: TextIO | None = None) -> None:
         self.label = label
         self.stream = stream or sys.stderr
         self.enabled = self.stream.isatty()
         self.shown = False
+        self.started = time.monotonic()
+        self.drawn = 0.0
 
     def __call__(self, done: int, total: int, nbytes: int) -> None:
         if not self.enabled or total <= 0:
             return
+        now = time.monotonic()
+        if done < total and now - self.drawn < 0.1:  # at most 10 redraws a second
+            return
+        self.drawn = now
         width = 30
         filled = width * done // total
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {_human(nbytes)}")
+        rate = nbytes / max(now - self.started, 1e-6)
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                          f"{_human(nbytes)} {_human(int(rate))}/s")
         self.stream.flush()
         self.shown = True
 
@@ -92,7 +101,7 @@ def _local() -> LocalStore:
 
 
 def _names(manifest: Manifest, digest: Digest) -> str:
-    return ", ".join(k.id for k in manifest.kernels if k.digest == digest)
+    return ", ".join(manifest.ids_of(digest))  # one index per manifest: linear over the closure
 
 
 def _archs(values: Sequence[str] | None) -> set[str] | None:
@@ -132,6 +141,8 @@ def _load_manifest(ref: str, store: Store | None = None, policy: str | None = No
 # -- commands -------------------------------------------------------------------------------------
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
+    from cubinstore._prefetch import fetch_blobs, without_memory
+
     store = Store.from_env(extra_remotes=args.remote or (), strict=True)
     manifest = _load_manifest(args.manifest, store, args.policy)
     local = store.local
@@ -142,17 +153,14 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
     if archs is not None and not specs:
         raise BadArgumentError(f"--arch {','.join(sorted(archs))}: manifest {manifest.digest} has archs {', '.join(manifest.archs)}")
     blobs = sorted({(k.digest, k.size) for k in specs}, key=lambda b: b[0].hex)
+    store = without_memory(store)
     before = store.stats
-    failures: list[str] = []
     progress = _Progress("prefetch")
-    done_bytes = 0
-    for i, (digest, size) in enumerate(blobs):
-        try:
-            done_bytes += len(store.get(digest, size, name=_names(manifest, digest)))
-        except CubinstoreError as exc:
-            failures.append(str(exc))
-        progress(i + 1, len(blobs), done_bytes)
-    progress.close()
+    try:
+        failures = fetch_blobs(store, blobs, names=lambda d: _names(manifest, d), jobs=_env.fetch_jobs(),
+                               progress=progress)
+    finally:
+        progress.close()
     # Report the per-blob failures first: whatever fails after must not hide which kernels failed.
     for failure in failures:
         _err(failure)
@@ -178,7 +186,9 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 def _cmd_ls(args: argparse.Namespace) -> int:
     manifest = _load_manifest(args.manifest)
     local = _local()
-    rows = [(k.id, k.arch, str(k.size), local.status(k.digest, k.size)) for k in sorted(manifest.kernels, key=lambda k: k.id)]
+    status: dict[Digest, str] = {}  # kernels sharing a CUBIN read it once
+    rows = [(k.id, k.arch, str(k.size), status.get(k.digest) or status.setdefault(k.digest, local.status(k.digest, k.size)))
+            for k in sorted(manifest.kernels, key=lambda k: k.id)]
     header = ("ID", "ARCH", "SIZE", "LOCAL")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     for row in [header, *rows]:

@@ -12,11 +12,11 @@ import copy
 import hashlib
 import json
 import random
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _scale import assert_linear, count_work
 
 from cubinstore import Manifest, ManifestError
 from cubinstore import manifest as manifest_module
@@ -220,31 +220,6 @@ def test_ids_in_another_param_order_and_ambiguous_renderings_agree(monkeypatch: 
 
 # -- linear in N ----------------------------------------------------------------------------------
 
-def count_work(fn: Callable[[], Any]) -> int:
-    """Python calls, C calls and bytecodes ``fn`` runs: what grows with the size of the input."""
-    events = 0
-
-    def trace(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal events
-        frame.f_trace_opcodes = True
-        events += 1
-        return trace
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal events
-        if event == "c_call":
-            events += 1
-
-    sys.settrace(trace)
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.settrace(None)
-        sys.setprofile(None)
-    return events
-
-
 def big_manifest(n: int, families: int = 3) -> bytes:
     kernels = []
     for i in range(n):
@@ -255,12 +230,6 @@ def big_manifest(n: int, families: int = 3) -> bytes:
             "entries": {f"_Zk{i}": {"name": f"ns::k<{i}>", "params": ["u32", "ptr"], "offsets": [0, 8],
                                     "launch": {"block": [128, 1, 1], "shared_mem": 0, "grid": ["cdiv(args[0], 128)"]}}}})
     return manifest_module.dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": kernels})
-
-
-def assert_linear(work: Callable[[int], int], n: int = 400) -> None:
-    """work(2n) / work(n) stays near 2 (a quadratic step gives about 4)."""
-    small, large = work(n), work(2 * n)
-    assert large < 2.6 * small, f"work at {n}: {small}, at {2 * n}: {large} (ratio {large / small:.2f})"
 
 
 def test_open_is_linear_in_the_number_of_kernels() -> None:

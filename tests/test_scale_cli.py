@@ -1,0 +1,214 @@
+"""Commands at scale: linear work in the number of blobs, kept-alive connections, parallel
+downloads that still fetch each blob once, and one fsync per shard directory per batch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _scale import assert_linear, count_work
+
+from cubinstore import Digest, Manifest, Store
+from cubinstore._bundle import pack, unpack
+from cubinstore._maint import gc, verify_store
+from cubinstore._prefetch import fetch_blobs
+from cubinstore.manifest import dumps_canonical
+from cubinstore.store import DiskCacheStore, HttpStore, LocalStore
+
+pytestmark = pytest.mark.usefixtures("clean_env")
+
+
+def release(root: Path, n: int, size: int = 300, shared: int = 1) -> tuple[Manifest, dict[str, bytes]]:
+    """n kernels over n // shared blobs (kernels of several archs may share a CUBIN), in a disk cache at root."""
+    rng = random.Random(n)
+    blobs: dict[str, bytes] = {}
+    kernels = []
+    for i in range(n):
+        data = rng.randbytes(size) + (i // shared).to_bytes(4, "little")
+        hex_ = hashlib.sha256(data).hexdigest()
+        blobs[hex_] = data
+        kernels.append({"id": f"f/p{i}/sm_90a", "family": "f", "params": {"p": i}, "arch": "sm_90a",
+                        "digest": f"sha256:{hex_}", "size": len(data), "target": f"//k:t{i}",
+                        "entries": {"k": {"name": "k", "params": ["ptr"], "offsets": [0]}}})
+    for hex_, data in blobs.items():
+        path = root / "cas" / hex_[:2] / hex_
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return Manifest.from_bytes(dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": kernels})), blobs
+
+
+# -- linear in N ----------------------------------------------------------------------------------
+
+def test_prefetch_is_linear_in_the_closure(tmp_path: Path) -> None:
+    def work(n: int) -> int:
+        manifest, _ = release(tmp_path / f"src{n}", n, shared=2)
+        store = Store([LocalStore(tmp_path / f"home{n}"), DiskCacheStore(tmp_path / f"src{n}")], strict=True)
+        names = lambda d: ", ".join(manifest.ids_of(d))  # noqa: E731 - what the CLI passes
+        return count_work(lambda: fetch_blobs(store, list(manifest.blobs), names=names, jobs=1))
+    assert_linear(work, 300)
+
+
+def test_pack_and_unpack_are_linear_in_the_closure(tmp_path: Path) -> None:
+    def work(n: int) -> int:
+        manifest, _ = release(tmp_path / f"src{n}", n)
+        store = Store([DiskCacheStore(tmp_path / f"src{n}")])
+        bundle = tmp_path / f"b{n}.tar"
+        target = LocalStore(tmp_path / f"home{n}")
+        return count_work(lambda: (pack(manifest, store, bundle), unpack(bundle, target, expect=manifest.digest)))
+    assert_linear(work, 300)
+
+
+def test_verify_ls_and_gc_are_linear_in_the_store(tmp_path: Path) -> None:
+    def work(n: int) -> int:
+        manifest, blobs = release(tmp_path / f"src{n}", n)
+        local = LocalStore(tmp_path / f"home{n}")
+        for hex_, data in blobs.items():
+            local.write(Digest(hex_), data)
+        return count_work(lambda: (verify_store(local), verify_store(local, list(manifest.blobs)),
+                                   [local.status(k.digest, k.size) for k in manifest.kernels], gc(local, 0)))
+    assert_linear(work, 300)
+
+
+# -- HTTP: kept-alive connections -----------------------------------------------------------------
+
+class _CountingServer:
+    """HTTP/1.1 CAS on loopback that counts TCP connections; ``drop_after`` closes each
+    connection silently after that many responses (what an idle timeout does)."""
+
+    def __init__(self, blobs: dict[str, bytes], drop_after: int | None = None) -> None:
+        self.connections = 0
+        self.gets: dict[str, int] = {}
+        lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                self.served = 0
+                with lock:
+                    outer.connections += 1
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                hex_ = self.path.rsplit("/", 1)[-1]
+                with lock:
+                    outer.gets[hex_] = outer.gets.get(hex_, 0) + 1
+                data = blobs.get(hex_)
+                self.send_response(200 if data is not None else 404)
+                self.send_header("Content-Length", str(len(data or b"")))
+                self.end_headers()
+                self.wfile.write(data or b"")
+                self.served += 1
+                if drop_after is not None and self.served >= drop_after:
+                    self.close_connection = True  # no Connection: close header: the client learns on reuse
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def blobs() -> dict[str, bytes]:
+    rng = random.Random(5)
+    out = {}
+    for i in range(40):
+        data = rng.randbytes(2000 + i)
+        out[hashlib.sha256(data).hexdigest()] = data
+    return out
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest, blobs: dict[str, bytes]) -> Iterator[_CountingServer]:
+    srv = _CountingServer(blobs, drop_after=getattr(request, "param", None))
+    yield srv
+    srv.stop()
+
+
+def test_sequential_gets_share_one_connection(server: _CountingServer, blobs: dict[str, bytes]) -> None:
+    remote = HttpStore(server.url)
+    for hex_, data in blobs.items():
+        assert remote.read(Digest(hex_), len(data)) == data
+    assert remote.read(Digest("0" * 64), 10) is None  # a 404 keeps the connection too
+    assert server.connections == 1
+
+
+@pytest.mark.parametrize("server", [1, 3], indirect=True)
+def test_a_connection_the_server_closed_is_replaced_without_using_a_retry(server: _CountingServer,
+                                                                          blobs: dict[str, bytes]) -> None:
+    remote = HttpStore(server.url, retries=0)
+    for hex_, data in blobs.items():
+        assert remote.read(Digest(hex_), len(data)) == data
+    assert all(count == 1 for count in server.gets.values())
+
+
+def test_parallel_prefetch_downloads_each_blob_once_over_few_connections(server: _CountingServer, blobs: dict[str, bytes],
+                                                                         tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home")
+    store = Store([local, HttpStore(server.url)], strict=True)
+    wanted = [(Digest(h), len(d)) for h, d in sorted(blobs.items())]
+    failures = fetch_blobs(store, wanted, names=str, jobs=8)
+    assert failures == []
+    assert server.gets == dict.fromkeys(blobs, 1)
+    assert server.connections <= 8
+    assert all(local.path_for(Digest(h)).read_bytes() == d for h, d in blobs.items())
+    assert list(local.root.rglob(".tmp.*")) == []
+
+
+def test_prefetch_failures_come_back_in_blob_order(server: _CountingServer, blobs: dict[str, bytes], tmp_path: Path) -> None:
+    store = Store([LocalStore(tmp_path / "home"), HttpStore(server.url, retries=0)], strict=True)
+    missing = [Digest(hashlib.sha256(bytes([i])).hexdigest()) for i in range(5)]
+    wanted = sorted([*((d, 1) for d in missing), *((Digest(h), len(d)) for h, d in blobs.items())], key=lambda b: b[0].hex)
+    failures = fetch_blobs(store, wanted, names=lambda d: f"kernel-{d.short}", jobs=4)
+    order = [d for d, _ in wanted if d in missing]
+    assert [f.split(" ", 1)[0] for f in failures] == [str(d) for d in order]
+    assert all(f"kernel-{d.short}" in f for d, f in zip(order, failures))
+
+
+# -- fsync: each file, each directory once per batch ----------------------------------------------
+
+def test_a_batch_fsyncs_every_blob_and_each_shard_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, _ = release(tmp_path / "src", 600)
+    local = LocalStore(tmp_path / "home")
+    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
+    shards = {d.hex[:2] for d, _ in manifest.blobs}
+    assert synced.count("file") == 600
+    assert synced.count("dir") == len(shards) < 600
+
+
+def test_unpack_fsyncs_each_shard_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, _ = release(tmp_path / "src", 400)
+    bundle = tmp_path / "r.tar"
+    pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
+    synced: list[Any] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.isdir(f"/proc/self/fd/{fd}")) or real(fd))
+    target = LocalStore(tmp_path / "home")
+    unpack(bundle, target, expect=manifest.digest)
+    shards = {d.hex[:2] for d, _ in manifest.blobs} | {manifest.digest.hex[:2]}
+    assert synced.count(True) <= len(shards) + 2  # + staging and the manifest's own write
+    assert verify_store(target).ok == 401
