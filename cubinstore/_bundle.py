@@ -191,8 +191,7 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
                 hasher.update(chunk)
                 out.write(chunk)
                 got += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+            out.flush()  # made durable with all the others before any rename (LocalStore.sync_staged)
         if got != size:
             raise BundleError(f"bundle {path}: member {show(member.name)} truncated: {got} of {size} bytes")
         if hasher.hexdigest() != hex_:
@@ -236,6 +235,7 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
                 raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
         # Everything verified: publish. A failure here leaves only complete, verified entries.
         try:
+            local.sync_staged([tmp for tmp, _ in staged])  # every staged byte durable before any rename
             with pins_lock(local) if pin else nullcontext(), local.batch():  # each shard fsynced once
                 local.write(manifest.digest, manifest.raw)
                 staged.reverse()  # committed from the end: each pop is O(1)

@@ -36,6 +36,7 @@ from cubinstore._safedir import (
     new_temp,
     read_at,
     read_below,
+    sync_filesystem,
 )
 from cubinstore.errors import CubinstoreError, StoreError
 
@@ -86,6 +87,8 @@ class LocalStore(Layer):
         self._fs = StoreRoot(self.root, allow_shared=_env.allow_shared_store() if allow_shared is None else allow_shared)
         self._batch_lock = threading.Lock()
         self._batch_depth = 0
+        self._batch_lazy = 0  # open batches that sync the filesystem at their end instead of each file
+        self._batch_unsynced = False
         self._batch_dirs: set[tuple[str, ...]] = set()
 
     @property
@@ -108,30 +111,45 @@ class LocalStore(Layer):
         """Atomically replace ``v1/<parts>/<name>`` with ``data``."""
         with self._batch_lock:
             deferred = durable and self._batch_depth > 0
+            lazy = deferred and self._batch_lazy > 0
             if deferred:
                 self._batch_dirs.add(parts)
+                self._batch_unsynced |= lazy
         with self._fs.dir("v1", *parts, create=True) as fd:
             assert fd is not None  # create=True never yields None
-            atomic_write_at(fd, name, self.v1.joinpath(*parts), data, durable=durable, sync_dir=not deferred)
+            atomic_write_at(fd, name, self.v1.joinpath(*parts), data, durable=durable and not lazy,
+                            sync_dir=not deferred)
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Writes in the body fsync each file, and each directory once when the body ends.
+    def batch(self, *, sync_each: bool = True) -> Iterator[None]:
+        """Many writes, made durable together: each directory is fsynced once when the body ends.
 
-        A rename is atomic either way; what a crash before the directory's fsync can lose is
-        the rename (the entry is then absent, never partial). For prefetch of many blobs:
-        at most 256 shard fsyncs instead of one per blob.
+        ``sync_each`` fsyncs each file before its rename (a power loss can lose a rename, never
+        leave a partial entry). ``sync_each=False`` skips those and syncs the store's filesystem
+        once at the end (``syncfs``): a write costs no disk flush, every entry is durable when
+        the body returns, and a power loss inside the body can leave an entry short at its final
+        path, which every read detects (size, then sha256) and refetches. A killed process
+        loses nothing either way: renames are atomic and the page cache survives it.
         """
         with self._batch_lock:
             self._batch_depth += 1
+            if not sync_each:
+                self._batch_lazy += 1
         try:
             yield
         finally:
             with self._batch_lock:
                 self._batch_depth -= 1
-                dirs = sorted(self._batch_dirs) if self._batch_depth == 0 else []
-                if self._batch_depth == 0:
+                if not sync_each:
+                    self._batch_lazy -= 1
+                last = self._batch_depth == 0
+                dirs = sorted(self._batch_dirs) if last else []
+                lazy = self._batch_unsynced and last
+                if last:
                     self._batch_dirs.clear()
+                    self._batch_unsynced = False
+            if lazy and sync_filesystem(self.root):
+                dirs = []  # syncfs made the directories durable too
             for parts in dirs:
                 with self._fs.dir("v1", *parts) as fd:
                     if fd is not None:
@@ -355,6 +373,20 @@ class LocalStore(Layer):
                     self._batch_dirs.add(("cas", digest.hex[:2]))
             if not deferred:
                 fsync_fd(dst, self.cas_dir / digest.hex[:2])
+
+    def sync_staged(self, names: list[str]) -> None:
+        """Make staged files durable: one filesystem sync, else an fsync of each."""
+        if not names or sync_filesystem(self.root):
+            return
+        with self._fs.dir("v1", "staging", check=True) as dir_fd:
+            if dir_fd is None:
+                return
+            for name in names:
+                fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
     def drop_staged(self, name: str) -> None:
         try:

@@ -33,7 +33,7 @@ def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Cal
     """Get every blob through ``store`` with at most ``jobs`` in flight; the failures, in ``blobs`` order.
 
     ``progress(done, total, bytes)`` is called from this thread after each blob. Writes are
-    batched (``LocalStore.batch``): each file is fsynced, each shard directory once at the end.
+    batched (``LocalStore.batch``): the filesystem is synced once, when every blob is in.
     """
     local = store.local
     failures: dict[int, str] = {}
@@ -43,7 +43,9 @@ def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Cal
     def one(digest: Digest, size: int) -> int:
         return len(store.get(digest, size, name=names(digest)))
 
-    with (local.batch() if local is not None else nullcontext()), ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    # One filesystem sync at the end instead of a flush per blob (see LocalStore.batch).
+    with (local.batch(sync_each=False) if local is not None else nullcontext()), \
+            ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pending: dict[Future[int], int] = {}
         queue = iter(enumerate(blobs))
         try:

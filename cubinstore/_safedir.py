@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -238,6 +239,29 @@ def fsync_fd(fd: int, what: Path) -> None:
         os.fsync(fd)
     except OSError as exc:
         _log.debug("cannot fsync directory %s: %s", what, exc)
+
+
+def sync_filesystem(path: Path) -> bool:
+    """Flush every dirty page and directory entry of the filesystem holding ``path`` (one
+    ``syncfs``; ``os.sync`` where there is none). False if neither could run."""
+    try:
+        fd = os.open(path, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        _log.debug("cannot open %s to sync its filesystem: %s", path, exc)
+        return False
+    try:
+        if sys.platform.startswith("linux"):
+            import ctypes  # only a batch of writes needs it
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if getattr(libc, "syncfs", None) is not None and libc.syncfs(fd) == 0:
+                return True
+        if hasattr(os, "sync"):
+            os.sync()
+            return True
+        return False
+    finally:
+        os.close(fd)
 
 
 def unlink_quiet(dir_fd: int, name: str, path: Path) -> None:

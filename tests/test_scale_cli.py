@@ -182,33 +182,61 @@ def test_prefetch_failures_come_back_in_blob_order(server: _CountingServer, blob
 
 # -- fsync: each file, each directory once per batch ----------------------------------------------
 
-def test_a_batch_fsyncs_every_blob_and_each_shard_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    manifest, _ = release(tmp_path / "src", 600)
-    local = LocalStore(tmp_path / "home")
-    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]]:
+    from cubinstore import _local
+
     synced: list[str] = []
-    real = os.fsync
+    filesystems: list[Path] = []
+    real, real_fs = os.fsync, _local.sync_filesystem
 
     def fsync(fd: int) -> None:
         synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
         real(fd)
 
+    def sync_filesystem(path: Path) -> bool:
+        filesystems.append(path)
+        return real_fs(path)
+
     monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(_local, "sync_filesystem", sync_filesystem)
+    return synced, filesystems
+
+
+def test_prefetch_syncs_the_filesystem_once_instead_of_each_blob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, _ = release(tmp_path / "src", 600)
+    local = LocalStore(tmp_path / "home")
+    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    synced, filesystems = _count_syncs(monkeypatch)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
-    shards = {d.hex[:2] for d, _ in manifest.blobs}
-    assert synced.count("file") == 600
-    assert synced.count("dir") == len(shards) < 600
+    assert filesystems == [local.root] and synced == []
+    assert verify_store(local).ok == 600
 
 
-def test_unpack_fsyncs_each_shard_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_batch_that_syncs_each_blob_fsyncs_each_shard_directory_once(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, blobs = release(tmp_path / "src", 600)
+    local = LocalStore(tmp_path / "home")
+    synced, filesystems = _count_syncs(monkeypatch)
+    with local.batch():
+        for hex_, data in blobs.items():
+            local.write(Digest(hex_), data)
+    shards = {h[:2] for h in blobs}
+    assert filesystems == []
+    assert synced.count("file") == 600 and synced.count("dir") == len(shards) < 600
+
+
+def test_unpack_makes_staged_blobs_durable_with_one_sync_before_any_rename(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, _ = release(tmp_path / "src", 400)
     bundle = tmp_path / "r.tar"
     pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
-    synced: list[Any] = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.isdir(f"/proc/self/fd/{fd}")) or real(fd))
     target = LocalStore(tmp_path / "home")
+    synced, filesystems = _count_syncs(monkeypatch)
+    renamed_after_sync: list[bool] = []
+    real_commit = target.commit_staged
+    monkeypatch.setattr(target, "commit_staged", lambda *a: renamed_after_sync.append(bool(filesystems)) or real_commit(*a))
     unpack(bundle, target, expect=manifest.digest)
     shards = {d.hex[:2] for d, _ in manifest.blobs} | {manifest.digest.hex[:2]}
-    assert synced.count(True) <= len(shards) + 2  # + staging and the manifest's own write
+    assert filesystems == [target.root] and all(renamed_after_sync) and len(renamed_after_sync) == 400
+    assert synced.count("file") <= 1 and synced.count("dir") <= len(shards) + 1  # the manifest's own write
     assert verify_store(target).ok == 401
