@@ -6,6 +6,9 @@
     v1/jit/parts/<2 hex>/<key>.json   the key's parts, written before compiling (so a failed or
                                       killed compile can still be explained)
     v1/jit/trees/<2 hex>/<key>.json   include-tree and toolkit listings (content-addressed)
+    v1/jit/deps/<2 hex>/<key>.json    the files a key's compile included (root label, relative path,
+                                      xxh3) and the shape of each root: what a direct hit checks
+    v1/jit/direct/<2 hex>/<dkey>.json direct key -> the keys compiled under it, newest first
     v1/jit/stat/                      stat fingerprints of trees (a local speed-up, never keyed)
     v1/jit/locks/<2 hex>/<key>.lock   one compile per key across processes
     v1/jit/tmp/<key>.<pid>.<n>/       private compile directories
@@ -44,6 +47,9 @@ _log = logging.getLogger(__name__)
 
 SCHEMA: Final = "cubinstore/jit-index/v1"
 PARTS_SCHEMA: Final = "cubinstore/jit-parts/v1"
+DEPS_SCHEMA: Final = "cubinstore/jit-deps/v1"
+DIRECT_SCHEMA: Final = "cubinstore/jit-direct/v1"
+MAX_CANDIDATES: Final = 8  # keys kept per direct key (the same TU against differing included headers)
 _KEY_RE: Final = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _MAX_ENTRY: Final = 1 << 20
 _STALE_S: Final = 24 * 3600  # no compile runs this long
@@ -151,6 +157,55 @@ class JitIndex:
 
     def parts_keys(self) -> Iterator[str]:
         return self._keys("parts")
+
+    # -- the direct path ------------------------------------------------------------------------
+
+    def put_deps(self, key: str, files: list[tuple[str, str, str]], shapes: Mapping[str, str]) -> None:
+        doc = {"schema": DEPS_SCHEMA, "key": key, "files": [list(f) for f in files], "shapes": dict(shapes)}
+        self.local.write_file(*self._at("deps", check_key(key)), dumps_canonical(doc), durable=False)
+
+    def get_deps(self, key: str) -> tuple[list[tuple[str, str, str]], dict[str, str]] | None:
+        """(files, shapes) recorded for ``key``; None when absent or damaged (the direct path then
+        falls back to the full key)."""
+        raw = self._read("deps", key)
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            if doc.get("schema") != DEPS_SCHEMA or doc.get("key") != key:
+                raise ValueError("schema or key")
+            files = [(str(a), str(b), str(c)) for a, b, c in doc["files"]]
+            shapes = doc["shapes"]
+            if not isinstance(shapes, dict) or not all(isinstance(v, str) for v in shapes.values()):
+                raise ValueError("shapes")
+            return files, {str(k): v for k, v in shapes.items()}
+        except Exception as exc:  # noqa: BLE001 - damaged reads as absent
+            _log.warning("ignoring malformed JIT deps %s: %s", key, exc)
+            return None
+
+    def get_direct(self, dkey: str) -> list[str]:
+        """The keys compiled under direct key ``dkey``, newest first ([] when absent or damaged)."""
+        raw = self._read("direct", dkey)
+        if raw is None:
+            return []
+        try:
+            doc = json.loads(raw)
+            if doc.get("schema") != DIRECT_SCHEMA or doc.get("direct") != dkey:
+                raise ValueError("schema or direct key")
+            return [check_key(k) for k in doc["keys"]][:MAX_CANDIDATES]
+        except Exception as exc:  # noqa: BLE001 - damaged reads as absent
+            _log.warning("ignoring malformed JIT direct entry %s: %s", dkey, exc)
+            return []
+
+    def add_direct(self, dkey: str, key: str) -> None:
+        """Put ``key`` first among ``dkey``'s keys (locked read-modify-write, so concurrent
+        compiles of one TU against different headers keep each other's keys)."""
+        dkey, key = check_key(dkey), check_key(key)
+        with self.local.file_lock(*self._at("locks", dkey, ".direct.lock"), timeout=self.lock_timeout,
+                                  what=f"JIT direct key {dkey}"):
+            keys = [k for k in self.get_direct(dkey) if k != key]
+            doc = {"schema": DIRECT_SCHEMA, "direct": dkey, "keys": [key, *keys][:MAX_CANDIDATES]}
+            self.local.write_file(*self._at("direct", dkey), dumps_canonical(doc), durable=False)
 
     # -- single flight and compile directories --------------------------------------------------
 

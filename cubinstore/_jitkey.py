@@ -47,12 +47,17 @@ __all__ = [
     "JitKey",
     "KeyParts",
     "SCHEME",
+    "Shape",
     "Toolkit",
+    "ToolkitCore",
     "Tree",
     "clear_caches",
     "find_toolkit",
     "host_compiler",
     "make_key",
+    "shape",
+    "toolkit_core",
+    "toolkit_unchanged",
     "tree",
     "xxh3",
 ]
@@ -180,6 +185,7 @@ def clear_caches() -> None:
     with _cache_lock:
         _tree_cache.clear()
         _toolkit_cache.clear()
+        _core_cache.clear()
         _host_cache.clear()
 
 
@@ -196,16 +202,20 @@ class _StatCache:
     def _name(name: str) -> str:
         return xxhash.xxh3_128_hexdigest(name.encode("utf-8", "surrogateescape")) + ".json"
 
-    def get(self, name: str, fingerprint: str) -> dict[str, Any] | None:
+    def read(self, name: str) -> dict[str, Any] | None:
         if self.local is None:
             return None
         try:
-            raw = self.local.read_file(("jit", "stat"), self._name(name), 1 << 20)
+            raw = self.local.read_file(("jit", "stat"), self._name(name), 4 << 20)
             doc = json.loads(raw) if raw else None
         except Exception as exc:  # noqa: BLE001 - a cache, never fatal
             _log.debug("ignoring stat cache entry for %r: %s", name, exc)
             return None
-        if isinstance(doc, dict) and doc.get("fingerprint") == fingerprint:
+        return doc if isinstance(doc, dict) else None
+
+    def get(self, name: str, fingerprint: str) -> dict[str, Any] | None:
+        doc = self.read(name)
+        if doc is not None and doc.get("fingerprint") == fingerprint:
             return doc
         return None
 
@@ -319,6 +329,117 @@ def unchanged(t: Tree) -> bool:
         return False
 
 
+# -- the shape of a tree (the direct key's check) --------------------------------------------------
+
+_SHAPE_TAG: Final = b"cubinstore/jit-shape/v1\0"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Which regular files a directory holds (relative paths, no content): everything the
+    preprocessor's include search and ``__has_include`` can observe besides the bytes of the
+    files it opens. ``key`` is content only; ``probes`` (the root, every directory and every
+    link, relative) and ``fingerprint`` (their stats) are local facts: a name added, removed
+    or retargeted changes the stat of the directory holding it, the check git's untracked
+    cache relies on."""
+
+    key: str
+    probes: tuple[str, ...] = field(repr=False, default=())
+    fingerprint: str = field(default="", compare=False)
+
+
+def _light_walk(root: str, what: str) -> tuple[list[str], list[tuple[str, os.stat_result | None]]]:
+    """The relative paths ``_walk`` lists, in its traversal order (so a directory reached twice
+    is listed under the same first path), statting only directories and links."""
+    files: list[str] = []
+    probes: list[tuple[str, os.stat_result | None]] = []
+    try:
+        st = os.stat(root)
+    except OSError as exc:
+        raise BadArgumentError(f"{what} {root}: cannot read: {exc.strerror or exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise BadArgumentError(f"{what} {root}: not a directory")
+    probes.append(("", st))
+    seen = {(st.st_dev, st.st_ino)}
+    stack = [("", root)]
+    while stack:
+        rel_dir, abs_dir = stack.pop()
+        try:
+            items = list(os.scandir(abs_dir))
+        except OSError as exc:
+            raise BadArgumentError(f"{what} {root}: cannot list {rel_dir or '.'}: {exc.strerror or exc}") from exc
+        for item in items:
+            rel = f"{rel_dir}/{item.name}" if rel_dir else item.name
+            try:
+                link = item.is_symlink()
+                if not link and not item.is_dir(follow_symlinks=False):
+                    if item.is_file(follow_symlinks=False):
+                        files.append(rel)
+                    continue
+                st = item.stat(follow_symlinks=True)
+            except FileNotFoundError:
+                probes.append((rel, None))  # a dangling link: its target may appear later
+                continue
+            except OSError as exc:
+                raise BadArgumentError(f"{what} {root}: cannot stat {rel}: {exc.strerror or exc}") from exc
+            if stat.S_ISDIR(st.st_mode):
+                probes.append((rel, st))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    stack.append((rel, item.path))
+            else:
+                probes.append((rel, st))
+                if stat.S_ISREG(st.st_mode):
+                    files.append(rel)
+    return files, probes
+
+
+def _probe_fingerprint(probes: Iterable[tuple[str, os.stat_result | None]]) -> str:
+    return xxhash.xxh3_128_hexdigest(marshal.dumps(
+        [(rel,) if st is None else (rel, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+         for rel, st in probes]))
+
+
+def stat_probes(root: str, rels: Iterable[str]) -> list[tuple[str, os.stat_result | None]]:
+    """``os.stat`` (links followed) of ``root/rel`` for each ``rel``; None where it is missing."""
+    out: list[tuple[str, os.stat_result | None]] = []
+    for rel in rels:
+        try:
+            out.append((rel, os.stat(f"{root}/{rel}" if rel else root)))
+        except OSError:
+            out.append((rel, None))
+    return out
+
+
+def shape_key(files: Iterable[str]) -> str:
+    return xxh3(_SHAPE_TAG + "\0".join(sorted(files)).encode("utf-8", "surrogateescape"))
+
+
+def shape(root: str, *, local: LocalStore | None = None, what: str = "include root") -> Shape:
+    """The shape of the directory ``root`` (a real path). With ``local``, a fresh process that
+    finds every probe's stat unchanged reuses the key without listing a directory."""
+    stat_cache = _StatCache(local)
+    name = f"shape\0{root}"
+    doc = stat_cache.read(name)
+    if doc is not None:
+        probes = doc.get("probes")
+        key = doc.get("shape")
+        if isinstance(probes, list) and all(isinstance(p, str) for p in probes) and isinstance(key, str):
+            fingerprint = _probe_fingerprint(stat_probes(root, probes))
+            if fingerprint == doc.get("fingerprint"):
+                return Shape(key, tuple(probes), fingerprint)
+    files, found = _light_walk(root, what)
+    result = Shape(shape_key(files), tuple(rel for rel, _ in found), _probe_fingerprint(found))
+    if not _probes_racy(found):
+        stat_cache.put(name, {"fingerprint": result.fingerprint, "shape": result.key, "probes": list(result.probes)})
+    return result
+
+
+def _probes_racy(probes: Iterable[tuple[str, os.stat_result | None]]) -> bool:
+    now = time.time_ns()
+    return any(st is not None and now - max(st.st_mtime_ns, st.st_ctime_ns) < _RACY_NS for _, st in probes)
+
+
 # -- the toolkit ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -329,6 +450,7 @@ class Toolkit:
     source: str  # which search step found it, e.g. "$CUDA_PATH"
     version: str  # e.g. "13.0.88"
     files: Tree  # the files that compile, by relative path
+    fingerprint: str = field(default="", compare=False)  # stat fingerprint of those files when keyed
 
     @property
     def identity(self) -> dict[str, str]:
@@ -377,7 +499,7 @@ def _run_checked(argv: Sequence[str], what: str) -> str:
     return out.stdout
 
 
-def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+def _tool_programs(root: Path) -> list[tuple[str, str, os.stat_result]]:
     files: list[tuple[str, str, os.stat_result]] = []
     for rel in TOOL_FILES:
         path = root / rel
@@ -385,6 +507,11 @@ def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
             files.append((rel, str(path), os.stat(path)))
         except FileNotFoundError:
             continue  # e.g. no fatbinary in a trimmed toolkit: nvcc -cubin does not run it
+    return files
+
+
+def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+    files = _tool_programs(root)
     for sub in TOOL_TREES:
         if (root / sub).is_dir():
             files.extend((f"{sub}/{rel}", path, st) for rel, path, st in _walk(root / sub, "CUDA toolkit"))
@@ -415,10 +542,73 @@ def find_toolkit(*, local: LocalStore | None = None) -> Toolkit:
         store_tree(local, listing)
         if not _is_racy(files):
             stat_cache.put(f"toolkit\0{root}", {"fingerprint": fingerprint, "files": listing.key, "version": version})
-    toolkit = Toolkit(root, source, version, listing)
+    toolkit = Toolkit(root, source, version, listing, fingerprint)
     with _cache_lock:
         _toolkit_cache[str(root)] = toolkit
     return toolkit
+
+
+def toolkit_unchanged(toolkit: Toolkit) -> bool:
+    """Whether the toolkit's files still have the stats they had when ``toolkit`` was keyed."""
+    try:
+        return _fingerprint(_toolkit_files(toolkit.root)) == toolkit.fingerprint
+    except (BadArgumentError, OSError):
+        return False
+
+
+@dataclass(frozen=True)
+class ToolkitCore:
+    """The toolkit's programs (nvcc, its profile, cudafe++, cicc, ptxas, fatbinary) and libdevice:
+    what the direct key holds instead of the whole include tree, whose files the direct check
+    covers one by one (the headers the TU included) and by shape (the rest)."""
+
+    root: Path  # resolved; never keyed
+    version: str
+    binaries: str  # xxh3 of the listing of those files
+
+    @property
+    def identity(self) -> dict[str, str]:
+        return {"version": self.version, "binaries": self.binaries}
+
+
+_core_cache: dict[str, ToolkitCore] = {}
+
+
+def _core_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+    files = _tool_programs(root)
+    lib = root / "nvvm" / "libdevice"
+    if lib.is_dir():
+        files.extend((f"nvvm/libdevice/{rel}", path, st) for rel, path, st in _walk(lib, "CUDA toolkit"))
+    files.sort(key=lambda t: t[0])
+    return files
+
+
+def toolkit_core(*, local: LocalStore | None = None) -> ToolkitCore:
+    """The toolkit's programs and their identity, once per process (and per machine with ``local``)."""
+    root, _ = locate_toolkit()
+    with _cache_lock:
+        hit = _core_cache.get(str(root))
+    if hit is not None:
+        return hit
+    files = _core_files(root)
+    fingerprint = _fingerprint(files)
+    stat_cache = _StatCache(local)
+    doc = stat_cache.get(f"toolkit-core\0{root}", fingerprint)
+    version = doc.get("version") if doc is not None else None
+    binaries = doc.get("binaries") if doc is not None else None
+    if not (isinstance(version, str) and version and isinstance(binaries, str) and _TREE_KEY_RE.fullmatch(binaries)):
+        out = _run_checked([str(root / "bin" / "nvcc"), "--version"], "CUDA toolkit")
+        match = _VERSION_RE.search(out)
+        if match is None:
+            raise BadArgumentError(f"CUDA toolkit: cannot read a version from `nvcc --version`: {out.strip()[-200:]}")
+        version = match.group(1)
+        binaries = _tree_from_files(files, "xxh3").key
+        if not _is_racy(files):
+            stat_cache.put(f"toolkit-core\0{root}", {"fingerprint": fingerprint, "binaries": binaries, "version": version})
+    core = ToolkitCore(root, version, binaries)
+    with _cache_lock:
+        _core_cache[str(root)] = core
+    return core
 
 
 # -- the host compiler ----------------------------------------------------------------------------
@@ -530,12 +720,13 @@ def _option_of(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def normalize_flags(flags: Sequence[str], *, local: LocalStore | None) -> Flags:
+def normalize_flags(flags: Sequence[str], *, local: LocalStore | None, key_dirs: bool = True) -> Flags:
     """Check the caller's flags and replace every absolute path by the content key of what it names.
 
     Raises ``BadArgumentError`` naming the flag for a reserved option (the JIT sets it), a
     relative path (it would be resolved against a temp directory) or an absolute path
-    anywhere the JIT cannot key it.
+    anywhere the JIT cannot key it. ``key_dirs=False`` (the direct key) leaves directories
+    unhashed: their marker is ``{dir}`` and their content is checked file by file instead.
     """
     if isinstance(flags, (str, bytes)):
         raise BadArgumentError(f"flags: expected a sequence of strings, got the single string {show(flags)}")
@@ -568,7 +759,11 @@ def normalize_flags(flags: Sequence[str], *, local: LocalStore | None) -> Flags:
                 )
             is_dir = opt in _DIR_OPTIONS
             named: Tree | None = None
-            if is_dir:
+            if is_dir and not key_dirs:
+                if not os.path.isdir(value):
+                    raise BadArgumentError(f"flag {opt} {value}: not a directory")
+                key = ""
+            elif is_dir:
                 named = tree(value, local=local, what=f"flag {opt}")
                 key = named.key
             else:
@@ -577,7 +772,7 @@ def normalize_flags(flags: Sequence[str], *, local: LocalStore | None) -> Flags:
                 key = _hash_file(value, xxh3)
             paths.append(FlagPath(opt, value, is_dir, key, named))
             rel = f"flagpath/{len(paths) - 1}"
-            marker = "{tree:" + key + "}" if is_dir else "{file:" + key + "}"
+            marker = ("{tree:" + key + "}" if key else "{dir}") if is_dir else "{file:" + key + "}"
             if spelled:
                 keyed.extend([opt, marker])
                 command.extend([opt, rel])

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 from cubinstore import _env
 from cubinstore._abi import Arch, CubinImage, module_anchor, param_layout, param_type
 from cubinstore._digest import Digest, show
+from cubinstore._jitdirect import DEPS_NAME, DirectRequest, hash_deps, lookup, parse_deps, record, remember, shapes_of
 from cubinstore._jitindex import IndexEntry, JitIndex
 from cubinstore._jitkey import (
     ACTION_ENV,
@@ -47,6 +48,7 @@ from cubinstore._jitkey import (
     key_parts,
     make_key,
     normalize_flags,
+    toolkit_unchanged,
     tree,
     unchanged,
     xxh3,
@@ -162,11 +164,11 @@ def _local_store(store: Store) -> Any:
     return local
 
 
-class _Request:
-    """One call's inputs, resolved: text, trees, flags, toolkit, host, arch, and the key."""
+class _Inputs:
+    """One call's inputs, checked: the TU text, the arch, the include roots (absolute)."""
 
     def __init__(self, source: str | os.PathLike[str], include_dirs: Sequence[str | os.PathLike[str]],
-                 flags: Sequence[str], arch: str | Arch | None, local: Any) -> None:
+                 arch: str | Arch | None) -> None:
         if isinstance(include_dirs, (str, bytes, os.PathLike)):
             raise BadArgumentError(f"include_dirs: expected a list of directories, got the single value {show(include_dirs)}")
         self.text = _read_source(source)
@@ -175,6 +177,15 @@ class _Request:
         for d in self.include_dirs:
             if not os.path.isabs(d):
                 raise BadArgumentError(f"include_dirs: {show(d)} is relative; pass the absolute path of the installed tree")
+
+
+class _Request:
+    """One call's inputs, resolved: text, trees, flags, toolkit, host, arch, and the full key."""
+
+    def __init__(self, inputs: _Inputs, flags: Sequence[str], local: Any) -> None:
+        self.text = inputs.text
+        self.arch = inputs.arch
+        self.include_dirs = inputs.include_dirs
         self.trees = [tree(d, local=local) for d in self.include_dirs]
         self.flags: Flags = normalize_flags(flags, local=local)
         self.toolkit: Toolkit = find_toolkit(local=local)
@@ -186,7 +197,7 @@ def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathL
         arch: str | Arch | None = None, store: Store | None = None) -> JitKey:
     """The key ``compile`` would use, with its parts; compiles nothing."""
     store = store if store is not None else _default_store()
-    return _Request(source, include_dirs, flags, arch, _local_store(store)).key
+    return _Request(_Inputs(source, include_dirs, arch), flags, _local_store(store)).key
 
 
 _default: tuple[tuple[Any, ...], Store] | None = None
@@ -234,11 +245,21 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     index = JitIndex(local, _env.lock_timeout())
     if entries is not None:
         entries = _check_entries(entries)
-    req = _Request(source, include_dirs, flags, arch, local)
+    inputs = _Inputs(source, include_dirs, arch)
+    # The direct key first: only the files this TU included are checked (``_jitdirect``).
+    dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local)
+    known = _direct_hit(index, store, dreq)
+    if known is not None:
+        k, found = known
+        _log.debug("JIT %s: direct hit, %s", k, found.digest)
+        _check_declared(found.kernels, entries, k, None, None)
+        return JitKernel(k, found, entries, False, store, 0.0)
+    req = _Request(inputs, flags, local)
     k = req.key
     found = _hit(index, store, k)
     if found is not None:
         _log.debug("JIT %s: index hit, %s", k, found.digest)
+        remember(index, dreq, k.hex)
         _check_declared(found.kernels, entries, k, None, None)
         return JitKernel(k, found, entries, False, store, 0.0)
     if not (_env.jit() if jit is None else jit):
@@ -252,11 +273,12 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         # Another process may have compiled it while we waited for the lock.
         found = _hit(index, store, k)
         if found is not None:
+            remember(index, dreq, k.hex)
             _check_declared(found.kernels, entries, k, None, None)
             return JitKernel(k, found, entries, False, store, 0.0)
         index.put_parts(k.hex, k.parts)
         started = time.perf_counter()
-        data = _compile(req, index)
+        data, deps = _compile(req, index, dreq)
         seconds = time.perf_counter() - started
         image = CubinImage(data, f"JIT kernel {k}")
         kernels = tuple(sorted(image.kernels))
@@ -264,8 +286,11 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         digest = Digest.of(data)
         local.write(digest, data)
         found = IndexEntry(k.hex, digest, len(data), str(req.arch), kernels)
-        # Last: an index entry exists only once its CUBIN is in the CAS.
+        # An index entry exists only once its CUBIN is in the CAS; the direct entry only once
+        # the index entry does.
         index.put(found)
+        if deps is not None:
+            record(index, dreq, k.hex, *deps)
     _log.info("JIT %s: compiled %s in %.2f s (%d bytes, %s)", k, req.arch, seconds, len(data), digest.short)
     _record(local, k, req.arch, digest, family, params)
     return JitKernel(k, found, entries, True, store, seconds)
@@ -275,6 +300,19 @@ def _named(family: str | None, params: Mapping[str, Any] | None) -> str:
     if family is None:
         return ""
     return f", family {family}" + "".join(f" {k}={v!r}" for k, v in (params or {}).items())
+
+
+def _direct_hit(index: JitIndex, store: Store, dreq: DirectRequest) -> tuple[JitKey, IndexEntry] | None:
+    hex_ = lookup(dreq, index)
+    if hex_ is None:
+        return None
+    parts = index.get_parts(hex_)
+    # The parts must still make the key (a damaged file reads as a miss, never as another key).
+    if parts is None or make_key(parts).hex != hex_:
+        return None
+    k = JitKey(hex_, parts)
+    found = _hit(index, store, k)
+    return None if found is None else (k, found)
 
 
 def _hit(index: JitIndex, store: Store, k: JitKey) -> IndexEntry | None:
@@ -307,8 +345,9 @@ def command(req: _Request) -> list[str]:
     """nvcc's argv, relative to the compile directory: the Bazel rule's shape (cuda_cubin.bzl)."""
     argv = ["cuda/bin/nvcc", "-cubin", f"-arch={req.arch}", "-ccbin", req.host.name, *req.flags.command, "-I."]
     argv += [f"-Iinc/{i}" for i in range(len(req.include_dirs))]
+    # -MD: the files the TU read, for the direct key (it does not change the CUBIN's bytes).
     argv += ["-include", ANCHOR_NAME, "-Xcicc", "--orig_src_path_name", "-Xcicc", SOURCE_NAME,
-             "-o", OUTPUT_NAME, SOURCE_NAME]
+             "-MD", "-MF", DEPS_NAME, "-o", OUTPUT_NAME, SOURCE_NAME]
     return argv
 
 
@@ -327,7 +366,8 @@ def _lay_out(req: _Request, work: Path) -> None:
     (work / "tmp").mkdir()
 
 
-def _compile(req: _Request, index: JitIndex) -> bytes:
+def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes, tuple[Any, Any] | None]:
+    """The CUBIN's bytes, and what the direct entry records (None: write none)."""
     work = index.compile_dir(req.key.hex, 0)
     try:
         try:
@@ -338,15 +378,39 @@ def _compile(req: _Request, index: JitIndex) -> bytes:
         result = _run_nvcc(argv, work)
         if result.returncode != 0:
             raise JitCompileError(_failure(req, argv, result))
+        # Read before the check below: the trees are then known to be what nvcc read and the key hashed.
+        deps = _direct_deps(req, dreq, work, index)
         _check_unchanged(req)
+        if deps is not None and not toolkit_unchanged(req.toolkit):
+            _log.warning("JIT %s: the CUDA toolkit changed while compiling; no direct entry written", req.key)
+            deps = None
         try:
-            return (work / OUTPUT_NAME).read_bytes()
+            return (work / OUTPUT_NAME).read_bytes(), deps
         except OSError as exc:
             raise JitCompileError(
                 f"nvcc exited 0 for JIT {req.key} but wrote no {OUTPUT_NAME}: {shlex.join(argv)}\n{result.stderr}"
             ) from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex) -> tuple[Any, Any] | None:
+    try:
+        text = (work / DEPS_NAME).read_text(encoding="utf-8", errors="surrogateescape")
+    except OSError as exc:
+        _log.warning("JIT %s: nvcc wrote no dependency list (%s); no direct entry", req.key, exc)
+        return None
+    skip = [SOURCE_NAME, ANCHOR_NAME, *(f"flagpath/{i}" for i, fp in enumerate(req.flags.paths) if not fp.is_dir)]
+    placed = parse_deps(text, dreq.roots, skip, work)
+    files = hash_deps(placed, dreq.roots) if placed is not None else None
+    if files is None:
+        _log.info("JIT %s: a dependency outside the known roots; no direct entry (the full key finds it)", req.key)
+        return None
+    try:
+        return files, shapes_of(dreq.roots, index.local)
+    except CubinstoreError as exc:
+        _log.warning("JIT %s: cannot read the shape of its roots (%s); no direct entry", req.key, exc)
+        return None
 
 
 def _hash_file(path: str) -> str:

@@ -1,0 +1,350 @@
+"""The direct key: a warm JIT hit that checks the files the TU included, not every file it could reach.
+
+The full key (``_jitkey``) hashes every file under each include root and the toolkit's whole
+include tree; a fresh process must at least stat all of them (~2,700 for CUTLASS + CUDA).
+After a compile, nvcc's dependency list (``-MD``) says which files the TU actually read, so
+``v1/jit/deps/<key>.json`` records them as (root label, relative path, xxh3) beside the shape
+(the set of file names, ``_jitkey.Shape``) of every root, and ``v1/jit/direct/<dkey>.json``
+maps the *direct key* to the keys compiled under it. The direct key is xxh3 over what needs
+no walk: the TU text and name, the number of include roots, the flags (directories as
+``{dir}``, files by content), the arch, the toolkit's programs and libdevice
+(``ToolkitCore``) and the host compiler's identity.
+
+A candidate key is taken only when every recorded file has its recorded content and every
+root (the include roots, directory flags, and the toolkit's include tree) has its recorded
+shape. Then the preprocessor resolves every ``#include`` and ``__has_include`` to the same
+files with the same bytes, and the compile, a function of those, gives the CUBIN of that key:
+
+- a changed included header misses (its hash); a changed header the TU does not include hits;
+- a new file anywhere in a root (one that would shadow an include earlier in the search path,
+  or satisfy a ``__has_include``) changes the root's shape and misses;
+- relative paths and content only, so a copied or symlinked tree at another prefix hits.
+
+A fresh process at a known location does not even hash: ``v1/jit/stat/`` keeps, per direct key
+and root locations, the stats of the recorded files and of every directory and link of the
+roots; all equal (none modified within the racy window) means the check passed before on
+these very files. Anything missing, damaged or different falls back to the full key, which
+stays what ``explain`` and ``jit.key`` use. System headers outside the roots and the toolkit
+are covered, as by the full key, by the host compiler's identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import xxhash
+
+from cubinstore._abi import Arch, dumps_canonical
+from cubinstore._jitkey import (
+    Flags,
+    HostCompiler,
+    ToolkitCore,
+    _probe_fingerprint,
+    _probes_racy,
+    _StatCache,
+    host_compiler,
+    normalize_flags,
+    shape,
+    stat_probes,
+    toolkit_core,
+    xxh3,
+)
+from cubinstore.errors import CubinstoreError, StoreError
+
+if TYPE_CHECKING:
+    from cubinstore._jitindex import JitIndex
+    from cubinstore._local import LocalStore
+
+__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "lookup", "parse_deps", "record", "remember"]
+
+_log = logging.getLogger(__name__)
+
+DIRECT_SCHEME: Final = "cubinstore-jit-direct-v1"
+DEPS_NAME: Final = "cubinstore_jit.d"  # nvcc -MF output in the compile directory
+TOOLKIT: Final = "cuda"  # the toolkit's label: deps relative to its root, shape of its include tree
+
+
+@dataclass(frozen=True)
+class Roots:
+    """Where each root label is on this host (never keyed): ``inc/<i>``, ``flagpath/<i>`` for
+    directory flags, and ``cuda``. ``base`` is where recorded paths are opened, ``tree`` the
+    directory whose shape is checked (the same but for the toolkit: its root, its include tree)."""
+
+    labels: tuple[str, ...]
+    base: tuple[str, ...]
+    tree: tuple[str, ...]
+    # The toolkit's real root and that of the nvcc binary it links to: an absolute dependency
+    # in either that is not in ``tree`` cannot be placed (never taken for a system header).
+    homes: tuple[str, ...] = ()
+
+    def index(self, label: str) -> int:
+        return self.labels.index(label)
+
+
+def make_roots(include_dirs: Sequence[str], flags: Flags, toolkit_root: Path) -> Roots:
+    labels, base, tree = [], [], []
+    for i, d in enumerate(include_dirs):
+        real = os.path.realpath(d)
+        labels.append(f"inc/{i}")
+        base.append(real)
+        tree.append(real)
+    for i, fp in enumerate(flags.paths):
+        if fp.is_dir:
+            real = os.path.realpath(fp.path)
+            labels.append(f"flagpath/{i}")
+            base.append(real)
+            tree.append(real)
+    labels.append(TOOLKIT)
+    base.append(str(toolkit_root))
+    tree.append(os.path.realpath(toolkit_root / "include"))
+    homes = {os.path.realpath(toolkit_root), os.path.dirname(os.path.dirname(os.path.realpath(toolkit_root / "bin" / "nvcc")))}
+    return Roots(tuple(labels), tuple(base), tuple(tree), tuple(sorted(homes)))
+
+
+class DirectRequest:
+    """What the direct key covers for one call, computed without walking any tree."""
+
+    def __init__(self, text: str, source_name: str, include_dirs: Sequence[str], flags: Sequence[str], arch: Arch,
+                 local: LocalStore) -> None:
+        self.local = local
+        self.flags: Flags = normalize_flags(flags, local=local, key_dirs=False)
+        self.core: ToolkitCore = toolkit_core(local=local)
+        self.host: HostCompiler = host_compiler(local=local)
+        self.roots = make_roots(include_dirs, self.flags, self.core.root)
+        doc = {
+            "scheme": DIRECT_SCHEME, "source": xxh3(text.encode("utf-8", "surrogateescape")), "source_name": source_name,
+            "includes": len(include_dirs), "flags": list(self.flags.keyed), "arch": str(arch),
+            "toolkit": self.core.identity, "host": {"name": self.host.name, "identity": self.host.identity},
+        }
+        self.key: str = xxhash.xxh3_128_hexdigest(dumps_canonical(doc))
+
+    @property
+    def _stat_name(self) -> str:
+        # The check's result is a local fact about these locations: keyed by them, never shared.
+        return "\0".join(("direct", self.key, *self.roots.base, *self.roots.tree))
+
+
+# -- recording, after a compile ---------------------------------------------------------------------
+
+def _tokens(text: str) -> list[str] | None:
+    """The words of a make rule as gcc writes it (``\\`` newline continues, ``\\ `` is a space,
+    ``$$`` a dollar); None for anything this reader would have to guess at."""
+    text = text.replace("\\\r\n", " ").replace("\\\n", " ")
+    out: list[str] = []
+    word: list[str] = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            if text[i + 1:i + 2] in (" ", "#"):
+                word.append(text[i + 1])
+                i += 2
+                continue
+            return None
+        if c == "$":
+            if text[i + 1:i + 2] != "$":
+                return None
+            word.append("$")
+            i += 2
+            continue
+        if c.isspace():
+            if word:
+                out.append("".join(word))
+                word = []
+        else:
+            word.append(c)
+        i += 1
+    if word:
+        out.append("".join(word))
+    return out
+
+
+def parse_deps(text: str, roots: Roots, skip: Sequence[str], work: Path) -> list[tuple[str, str]] | None:
+    """(label, path relative to the label's base) of each file nvcc read, from its ``-MD`` output.
+
+    Files named in ``skip`` (the TU, the anchor, ``-include`` files: keyed by content), and
+    absolute paths outside every root (system headers: the host compiler's identity) are left
+    out. None when a path cannot be placed: no direct entry is then written, which is always safe.
+    """
+    words = _tokens(text)
+    if words is None:
+        return None
+    try:
+        start = next(i for i, w in enumerate(words) if w.endswith(":")) + 1
+    except StopIteration:
+        return None
+    out: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for word in words[start:]:
+        if word.endswith(":"):
+            return None  # a second rule: not what -MD without -MP writes
+        placed = _place(word, roots, skip, work)
+        if placed is None:
+            return None
+        if placed and placed not in seen:
+            seen.add(placed)
+            out.append(placed)
+    return out
+
+
+def _inside(real: str, top: str) -> bool:
+    return real.startswith(top.rstrip("/") + "/")
+
+
+def _place(path: str, roots: Roots, skip: Sequence[str], work: Path) -> tuple[str, str] | tuple[()] | None:
+    """(label, relative path) of one dependency; () to leave it out; None when it cannot be placed."""
+    while path.startswith("./"):  # found through -I. (the anchor)
+        path = path[2:]
+    if path in skip:
+        return ()
+    if not os.path.isabs(path):
+        head, _, rest = path.partition("/")
+        if head in ("inc", "flagpath"):
+            n, _, rest = rest.partition("/")
+            head = f"{head}/{n}"
+        if head not in roots.labels or not rest or os.path.normpath(rest).startswith(".."):
+            return None
+        # Kept as nvcc spelled it (a later check opens the same spelling under that host's root),
+        # but only if it names the file nvcc read here.
+        i = roots.index(head)
+        real = os.path.realpath(f"{roots.base[i]}/{rest}")
+        if real != os.path.realpath(work / path) or (head == TOOLKIT and not _inside(real, roots.tree[i])):
+            return None  # and a toolkit header must lie in the tree whose shape is checked
+        return (head, rest)
+    # An absolute path (a wrapper nvcc expands its own location): inside a root it is checked
+    # like the others; outside all of them it is a system header, keyed by the host compiler.
+    real = os.path.realpath(path)
+    for label, base, tree in zip(roots.labels, roots.base, roots.tree):
+        if label == TOOLKIT and _inside(real, tree):
+            return (label, "include/" + os.path.relpath(real, tree))
+        if _inside(real, base) or _inside(real, tree):
+            return (label, os.path.relpath(real, base)) if _inside(real, base) else None
+    if any(_inside(real, home) for home in roots.homes):
+        return None
+    return ()
+
+
+def hash_deps(deps: Sequence[tuple[str, str]], roots: Roots) -> list[tuple[str, str, str]] | None:
+    out = []
+    for label, rel in deps:
+        try:
+            with open(f"{roots.base[roots.index(label)]}/{rel}", "rb") as f:
+                out.append((label, rel, xxh3(f.read())))
+        except OSError as exc:
+            _log.debug("direct record: cannot read %s/%s: %s", label, rel, exc)
+            return None
+    return out
+
+
+def shapes_of(roots: Roots, local: LocalStore | None) -> dict[str, Any]:
+    return {label: shape(tree, local=local, what=f"JIT root {label}") for label, tree in zip(roots.labels, roots.tree)}
+
+
+def record(index: JitIndex, dreq: DirectRequest, key: str, files: list[tuple[str, str, str]],
+           shapes: dict[str, Any]) -> None:
+    """After ``key`` is in the index: its deps, then the direct entry, then this host's stat cache.
+
+    Best effort: a failure leaves the full key as the way in."""
+    try:
+        index.put_deps(key, files, {label: s.key for label, s in shapes.items()})
+        index.add_direct(dreq.key, key)
+    except CubinstoreError as exc:
+        _log.warning("JIT xxh3:%s: cannot write its direct entry (the full key still finds it): %s", key, exc)
+        return
+    _remember_stats(dreq, key, files, shapes)
+
+
+def remember(index: JitIndex, dreq: DirectRequest, key: str) -> None:
+    """A full-key hit that the direct path missed (its entry lost, killed or damaged, or written
+    before this path existed): list the key under the direct key again if its deps are kept."""
+    if key in index.get_direct(dreq.key) or index.get_deps(key) is None:
+        return
+    try:
+        index.add_direct(dreq.key, key)
+    except CubinstoreError as exc:
+        _log.debug("cannot re-add JIT xxh3:%s under direct key %s: %s", key, dreq.key, exc)
+
+
+# -- the warm path ------------------------------------------------------------------------------------
+
+def _observed(dreq: DirectRequest, files: Sequence[tuple[int, str]], probes: Sequence[tuple[int, str]]) -> list:
+    roots = dreq.roots
+    seen = []
+    for i, rel in files:
+        seen.extend((f"f{i}:{r}", st) for r, st in stat_probes(roots.base[i], [rel]))
+    for i, rel in probes:
+        seen.extend((f"d{i}:{r}", st) for r, st in stat_probes(roots.tree[i], [rel]))
+    return seen
+
+
+def _remember_stats(dreq: DirectRequest, key: str, files: Sequence[tuple[str, str, str]], shapes: dict[str, Any]) -> None:
+    roots = dreq.roots
+    file_refs = [(roots.index(label), rel) for label, rel, _ in files]
+    probe_refs = [(roots.index(label), rel) for label, s in shapes.items() for rel in s.probes]
+    seen = _observed(dreq, file_refs, probe_refs)
+    if any(st is None for _, st in seen) or _probes_racy(seen):
+        return  # modified too recently to trust a stat: the next process checks content again
+    _StatCache(dreq.local).put(dreq._stat_name, {
+        "fingerprint": _probe_fingerprint(seen), "key": key,
+        "files": [list(r) for r in file_refs], "probes": [list(r) for r in probe_refs]})
+
+
+def _fast(dreq: DirectRequest) -> str | None:
+    doc = _StatCache(dreq.local).read(dreq._stat_name)
+    if doc is None:
+        return None
+    try:
+        files = [(int(i), str(rel)) for i, rel in doc["files"]]
+        probes = [(int(i), str(rel)) for i, rel in doc["probes"]]
+        key = str(doc["key"])
+        if _probe_fingerprint(_observed(dreq, files, probes)) == doc["fingerprint"]:
+            return key
+    except (KeyError, TypeError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check(dreq: DirectRequest, index: JitIndex, key: str) -> bool:
+    """Whether ``key``'s recorded files and shapes are what this call's roots hold now."""
+    recorded = index.get_deps(key)
+    if recorded is None:
+        return False
+    files, shapes = recorded
+    roots = dreq.roots
+    if set(shapes) != set(roots.labels) or any(label not in shapes for label, _, _ in files):
+        return False
+    current = {}
+    for label, tree in zip(roots.labels, roots.tree):
+        try:
+            s = shape(tree, local=dreq.local, what=f"JIT root {label}")
+        except CubinstoreError:
+            return False
+        if s.key != shapes[label]:
+            _log.debug("direct %s: root %s has another shape than xxh3:%s's", dreq.key, label, key)
+            return False
+        current[label] = s
+    now = hash_deps([(label, rel) for label, rel, _ in files], roots)
+    if now is None or now != files:
+        _log.debug("direct %s: an included file differs from xxh3:%s's", dreq.key, key)
+        return False
+    _remember_stats(dreq, key, files, current)
+    return True
+
+
+def lookup(dreq: DirectRequest, index: JitIndex) -> str | None:
+    """The key a compile of this request was stored under, by the direct check; None: use the full key."""
+    try:
+        key = _fast(dreq)
+        if key is not None:
+            return key
+        for key in index.get_direct(dreq.key):
+            if _check(dreq, index, key):
+                return key
+    except (OSError, StoreError) as exc:  # a cache: any trouble means the full key decides
+        _log.debug("direct lookup %s: %s", dreq.key, exc)
+    return None
