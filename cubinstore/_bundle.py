@@ -236,7 +236,8 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
         # Everything verified: publish. A failure here leaves only complete, verified entries.
         try:
             local.sync_staged([tmp for tmp, _ in staged])  # every staged byte durable before any rename
-            with pins_lock(local) if pin else nullcontext(), local.batch():  # each shard fsynced once
+            # The renames: made durable together by one more sync when the batch ends.
+            with pins_lock(local) if pin else nullcontext(), local.batch(sync_each=False):
                 local.write(manifest.digest, manifest.raw)
                 staged.reverse()  # committed from the end: each pop is O(1)
                 while staged:

@@ -371,6 +371,7 @@ class LocalStore(Layer):
                 deferred = self._batch_depth > 0
                 if deferred:
                     self._batch_dirs.add(("cas", digest.hex[:2]))
+                    self._batch_unsynced |= self._batch_lazy > 0
             if not deferred:
                 fsync_fd(dst, self.cas_dir / digest.hex[:2])
 
