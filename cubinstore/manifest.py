@@ -570,7 +570,24 @@ def _entry_ok(types: tuple[Any, ...], offsets: tuple[int, ...], arch: Arch) -> N
         raise _Slow
 
 
-def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index]:
+def _json_tokens(value: Any) -> tuple[int, int]:
+    """(keys, strings starting with ':') anywhere in a parsed JSON value: its share of the key count."""
+    if type(value) is dict:
+        keys, colons = len(value), sum(1 for k in value if k[:1] == ":")
+        for item in value.values():
+            k, c = _json_tokens(item)
+            keys, colons = keys + k, colons + c
+        return keys, colons
+    if type(value) is list:
+        keys = colons = 0
+        for item in value:
+            k, c = _json_tokens(item)
+            keys, colons = keys + k, colons + c
+        return keys, colons
+    return 0, int(type(value) is str and value[:1] == ":")
+
+
+def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]]:
     """Validate a v2 document the quick way and index it; raises _Slow when unsure.
 
     Checks run column by column (one C-level pass each: ``set(map(type, ...))``, one regex over
@@ -582,7 +599,7 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index]:
         doc = json.loads(text, parse_constant=_decline, parse_float=_decline)
     except (ValueError, RecursionError):
         raise _Slow from None
-    if type(doc) is not dict or doc.keys() != _TOP_KEYS or doc["schema"] != SCHEMA:
+    if type(doc) is not dict or not _TOP_KEYS <= doc.keys() <= _TOP_KEYS | {_FAMILIES_KEY} or doc["schema"] != SCHEMA:
         raise _Slow
     kernels = doc["kernels"]
     if type(kernels) is not list or not kernels:
@@ -690,9 +707,15 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index]:
     # a string and no quote is followed by whitespace, so each '":' in the text is a key's
     # closing quote or a string starting with ':' (of the checked strings, only a readable name
     # can). The parsed document has fewer keys than the text exactly when a key was repeated.
-    keys = (2 + len(_KERNEL_KEYS) * n + sum(map(len, params)) + len(bodies) + sum(map(len, bodies))
+    keys = (len(doc) + len(_KERNEL_KEYS) * n + sum(map(len, params)) + len(bodies) + sum(map(len, bodies))
             + sum(map(len, geometries)))
     colons = ("\n" + "\n".join(names)).count("\n:")
+    templates: dict[str, Any] = {}
+    if _FAMILIES_KEY in doc:  # small and free-form: walked whole, checked by the one full checker
+        family_keys, family_colons = _json_tokens(doc[_FAMILIES_KEY])
+        keys += family_keys
+        colons += family_colons
+        templates = _jit_templates(_Checker("<fast path>"), doc[_FAMILIES_KEY], set(first))
     if text.count('":') != keys + colons:
         raise _Slow
 
@@ -701,7 +724,7 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index]:
         by_stem = {}
         for i, stem in enumerate(stems):
             by_stem[stem] = by_stem.get(stem, ()) + (i,)
-    return kernels, _Index(kernels, None, by_id, by_stem, orders)
+    return kernels, _Index(kernels, None, by_id, by_stem, orders), templates
 
 
 def _spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
@@ -857,11 +880,12 @@ class Manifest:
         gc.disable()
         try:
             try:
-                _, index = _fast_index(text)
+                _, index, templates = _fast_index(text)
             except Exception:  # noqa: BLE001 - any doubt: the full checker decides and words the error
                 pass
             else:
-                return cls(raw=raw, digest=Digest.of(raw), source=source, schema=SCHEMA, _index=index)
+                return cls(raw=raw, digest=Digest.of(raw), source=source, schema=SCHEMA, _index=index,
+                           jit_templates=MappingProxyType(templates))
             try:
                 doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
             except _DuplicateKeyError as exc:

@@ -50,7 +50,12 @@ def _doc() -> dict[str, Any]:
                          "axpy2": {"name": "::ns::axpy2", "params": [], "offsets": [],
                                    "launch": {"block": 128, "cluster": [2, 1], "grid": [7, "args[0]"]}}}}
     kernels.append(plain)
-    return {"schema": "cubinstore/manifest/v2", "kernels": kernels}
+    template = {
+        "schema": "cubinstore/jit-family/v1", "family": "axpy", "grid_keys": ["dtype"], "source": "kernels/axpy/axpy.cu",
+        "bundle": {"digest": _digest(77), "size": 1234}, "defines": ["DTYPE_{dtype}"], "copts": [], "includes": [],
+        "entries": {"axpy": ["i32", "f32", "ptr"]}, "archs": ["sm_90"], "package": "kernels/axpy",
+    }
+    return {"schema": "cubinstore/manifest/v2", "kernels": kernels, "families": {"axpy": {"jit": template}}}
 
 
 def _slow_only(monkeypatch: pytest.MonkeyPatch) -> Callable[[bytes], Any]:
@@ -82,7 +87,9 @@ def test_a_canonical_manifest_takes_the_fast_path(monkeypatch: pytest.MonkeyPatc
         raise AssertionError("the full checker ran on a canonical manifest")
 
     monkeypatch.setattr(manifest_module._Checker, "kernel", refuse)
-    m = Manifest.build(_doc()["kernels"])
+    doc = _doc()
+    m = Manifest.build(doc["kernels"], jit_templates={"axpy": doc["families"]["axpy"]["jit"]})
+    assert m.jit_templates["axpy"].family == "axpy" and len(m.blobs) == 8  # 6 CUBINs, axpy, the bundle
     assert len(m) == 10 and m.by_id("axpy/f32/sm_90").entry("::ns::axpy2").launch.cluster == (2, 1, 1)
     assert m.select("gemm", (9, 0), bm=128, dtype="f32", stages=1).id == "gemm/bm128/f32/stages1/sm_90a"
     assert m.select("gemm", (8, 6), bm=64, dtype="bf16", stages=0).arch == "sm_80"
@@ -170,6 +177,8 @@ def test_random_multi_field_mutations_get_the_same_answer(monkeypatch: pytest.Mo
     ('"launch":{', '"block":[1],'),
     ('"launch":{', '"grid":[1],'),
     ('"_Z1k0":{', '"name":"::a",'),   # a repeated key whose value starts with ':'
+    ('"families":{', '"axpy":{"jit":1},'),
+    ('"bundle":{', '"size":1,'),
 ])
 def test_a_repeated_key_anywhere_is_refused_by_both_paths(monkeypatch: pytest.MonkeyPatch, where: str, extra: str) -> None:
     text = _compact(_doc()).decode()
