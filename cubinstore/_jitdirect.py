@@ -31,7 +31,10 @@ are covered, as by the full key, by the host compiler's identity.
 from __future__ import annotations
 
 import logging
+import marshal
 import os
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,16 +44,14 @@ import xxhash
 
 from cubinstore._abi import Arch, dumps_canonical
 from cubinstore._jitkey import (
+    _RACY_NS,
     Flags,
     HostCompiler,
     ToolkitCore,
-    _probe_fingerprint,
-    _probes_racy,
     _StatCache,
     host_compiler,
     normalize_flags,
     shape,
-    stat_probes,
     toolkit_core,
     xxh3,
 )
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
     from cubinstore._jitindex import JitIndex
     from cubinstore._local import LocalStore
 
-__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "lookup", "parse_deps", "record", "remember"]
+__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "parse_deps", "record", "remember"]
 
 _log = logging.getLogger(__name__)
 
@@ -272,25 +273,54 @@ def remember(index: JitIndex, dreq: DirectRequest, key: str) -> None:
 
 # -- the warm path ------------------------------------------------------------------------------------
 
-def _observed(dreq: DirectRequest, files: Sequence[tuple[int, str]], probes: Sequence[tuple[int, str]]) -> list:
+def _paths(dreq: DirectRequest, files: Sequence[tuple[int, str]], probes: Sequence[tuple[int, str]]) -> list[str]:
     roots = dreq.roots
-    seen = []
-    for i, rel in files:
-        seen.extend((f"f{i}:{r}", st) for r, st in stat_probes(roots.base[i], [rel]))
-    for i, rel in probes:
-        seen.extend((f"d{i}:{r}", st) for r, st in stat_probes(roots.tree[i], [rel]))
-    return seen
+    return ([f"{roots.base[i]}/{rel}" for i, rel in files]
+            + [f"{roots.tree[i]}/{rel}" if rel else roots.tree[i] for i, rel in probes])
+
+
+def _stats(paths: Sequence[str]) -> list[tuple[int, ...] | None]:
+    """The stat facts of each path (links followed), None where missing: a tight loop, this is
+    the whole cost of a warm hit."""
+    out: list[tuple[int, ...] | None] = []
+    append = out.append
+    stat_ = os.stat
+    for p in paths:
+        try:
+            st = stat_(p)
+        except OSError:
+            append(None)
+            continue
+        append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return out
+
+
+def _stats_fingerprint(stats: Sequence[tuple[int, ...] | None]) -> str:
+    return xxhash.xxh3_128_hexdigest(marshal.dumps(list(stats)))
+
+
+# In-process memory of checks that passed, like the trees' (``clear_caches`` forgets them).
+_passed: dict[str, str] = {}
+_passed_lock = threading.Lock()
+
+
+def clear() -> None:
+    with _passed_lock:
+        _passed.clear()
 
 
 def _remember_stats(dreq: DirectRequest, key: str, files: Sequence[tuple[str, str, str]], shapes: dict[str, Any]) -> None:
     roots = dreq.roots
     file_refs = [(roots.index(label), rel) for label, rel, _ in files]
     probe_refs = [(roots.index(label), rel) for label, s in shapes.items() for rel in s.probes]
-    seen = _observed(dreq, file_refs, probe_refs)
-    if any(st is None for _, st in seen) or _probes_racy(seen):
-        return  # modified too recently to trust a stat: the next process checks content again
+    stats = _stats(_paths(dreq, file_refs, probe_refs))
+    now = time.time_ns()
+    # Modified too recently to trust a stat (git's racy entries), or gone: the next process
+    # checks content again.
+    if any(st is None or now - max(st[3], st[4]) < _RACY_NS for st in stats):
+        return
     _StatCache(dreq.local).put(dreq._stat_name, {
-        "fingerprint": _probe_fingerprint(seen), "key": key,
+        "fingerprint": _stats_fingerprint(stats), "key": key,
         "files": [list(r) for r in file_refs], "probes": [list(r) for r in probe_refs]})
 
 
@@ -302,7 +332,7 @@ def _fast(dreq: DirectRequest) -> str | None:
         files = [(int(i), str(rel)) for i, rel in doc["files"]]
         probes = [(int(i), str(rel)) for i, rel in doc["probes"]]
         key = str(doc["key"])
-        if _probe_fingerprint(_observed(dreq, files, probes)) == doc["fingerprint"]:
+        if _stats_fingerprint(_stats(_paths(dreq, files, probes))) == doc["fingerprint"]:
             return key
     except (KeyError, TypeError, ValueError, IndexError):
         pass
@@ -338,13 +368,25 @@ def _check(dreq: DirectRequest, index: JitIndex, key: str) -> bool:
 
 def lookup(dreq: DirectRequest, index: JitIndex) -> str | None:
     """The key a compile of this request was stored under, by the direct check; None: use the full key."""
+    name = dreq._stat_name
+    with _passed_lock:
+        known = _passed.get(name)
+    if known is not None:
+        return known
+    found = None
     try:
-        key = _fast(dreq)
-        if key is not None:
-            return key
-        for key in index.get_direct(dreq.key):
-            if _check(dreq, index, key):
-                return key
+        found = _fast(dreq)
+        if found is None:
+            found = next((k for k in index.get_direct(dreq.key) if _check(dreq, index, k)), None)
     except (OSError, StoreError) as exc:  # a cache: any trouble means the full key decides
         _log.debug("direct lookup %s: %s", dreq.key, exc)
-    return None
+    if found is not None:
+        with _passed_lock:
+            _passed[name] = found
+    return found
+
+
+def forget(dreq: DirectRequest) -> None:
+    """Drop this process's memory of a check (its key's CUBIN turned out unreadable)."""
+    with _passed_lock:
+        _passed.pop(dreq._stat_name, None)

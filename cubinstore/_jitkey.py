@@ -181,7 +181,13 @@ _cache_lock = threading.Lock()
 
 
 def clear_caches() -> None:
-    """Forget every tree, toolkit and host identity hashed in this process (files changed under it)."""
+    """Forget every tree, toolkit and host identity hashed in this process (files changed under it),
+    and every direct check that passed."""
+    import sys
+
+    direct = sys.modules.get("cubinstore._jitdirect")
+    if direct is not None:
+        direct.clear()
     with _cache_lock:
         _tree_cache.clear()
         _toolkit_cache.clear()

@@ -34,7 +34,17 @@ from typing import TYPE_CHECKING, Any, Final
 from cubinstore import _env
 from cubinstore._abi import Arch, CubinImage, module_anchor, param_layout, param_type
 from cubinstore._digest import Digest, show
-from cubinstore._jitdirect import DEPS_NAME, DirectRequest, hash_deps, lookup, parse_deps, record, remember, shapes_of
+from cubinstore._jitdirect import (
+    DEPS_NAME,
+    DirectRequest,
+    forget,
+    hash_deps,
+    lookup,
+    parse_deps,
+    record,
+    remember,
+    shapes_of,
+)
 from cubinstore._jitindex import IndexEntry, JitIndex
 from cubinstore._jitkey import (
     ACTION_ENV,
@@ -312,7 +322,10 @@ def _direct_hit(index: JitIndex, store: Store, dreq: DirectRequest) -> tuple[Jit
         return None
     k = JitKey(hex_, parts)
     found = _hit(index, store, k)
-    return None if found is None else (k, found)
+    if found is None:
+        forget(dreq)
+        return None
+    return k, found
 
 
 def _hit(index: JitIndex, store: Store, k: JitKey) -> IndexEntry | None:
