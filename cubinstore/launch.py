@@ -133,6 +133,8 @@ class Library:
         self.manifest = manifest
         self._store = store
         self._store_lock = threading.Lock()
+        # (id_or_family, compute capability, params) -> the spec select() chose: the manifest never changes.
+        self._selected: dict[tuple[Any, ...], KernelSpec] = {}
 
     @property
     def store(self) -> Store:
@@ -157,13 +159,22 @@ class Library:
         `KernelNotFoundError` names the nearest points.
         """
         ordinal = _device_ordinal(device)
-        cc = _cuda.compute_capability(ordinal)
+        cc = _compute_capability(ordinal)
         try:
-            spec = self.manifest.select(id_or_family, cc, **params)
-        except KernelNotFoundError:
-            if not params or not self.manifest.find(id_or_family):  # not a point of a known family
-                raise
-            spec = self._missing_point(id_or_family, params, cc, jit)
+            key: tuple[Any, ...] | None = (id_or_family, cc, *sorted(params.items()))
+            spec = self._selected.get(key)  # type: ignore[arg-type]
+        except TypeError:  # an unhashable value: select() words the error
+            key, spec = None, None
+        if spec is None:
+            try:
+                spec = self.manifest.select(id_or_family, cc, **params)
+            except KernelNotFoundError:
+                if not params or not self.manifest.find(id_or_family):  # not a point of a known family
+                    raise
+                spec = self._missing_point(id_or_family, params, cc, jit)
+            else:
+                if key is not None:
+                    self._selected[key] = spec
         module = _load(spec, ordinal, cc, self.store)
         functions: dict[str, _Function] = {}
         for symbol in spec.entries:
@@ -194,18 +205,52 @@ def _jit_arch(family: str, template: Any, cc: tuple[int, int]) -> str:
     return str(max(runnable, key=lambda a: (a.minor, a.preference)))
 
 
+# Device facts that cannot change in a process, queried once: a Library.kernel() call on a
+# loaded kernel then costs one driver call (the thread's current context), not five.
+_device_count: list[int] = []
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _check_ordinal(ordinal: Any) -> int:
+    if not _device_count:
+        _device_count.append(_cuda.device_count())
+    if type(ordinal) is int and 0 <= ordinal < _device_count[0]:
+        return ordinal
+    return _cuda.check_ordinal(ordinal)  # words the error
+
+
+def _compute_capability(ordinal: int) -> tuple[int, int]:
+    cc = _capabilities.get(ordinal)
+    if cc is None:
+        cc = _capabilities.setdefault(ordinal, _cuda.compute_capability(ordinal))
+    return cc
+
+
+def _current_ordinal() -> int:
+    """The current context's device: a primary context this process retained is known by handle."""
+    drv = _cuda.driver()
+    ctx = _cuda.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    handle = 0 if ctx is None else int(ctx)
+    if handle == 0:
+        return 0
+    for ordinal, primary in list(_cuda._primary.items()):  # retained, so never destroyed or reused
+        if primary == handle:
+            return ordinal
+    return _cuda.current_device()
+
+
 def _device_ordinal(device: Any) -> int:
     if device is None:
-        return _cuda.check_ordinal(_cuda.current_device())
+        return _check_ordinal(_current_ordinal())
     if isinstance(device, bool):
         raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {device!r}")
     if isinstance(device, int):
-        return _cuda.check_ordinal(device)
+        return _check_ordinal(device)
     if isinstance(getattr(device, "device_id", None), int):  # cuda.core.Device
-        return _cuda.check_ordinal(device.device_id)
+        return _check_ordinal(device.device_id)
     if getattr(device, "type", None) == "cuda":  # torch.device
         index = device.index
-        return _cuda.check_ordinal(_cuda.current_device() if index is None else index)
+        return _check_ordinal(_current_ordinal() if index is None else index)
     raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {show(device)}")
 
 
@@ -448,7 +493,7 @@ class Kernel:
             fn.dynamic_smem_limit = shared_mem
 
     def _allow_cluster(self, fn: _Function, entry: str, cluster: tuple[int, int, int]) -> None:
-        major, _ = _cuda.compute_capability(self._device)
+        major, _ = _compute_capability(self._device)
         if major < 9:
             raise BadArgumentError(
                 f"kernel {self._spec.id!r} entry {entry!r}: cluster {cluster} needs compute capability 9.0 "
