@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from cubinstore._jitindex import JitIndex
     from cubinstore._local import LocalStore
 
-__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "parse_deps", "record", "remember"]
+__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "parse_deps", "put_deps", "record", "remember"]
 
 _log = logging.getLogger(__name__)
 
@@ -246,13 +246,20 @@ def shapes_of(roots: Roots, local: LocalStore | None) -> dict[str, Any]:
     return {label: shape(tree, local=local, what=f"JIT root {label}") for label, tree in zip(roots.labels, roots.tree)}
 
 
-def record(index: JitIndex, dreq: DirectRequest, key: str, files: list[tuple[str, str, str]],
-           shapes: dict[str, Any]) -> None:
-    """After ``key`` is in the index: its deps, then the direct entry, then this host's stat cache.
-
-    Best effort: a failure leaves the full key as the way in."""
+def put_deps(index: JitIndex, key: str, files: list[tuple[str, str, str]], shapes: dict[str, Any]) -> None:
+    """What ``key``'s compile read; written before its index entry (best effort)."""
     try:
         index.put_deps(key, files, {label: s.key for label, s in shapes.items()})
+    except CubinstoreError as exc:
+        _log.warning("JIT xxh3:%s: cannot keep its dependency list (the full key still finds it): %s", key, exc)
+
+
+def record(index: JitIndex, dreq: DirectRequest, key: str, files: list[tuple[str, str, str]],
+           shapes: dict[str, Any]) -> None:
+    """After ``key`` is in the index: the direct entry, then this host's stat cache.
+
+    Best effort: a failure leaves the full key as the way in (which lists it again)."""
+    try:
         index.add_direct(dreq.key, key)
     except CubinstoreError as exc:
         _log.warning("JIT xxh3:%s: cannot write its direct entry (the full key still finds it): %s", key, exc)

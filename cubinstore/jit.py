@@ -41,6 +41,7 @@ from cubinstore._jitdirect import (
     hash_deps,
     lookup,
     parse_deps,
+    put_deps,
     record,
     remember,
     shapes_of,
@@ -95,7 +96,7 @@ class JitKernel:
     """The result of ``compile``: a CUBIN in the store, launchable like ``Library.kernel``'s ``Kernel``."""
 
     def __init__(self, key: JitKey, entry: IndexEntry, entries: Mapping[str, Sequence[str]] | None,
-                 compiled: bool, store: Store, compile_seconds: float) -> None:
+                 compiled: bool, store: Store, compile_seconds: float, found_by: str = "compile") -> None:
         self.key = key
         self.digest: Digest = entry.digest
         self.size = entry.size
@@ -104,6 +105,8 @@ class JitKernel:
         self.entries: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in (entries or {}).items()}
         self.compiled = compiled  # this call ran nvcc (False: an index hit, or another process compiled it)
         self.compile_seconds = compile_seconds
+        # "direct": the included files checked (``_jitdirect``); "key": the full key; "compile": nvcc ran.
+        self.found_by = found_by
         self._store = store
         self._library: Library | None = None
         self._lock = threading.Lock()
@@ -263,7 +266,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         k, found = known
         _log.debug("JIT %s: direct hit, %s", k, found.digest)
         _check_declared(found.kernels, entries, k, None, None)
-        return JitKernel(k, found, entries, False, store, 0.0)
+        return JitKernel(k, found, entries, False, store, 0.0, "direct")
     req = _Request(inputs, flags, local)
     k = req.key
     found = _hit(index, store, k)
@@ -271,7 +274,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         _log.debug("JIT %s: index hit, %s", k, found.digest)
         remember(index, dreq, k.hex)
         _check_declared(found.kernels, entries, k, None, None)
-        return JitKernel(k, found, entries, False, store, 0.0)
+        return JitKernel(k, found, entries, False, store, 0.0, "key")
     if not (_env.jit() if jit is None else jit):
         index.put_parts(k.hex, k.parts)  # so `cubinstore explain` can say why it missed
         _record(local, k, req.arch, None, family, params, kind="miss")  # so CI can build it ahead
@@ -285,7 +288,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         if found is not None:
             remember(index, dreq, k.hex)
             _check_declared(found.kernels, entries, k, None, None)
-            return JitKernel(k, found, entries, False, store, 0.0)
+            return JitKernel(k, found, entries, False, store, 0.0, "key")
         index.put_parts(k.hex, k.parts)
         started = time.perf_counter()
         data, deps = _compile(req, index, dreq)
@@ -296,6 +299,8 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         digest = Digest.of(data)
         local.write(digest, data)
         found = IndexEntry(k.hex, digest, len(data), str(req.arch), kernels)
+        if deps is not None:  # before the index entry, so a kill after it still leaves them to re-list
+            put_deps(index, k.hex, *deps)
         # An index entry exists only once its CUBIN is in the CAS; the direct entry only once
         # the index entry does.
         index.put(found)
