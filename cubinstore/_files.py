@@ -71,7 +71,7 @@ def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: s
     if size is not None and len(data) != size:
         raise IntegrityError(f"size mismatch for {what} from {where}: expected {size} bytes, got {len(data)}")
     actual = Digest.of(data)
-    if actual != digest:
+    if actual.hex != digest.hex:
         raise IntegrityError(f"digest mismatch for {what} from {where}: expected {digest}, got {actual}")
 
 

@@ -200,7 +200,8 @@ class LocalStore(Layer):
         """At most ``limit + 1`` bytes of the CAS entry (unverified); None if absent. Links: ``NotRegularFile``."""
         hex_ = digest.hex
         cas = self._fs.held_dir("v1", "cas")  # a hit opens two names, not a walk from the root
-        data = None if cas is None else read_below(cas, hex_[:2], hex_, limit, path=self.cas_dir / hex_[:2] / hex_,
+        # The path only names the file in messages: a string, not two Path joins per hit.
+        data = None if cas is None else read_below(cas, hex_[:2], hex_, limit, path=f"{self.cas_dir}/{hex_[:2]}/{hex_}",
                                                    touch=touch)
         if data is None and not (cas is not None and self._is_current(cas)):
             # `cas` did not exist when first opened, or was replaced since: walk, and hold the new one.

@@ -167,7 +167,7 @@ class StoreRoot:
             )
 
 
-def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path, touch: bool = False) -> bytes | None:
+def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
     """``read_at`` of ``sub/name`` below ``dir_fd``, ``sub`` opened without following a link.
 
     None if absent; a symlinked ``sub`` is a miss (logged), like a walk of ``StoreRoot.dir``.
@@ -179,16 +179,16 @@ def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path, touc
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
             _log.warning("ignoring %s: a symlink or not a directory; cubinstore never follows links inside its store",
-                         path.parent)
+                         Path(path).parent)
             return None
-        raise StoreError(f"cannot open {path.parent}: {exc.strerror or exc}") from exc
+        raise StoreError(f"cannot open {Path(path).parent}: {exc.strerror or exc}") from exc
     try:
         return read_at(fd, name, limit, path=path, touch=touch)
     finally:
         os.close(fd)
 
 
-def read_at(dir_fd: int, name: str, limit: int, *, path: Path, touch: bool = False) -> bytes | None:
+def read_at(dir_fd: int, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
     """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd``; None if absent.
 
     A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock)
@@ -208,7 +208,7 @@ def read_at(dir_fd: int, name: str, limit: int, *, path: Path, touch: bool = Fal
         os.close(fd)
 
 
-def read_fd(fd: int, limit: int, *, path: Path, touch: bool = False) -> bytes:
+def read_fd(fd: int, limit: int, *, path: Path | str, touch: bool = False) -> bytes:
     """Read at most ``limit + 1`` bytes from the open regular file ``fd`` (``NotRegularFile`` otherwise)."""
     try:
         st = os.fstat(fd)

@@ -204,7 +204,8 @@ class Store:
                     except CubinstoreError as discard_error:  # e.g. quarantine not permitted: still never served
                         _log.warning("cannot discard bad %s in %s: %s", digest, layer.name, discard_error)
                     continue
-            _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), layer.name, len(data))
+            if _log.isEnabledFor(logging.DEBUG):  # its arguments cost more than the check
+                _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), layer.name, len(data))
             return i, data
         return None
 

@@ -1,0 +1,285 @@
+"""The runtime at the speed of a raw load: import time, per-kernel verified loads, concurrent starts.
+
+    python benchmarks/bench_runtime.py --manifest bazel-bin/kernels/manifest.json
+
+Prints, side by side in one run:
+  1. `import cubinstore`: median of fresh interpreters, and `python -X importtime`'s heaviest lines;
+  2. per CUBIN, from a filled local store (p50 / p99 of --samples reads; no GPU needed):
+     raw file read | read + sha256 | Store.get (verified, a fresh Store: no memory layer);
+  3. per kernel, fresh loads on GPU 0 (p50 / p99): raw (read + cuLibraryLoadData + get function)
+     | read + sha256 + load (FlashInfer's loader) | Library.kernel() (select, fetch, verify, ELF
+     check, load, layout check), each module unloaded again so every sample is a fresh load;
+  4. the load phase (every runnable kernel through Library.kernel) of 1 process and of --procs
+     processes started together on one local store.
+Sections 3 and 4 need a CUDA device and are skipped with the reason when there is none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def env_for(home: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUBINSTORE_")}
+    env["PYTHONPATH"] = str(ROOT)
+    if home is not None:
+        env.update(CUBINSTORE_HOME=str(home), CUBINSTORE_OFFLINE="1")
+    return env
+
+
+# -- 1. import time -------------------------------------------------------------------------------
+
+def import_time(runs: int) -> dict[str, Any]:
+    code = "import time; t = time.perf_counter(); import cubinstore; print(time.perf_counter() - t)"
+    times = [float(subprocess.run([sys.executable, "-c", code], env=env_for(), capture_output=True, text=True,
+                                  check=True).stdout) for _ in range(runs)]
+    trace = subprocess.run([sys.executable, "-X", "importtime", "-c", "import cubinstore"], env=env_for(),
+                           capture_output=True, text=True, check=True).stderr
+    lines = []
+    for line in trace.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+        if m:
+            lines.append((int(m.group(1)), int(m.group(2)), len(m.group(3)) // 2, m.group(4)))
+    total = next((cum for _, cum, _, name in lines if name == "cubinstore"), None)
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "importtime_cumulative_us": total,
+            "heaviest": sorted(lines, reverse=True)[:15], "trace": trace}
+
+
+# -- 2. reads from the local store ----------------------------------------------------------------
+
+def fill_store(manifest_path: Path, home: Path, cc: tuple[int, int] | None) -> tuple[Any, list[Any]]:
+    from cubinstore.manifest import Manifest, arch_compatible
+    from cubinstore.store import DirectorySource, LocalStore, Store
+
+    manifest = Manifest.from_path(manifest_path)
+    specs = [k for k in manifest if cc is None or arch_compatible(k.arch, cc)]
+    filler = Store([LocalStore(home), DirectorySource(manifest_path.parent)])
+    for spec in specs:
+        filler.get(spec.digest, spec.size, name=spec.id)
+    return manifest, specs
+
+
+def reads(home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
+    from cubinstore.store import LocalStore, Store
+
+    local = LocalStore(home)
+    store_ = Store([local])
+    rows = []
+    for spec in specs:
+        path = local.path_for(spec.digest)
+        raw, hashed, store = [], [], []
+        for _ in range(samples):
+            t = time.perf_counter()
+            with open(path, "rb") as f:
+                data = f.read()
+            raw.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            with open(path, "rb") as f:
+                data = f.read()
+            hashlib.sha256(data).hexdigest()
+            hashed.append(time.perf_counter() - t)
+            s = store_  # one store, as in a process; no memory layer: every byte read and verified
+            t = time.perf_counter()
+            s.get(spec.digest, spec.size, name=spec.id)
+            store.append(time.perf_counter() - t)
+        rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
+                     (("raw", raw), ("sha", hashed), ("store", store)) for q, p in (("p50", 0.5), ("p99", 0.99))}})
+    return rows
+
+
+# -- 3. fresh loads on the GPU --------------------------------------------------------------------
+
+def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
+    from cubinstore import _cuda, launch
+    from cubinstore.store import LocalStore, Store
+
+    drv = _cuda.driver()
+    _cuda.primary_context(0)
+    local = LocalStore(home)
+    store = Store([local])
+
+    def load(spec: Any, data: bytes) -> int:
+        with _cuda.on_device(0):
+            library = _cuda.load_library(data, spec.id)
+            for entry in spec.entries:
+                _cuda.library_function(library, entry, spec.id)
+        return library
+
+    def unload(library: int) -> None:
+        with _cuda.on_device(0):
+            _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
+
+    rows = []
+    for spec in specs:
+        path = local.path_for(spec.digest)
+        raw, peer, ours = [], [], []
+        for i in range(samples + 5):  # 5 warm-up rounds: first-touch costs of each path
+            t = time.perf_counter()
+            with open(path, "rb") as f:
+                data = f.read()
+            lib_raw = load(spec, data)
+            a = time.perf_counter() - t
+            unload(lib_raw)
+
+            t = time.perf_counter()
+            with open(path, "rb") as f:
+                data = f.read()
+            if hashlib.sha256(data).hexdigest() != spec.digest.hex:
+                raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
+            lib_peer = load(spec, data)
+            b = time.perf_counter() - t
+            unload(lib_peer)
+
+            with launch._modules_lock:
+                launch._modules.clear()  # a fresh load, as in a new process
+            library = launch.Library(manifest, store)  # one store, no memory layer: read and verified each time
+            t = time.perf_counter()
+            library.kernel(spec.id, device=0)
+            c = time.perf_counter() - t
+            with launch._modules_lock:
+                for module in launch._modules.values():
+                    unload(module.code[0])
+                launch._modules.clear()
+            if i >= 5:
+                raw.append(a)
+                peer.append(b)
+                ours.append(c)
+        rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
+                     (("raw", raw), ("peer", peer), ("ours", ours)) for q, p in (("p50", 0.5), ("p99", 0.99))}})
+    return rows
+
+
+# -- 4. concurrent processes ----------------------------------------------------------------------
+
+CHILD = """
+import sys, time, json
+import cubinstore
+from cubinstore import _cuda
+from cubinstore.manifest import arch_compatible
+lib = cubinstore.open(sys.argv[1])
+_cuda.primary_context(0)
+cc = _cuda.compute_capability(0)
+ids = [k.id for k in lib.manifest if arch_compatible(k.arch, cc)]
+print("ready", flush=True)
+sys.stdin.readline()  # all children start loading together
+t = time.perf_counter()
+for kid in ids:
+    lib.kernel(kid, device=0)
+print(json.dumps({"load_s": time.perf_counter() - t, "kernels": len(ids)}), flush=True)
+"""
+
+
+def concurrent(manifest_path: Path, home: Path, procs: int) -> dict[str, Any]:
+    def run(n: int) -> list[float]:
+        children = [subprocess.Popen([sys.executable, "-c", CHILD, str(manifest_path)], env=env_for(home),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for _ in range(n)]
+        for c in children:
+            if c.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                raise SystemExit(f"child failed: {c.stderr.read()}")  # type: ignore[union-attr]
+        for c in children:
+            c.stdin.write("go\n")  # type: ignore[union-attr]
+            c.stdin.flush()  # type: ignore[union-attr]
+        out = [json.loads(c.stdout.readline())["load_s"] for c in children]  # type: ignore[union-attr]
+        for c in children:
+            c.wait(timeout=120)
+        return out
+
+    one = [run(1)[0] for _ in range(3)]
+    many = run(procs)
+    return {"one_s": statistics.median(one), "procs": procs, "many_median_s": statistics.median(many),
+            "many_max_s": max(many)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--manifest", type=Path, default=Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", ROOT / "bazel-bin/kernels/manifest.json")))
+    parser.add_argument("--samples", type=int, default=150)
+    parser.add_argument("--procs", type=int, default=8)
+    parser.add_argument("--import-runs", type=int, default=15)
+    parser.add_argument("--json", type=Path)
+    opts = parser.parse_args()
+    results: dict[str, Any] = {}
+
+    imp = import_time(opts.import_runs)
+    results["import"] = {k: v for k, v in imp.items() if k != "trace"}
+    print(f"\n## import cubinstore\nmedian {imp['median_ms']:.1f} ms, min {imp['min_ms']:.1f} ms over {opts.import_runs} fresh "
+          f"interpreters; -X importtime cumulative for cubinstore: {imp['importtime_cumulative_us']} us\n")
+    print("| self us | cumulative us | module |\n|---|---|---|")
+    for self_us, cum, depth, name in imp["heaviest"]:
+        print(f"| {self_us} | {cum} | {'  ' * depth}{name} |")
+
+    gpu_reason = None
+    cc = None
+    try:
+        from cubinstore import _cuda
+
+        ok, why = _cuda.available()
+        if ok:
+            cc = _cuda.compute_capability(0)
+        else:
+            gpu_reason = why
+    except Exception as exc:  # noqa: BLE001 - no driver, no bindings: report why and go on without a GPU
+        gpu_reason = f"{type(exc).__name__}: {exc}"
+
+    work = Path(tempfile.mkdtemp(prefix="cubinstore-runtime-"))
+    try:
+        if not opts.manifest.is_file():
+            print(f"\nno manifest at {opts.manifest} (build //kernels:all or pass --manifest): sections 2-4 skipped")
+            return
+        manifest, specs = fill_store(opts.manifest.resolve(), work / "home", cc)
+        rows = reads(work / "home", specs, opts.samples)
+        results["reads"] = rows
+        print(f"\n## reads from the local store, {len(rows)} CUBINs, {opts.samples} samples each (ms)\n")
+        print("| kernel | bytes | raw p50 | raw p99 | read+sha256 p50 | p99 | Store.get p50 | p99 | get/raw p50 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['id']} | {r['size']} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['sha_p50']:.3f} | {r['sha_p99']:.3f} "
+                  f"| {r['store_p50']:.3f} | {r['store_p99']:.3f} | {r['store_p50'] / r['raw_p50']:.2f} |")
+        if gpu_reason is not None:
+            print(f"\n## GPU sections skipped: {gpu_reason}")
+            return
+        loads = gpu_loads(manifest, work / "home", specs, opts.samples)
+        results["loads"] = loads
+        print(f"\n## fresh loads on GPU 0 (compute capability {cc[0]}.{cc[1]}), {opts.samples} samples each (ms)\n")
+        print("| kernel | bytes | raw p50 | raw p99 | read+sha256+load p50 | p99 | Library.kernel() p50 | p99 | ours/raw p50 | ours/raw p99 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in loads:
+            print(f"| {r['id']} | {r['size']} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['peer_p50']:.3f} | {r['peer_p99']:.3f} "
+                  f"| {r['ours_p50']:.3f} | {r['ours_p99']:.3f} | {r['ours_p50'] / r['raw_p50']:.2f} | {r['ours_p99'] / r['raw_p99']:.2f} |")
+        agg = {k: statistics.median(r[k] for r in loads) for k in loads[0] if k.endswith(("p50", "p99"))}
+        print(f"| all (median of rows) | | {agg['raw_p50']:.3f} | {agg['raw_p99']:.3f} | {agg['peer_p50']:.3f} | {agg['peer_p99']:.3f} "
+              f"| {agg['ours_p50']:.3f} | {agg['ours_p99']:.3f} | {agg['ours_p50'] / agg['raw_p50']:.2f} | {agg['ours_p99'] / agg['raw_p99']:.2f} |")
+        conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs)
+        results["concurrent"] = conc
+        print(f"\n## load phase (every runnable kernel through Library.kernel, fresh processes, one local store)\n")
+        print(f"1 process: {conc['one_s'] * 1e3:.1f} ms; {conc['procs']} at once: median {conc['many_median_s'] * 1e3:.1f} ms, "
+              f"max {conc['many_max_s'] * 1e3:.1f} ms ({conc['many_max_s'] / conc['one_s']:.2f}x)")
+    finally:
+        if opts.json:
+            opts.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
