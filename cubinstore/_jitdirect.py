@@ -55,7 +55,9 @@ from cubinstore._jitkey import (
     toolkit_core,
     xxh3,
 )
-from cubinstore.errors import CubinstoreError, StoreError
+from cubinstore.errors import CubinstoreError
+
+from cubinstore._jitindex import check_key
 
 if TYPE_CHECKING:
     from cubinstore._jitindex import JitIndex
@@ -338,10 +340,10 @@ def _fast(dreq: DirectRequest) -> str | None:
     try:
         files = [(int(i), str(rel)) for i, rel in doc["files"]]
         probes = [(int(i), str(rel)) for i, rel in doc["probes"]]
-        key = str(doc["key"])
+        key = check_key(doc["key"])
         if _stats_fingerprint(_stats(_paths(dreq, files, probes))) == doc["fingerprint"]:
             return key
-    except (KeyError, TypeError, ValueError, IndexError):
+    except (KeyError, TypeError, ValueError, IndexError):  # BadArgumentError is a ValueError
         pass
     return None
 
@@ -385,7 +387,7 @@ def lookup(dreq: DirectRequest, index: JitIndex) -> str | None:
         found = _fast(dreq)
         if found is None:
             found = next((k for k in index.get_direct(dreq.key) if _check(dreq, index, k)), None)
-    except (OSError, StoreError) as exc:  # a cache: any trouble means the full key decides
+    except (OSError, CubinstoreError) as exc:  # a cache: any trouble means the full key decides
         _log.debug("direct lookup %s: %s", dreq.key, exc)
     if found is not None:
         with _passed_lock:

@@ -25,7 +25,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -471,16 +471,18 @@ def locate_toolkit() -> tuple[Path, str]:
     """The toolkit root, searched like ``third_party/cuda/cuda_toolkit.bzl``: $CUDA_PATH, $CUDA_HOME,
     /usr/local/cuda, the toolkit of nvcc on $PATH. Raises ``BadArgumentError`` listing what was tried."""
     tried: list[str] = []
-    candidates: list[tuple[str | None, str]] = []
-    for name, value in (("CUDA_PATH", _env.cuda_path()), ("CUDA_HOME", _env.cuda_home())):
-        candidates.append((str(value), f"${name}") if value else (None, f"${name} (unset)"))
-    candidates.append(("/usr/local/cuda", "default location"))
-    nvcc = _env.which("nvcc")
-    if nvcc:
-        candidates.append((str(Path(os.path.realpath(nvcc)).parent.parent), "nvcc on $PATH"))
-    else:
-        candidates.append((None, "nvcc on $PATH (not found)"))
-    for root, source in candidates:
+
+    def candidates() -> Iterator[tuple[str | None, str]]:
+        for name, value in (("CUDA_PATH", _env.cuda_path()), ("CUDA_HOME", _env.cuda_home())):
+            yield (str(value), f"${name}") if value else (None, f"${name} (unset)")
+        yield "/usr/local/cuda", "default location"
+        nvcc = _env.which("nvcc")  # searched only when the others fail: a warm hit asks on every call
+        if nvcc:
+            yield str(Path(os.path.realpath(nvcc)).parent.parent), "nvcc on $PATH"
+        else:
+            yield None, "nvcc on $PATH (not found)"
+
+    for root, source in candidates():
         if root is None:
             tried.append(source)
             continue
