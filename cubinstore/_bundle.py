@@ -53,11 +53,29 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
+def _ustar_header(name: str, size: int) -> bytes:
+    """The 512-byte USTAR header tarfile writes for ``_member(name, size)``, built directly.
+
+    tarfile spends more per member than reading and hashing a small CUBIN; a bundle of
+    10,000 blobs is written at close to ``tar``'s speed this way. The bytes are the same
+    (tests compare them with ``TarInfo.tobuf``), so bundles stay reproducible.
+    """
+    raw_name = name.encode("ascii")
+    if len(raw_name) > 100 or size >= 8**11:
+        return _member(name, size).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    head = b"".join([
+        raw_name.ljust(100, b"\0"), b"0000444\0", b"0000000\0", b"0000000\0", b"%011o\0" % size, b"00000000000\0",
+        b"        ", tarfile.REGTYPE, bytes(100), tarfile.POSIX_MAGIC, bytes(64), bytes(16),  # no device numbers
+    ]).ljust(tarfile.BLOCKSIZE, b"\0")
+    return head[:148] + b"%06o\0" % sum(head) + head[155:]
+
+
 def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | None = None) -> int:
     """Write a bundle of ``manifest`` and its closure (verified bytes from ``store``) to ``out``; returns its size.
 
     Blobs are fetched one at a time and streamed into a temp file renamed at the end, so
-    memory stays at one blob and a failed pack leaves no partial bundle.
+    memory stays at one blob and a failed pack leaves no partial bundle. The tar is what
+    ``tarfile`` writes (USTAR, fixed metadata): members, two zero blocks, records of 10 KiB.
     """
     from cubinstore._prefetch import without_memory
 
@@ -65,15 +83,28 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
     blobs = manifest.blobs
     store = without_memory(store)  # each blob is read once: caching its bytes would only copy them
     with atomic_file(out) as f:
-        with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            tar.addfile(_member(MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
-            done_bytes = 0
-            for i, (digest, size) in enumerate(blobs):
-                data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
-                tar.addfile(_member(f"cas/{digest.hex}", len(data)), io.BytesIO(data))
-                done_bytes += len(data)
-                if progress:
-                    progress(i + 1, len(blobs), done_bytes)
+        written = 0
+
+        def member(name: str, data: bytes) -> None:
+            nonlocal written
+            f.write(_ustar_header(name, len(data)))
+            f.write(data)
+            pad = -len(data) % tarfile.BLOCKSIZE
+            if pad:
+                f.write(bytes(pad))
+            written += tarfile.BLOCKSIZE + len(data) + pad
+
+        member(MANIFEST_NAME, manifest.raw)
+        done_bytes = 0
+        for i, (digest, size) in enumerate(blobs):
+            data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
+            member(f"cas/{digest.hex}", data)
+            done_bytes += len(data)
+            if progress:
+                progress(i + 1, len(blobs), done_bytes)
+        end = 2 * tarfile.BLOCKSIZE
+        end += -(written + end) % tarfile.RECORDSIZE
+        f.write(bytes(end))
         total = f.tell()
     _log.debug("packed %s (%d blobs, %d bytes) into %s", manifest.digest, len(blobs), total, out)
     return total

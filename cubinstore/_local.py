@@ -15,7 +15,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,12 +176,23 @@ class LocalStore(Layer):
                 raise StoreError(f"cannot remove {self.v1.joinpath(*parts, name)}: {exc.strerror or exc}") from exc
             return True
 
-    def list_dir(self, parts: tuple[str, ...]) -> list[tuple[str, os.stat_result]]:
-        """(name, lstat) of everything in ``v1/<parts>``, sorted by name; [] if it does not exist."""
+    def list_dir(self, parts: tuple[str, ...], *, only: Callable[[str], bool] | None = None) -> list[tuple[str, os.stat_result]]:
+        """(name, lstat) of everything in ``v1/<parts>`` (whose name ``only`` accepts), sorted by name; [] if absent."""
         with self._fs.dir("v1", *parts) as fd:
             if fd is None:
                 return []
-            return _list(fd, self.v1.joinpath(*parts))
+            return _list(fd, self.v1.joinpath(*parts), only=only)
+
+    def list_names(self, parts: tuple[str, ...]) -> list[str]:
+        """The names in ``v1/<parts>`` (no stat: a shard of a big store holds thousands); [] if absent."""
+        with self._fs.dir("v1", *parts) as fd:
+            if fd is None:
+                return []
+            try:
+                with os.scandir(fd) as it:
+                    return sorted(entry.name for entry in it)
+            except OSError as exc:
+                raise StoreError(f"cannot list {self.v1.joinpath(*parts)}: {exc.strerror or exc}") from exc
 
     def file_lock(self, parts: tuple[str, ...], name: str, timeout: float | None = None,
                   what: str = "") -> AbstractContextManager[None]:
@@ -317,8 +328,9 @@ class LocalStore(Layer):
         for shard, st in self.list_dir(("cas",)):
             if not (_SHARD_RE.fullmatch(shard) and stat.S_ISDIR(st.st_mode)):
                 continue
-            for name, st in self.list_dir(("cas", shard)):
-                if name.startswith(_TEMP_PREFIX) and stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+            # Names first: only a temp's name costs a stat (a shard of a big store holds thousands).
+            for name, st in self.list_dir(("cas", shard), only=lambda n: n.startswith(_TEMP_PREFIX)):
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
                     if self.remove_file(("cas", shard), name):
                         removed.append(self.cas_dir / shard / name)
                         _log.info("removed stale temp file %s", self.cas_dir / shard / name)
@@ -335,18 +347,38 @@ class LocalStore(Layer):
         for shard, st in self.list_dir(("locks",)):
             if not (_SHARD_RE.fullmatch(shard) and stat.S_ISDIR(st.st_mode)):
                 continue
-            present = {name for name, _ in self.list_dir(("cas", shard))}
+            present = set(self.list_names(("cas", shard)))
             with self._fs.dir("v1", "locks", shard, check=True) as fd:
                 if fd is None:
                     continue
-                for name, st in _list(fd, self.lock_dir / shard):
-                    match = _LOCK_RE.fullmatch(name)
-                    if match and stat.S_ISREG(st.st_mode) and match.group(1) not in present and remove_if_unheld(fd, name):
+                absent = lambda n: (m := _LOCK_RE.fullmatch(n)) is not None and m.group(1) not in present  # noqa: E731
+                for name, st in _list(fd, self.lock_dir / shard, only=absent):
+                    if stat.S_ISREG(st.st_mode) and remove_if_unheld(fd, name):
                         removed += 1
         return removed
 
     def remove(self, digest: Digest) -> bool:
         return self.remove_file(("cas", digest.hex[:2]), digest.hex)
+
+    def remove_many(self, digests: list[Digest]) -> set[Digest]:
+        """Remove CAS entries (gc's evictions), one checked walk per shard; the digests that were there."""
+        by_shard: dict[str, list[Digest]] = {}
+        for digest in digests:
+            by_shard.setdefault(digest.hex[:2], []).append(digest)
+        removed: set[Digest] = set()
+        for shard, group in by_shard.items():
+            with self._fs.dir("v1", "cas", shard, check=True) as fd:
+                if fd is None:
+                    continue
+                for digest in group:
+                    try:
+                        os.unlink(digest.hex, dir_fd=fd)
+                    except FileNotFoundError:  # removed concurrently
+                        continue
+                    except OSError as exc:
+                        raise StoreError(f"cannot remove {self.path_for(digest)}: {exc.strerror or exc}") from exc
+                    removed.add(digest)
+        return removed
 
     # -- staging: verify many blobs first, publish them together (unpack) ----------------------
 
@@ -513,13 +545,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pending.forget)
 
 
-def _list(fd: int, where: Path) -> list[tuple[str, os.stat_result]]:
+def _list(fd: int, where: Path, *, only: Callable[[str], bool] | None = None) -> list[tuple[str, os.stat_result]]:
     items: list[tuple[str, os.stat_result]] = []
     try:
         listing = sorted(os.scandir(fd), key=lambda e: e.name)  # scandir dups fd itself
     except OSError as exc:
         raise StoreError(f"cannot list {where}: {exc.strerror or exc}") from exc
     for item in listing:
+        if only is not None and not only(item.name):
+            continue
         try:
             items.append((item.name, item.stat(follow_symlinks=False)))
         except FileNotFoundError:  # removed by a concurrent gc or quarantine

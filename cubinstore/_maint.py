@@ -111,14 +111,16 @@ def gc(local: LocalStore, max_bytes: int) -> GcResult:
         from cubinstore._warmset import warm_digests
 
         warm = warm_digests(local)
+        victims = []
         for entry in sorted((e for e in entries if e.digest not in protected),
                             key=lambda e: (e.digest in warm, e.mtime, e.digest.hex)):
             if total <= max_bytes:
                 break
-            if local.remove(entry.digest):
-                result.evicted.append(entry)
-                _log.debug("evicted %s (%d bytes)", entry.digest, entry.size)
+            victims.append(entry)
             total -= entry.size
+        removed = local.remove_many([e.digest for e in victims])  # one walk per shard, not per entry
+        result.evicted = [e for e in victims if e.digest in removed]
+        _log.debug("evicted %d entries (%d bytes)", len(result.evicted), sum(e.size for e in result.evicted))
     result.total_after = total
     result.locks_removed = local.clean_locks()
     return result

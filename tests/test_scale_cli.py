@@ -240,3 +240,24 @@ def test_unpack_makes_staged_blobs_durable_with_one_sync_before_any_rename(tmp_p
     assert all(renamed_after_sync) and len(renamed_after_sync) == 400
     assert synced == []
     assert verify_store(target).ok == 401
+
+
+# -- pack: tarfile's bytes, written directly ------------------------------------------------------
+
+def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
+    import io
+    import tarfile
+
+    from cubinstore._bundle import MANIFEST_NAME, _member, _ustar_header
+
+    for name, size in [("manifest.json", 1), ("cas/" + "ab" * 32, 4096), ("cas/" + "0f" * 32, 511), ("x", 8**11 - 1)]:
+        assert _ustar_header(name, size) == _member(name, size).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    manifest, blobs = release(tmp_path / "src", 37)
+    bundle = tmp_path / "r.tar"
+    pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
+    expected = io.BytesIO()
+    with tarfile.open(fileobj=expected, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        tar.addfile(_member(MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
+        for digest, _ in manifest.blobs:
+            tar.addfile(_member(f"cas/{digest.hex}", len(blobs[digest.hex])), io.BytesIO(blobs[digest.hex]))
+    assert bundle.read_bytes() == expected.getvalue()
