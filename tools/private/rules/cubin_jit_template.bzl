@@ -9,7 +9,8 @@ _EXTERNAL_ROOTS = {"cutlass": "cutlass"}
 def _external_roots(ctx):
     roots = []
     for dep in ctx.attr.deps:
-        workspace = dep.label.workspace_name
+        # Under bzlmod the name is canonical (Bazel 7 `_main~_repo_rules~cutlass`, 8 `+...+cutlass`).
+        workspace = dep.label.workspace_name.split("~")[-1].split("+")[-1]
         if workspace not in _EXTERNAL_ROOTS:
             fail("{}: attribute 'deps' has '{}'; a JIT template can name headers of {} only (put the others in 'hdrs')".format(
                 ctx.label,
