@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
-from _jit import ENTRIES, TU, child_env, make_library, run_child  # noqa: E402
+from _jit import ENTRIES, TU, child_env, make_library, own_copy, run_child, toolkit_copy  # noqa: E402
 
 from cubinstore import _jitdirect, _jitkey, jit  # noqa: E402
 from cubinstore._jitindex import JitIndex  # noqa: E402
@@ -182,6 +182,71 @@ def test_a_changed_flag_or_arch_misses(lib: SimpleNamespace) -> None:
     assert _again(lib, flags=("-DFACTOR=2",)).compiled is True
     jit.clear_caches()
     k = jit.compile(TU, include_dirs=[lib.include], arch="sm_80", entries=ENTRIES, store=lib.store)
+    assert k.compiled is True and k.key != first.key
+
+
+def test_headers_of_the_device_pass_and_of_the_host_pass_are_both_checked(lib: SimpleNamespace) -> None:
+    # -cubin preprocesses twice (__CUDA_ARCH__ defined, then not); -MD must list both passes' files.
+    (lib.include / "mylib" / "dev.cuh").write_text("#define DEV_FACTOR 1\n")
+    (lib.include / "mylib" / "host.cuh").write_text("// host side only\n")
+    source = ('#ifdef __CUDA_ARCH__\n#include "mylib/dev.cuh"\n#else\n#include "mylib/host.cuh"\n#endif\n'
+              + TU.replace("* FACTOR;", "* FACTOR * DEV_FACTOR;"))
+    first = _compile(lib, source=source)
+    (dep,) = _direct_files(lib.home, "deps")
+    recorded = {rel for _, rel, _ in json.loads(dep.read_text())["files"]}
+    assert {"mylib/dev.cuh", "mylib/host.cuh", "mylib/twice.cuh"} <= recorded
+    (lib.include / "mylib" / "dev.cuh").write_text("#define DEV_FACTOR 2\n")
+    k = _again(lib, source=source)
+    assert k.compiled is True and k.digest != first.digest
+
+
+@pytest.fixture
+def own_toolkit(lib: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A toolkit copy whose nvcc reads the copy's headers, as CUDA_PATH."""
+    root = toolkit_copy(lib.tmp / "cuda")
+    monkeypatch.setenv("CUDA_PATH", str(root))
+    jit.clear_caches()
+    return root
+
+
+def test_a_toolkit_copy_hits_through_the_direct_path(lib: SimpleNamespace, own_toolkit: Path) -> None:
+    first = _compile(lib)
+    (dep,) = _direct_files(lib.home, "deps")
+    assert any(label == "cuda" for label, _, _ in json.loads(dep.read_text())["files"])
+    assert _again(lib).found_by == "direct"
+
+
+def test_a_changed_toolkit_header_the_tu_includes_misses(lib: SimpleNamespace, own_toolkit: Path) -> None:
+    first = _compile(lib)
+    with open(own_copy(own_toolkit / "include" / "crt" / "host_defines.h"), "a") as f:
+        f.write("\n// patched toolkit\n")
+    k = _again(lib)
+    assert k.compiled is True and k.key != first.key
+
+
+def test_a_changed_toolkit_header_the_tu_does_not_include_hits(lib: SimpleNamespace, own_toolkit: Path) -> None:
+    first = _compile(lib)
+    (dep,) = _direct_files(lib.home, "deps")
+    assert not any(rel.endswith("/cuda_fp16.h") for _, rel, _ in json.loads(dep.read_text())["files"])
+    with open(own_copy(own_toolkit / "include" / "cuda_fp16.h"), "a") as f:
+        f.write("\n// patched, never included by this TU\n")
+    k = _again(lib)
+    assert (k.compiled, k.found_by, k.key) == (False, "direct", first.key)
+    assert jit.key(TU, include_dirs=[lib.include], arch=ARCH, store=lib.store) != first.key  # the full key sees it
+
+
+def test_a_new_file_in_the_toolkit_include_tree_misses(lib: SimpleNamespace, own_toolkit: Path) -> None:
+    _compile(lib)
+    (own_toolkit / "include" / "stdio.h").write_text("// would shadow the C library's\n")
+    assert _again(lib).compiled is True
+
+
+def test_changed_toolkit_programs_miss(lib: SimpleNamespace, own_toolkit: Path) -> None:
+    first = _compile(lib)
+    profile = own_copy(own_toolkit / "bin" / "nvcc.profile")
+    with open(profile, "a") as f:
+        f.write("\n")
+    k = _again(lib)
     assert k.compiled is True and k.key != first.key
 
 
