@@ -51,6 +51,7 @@ from cubinstore._jitkey import (
     _StatCache,
     host_compiler,
     normalize_flags,
+    probe_fingerprint,
     shape,
     toolkit_core,
     xxh3,
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     from cubinstore._jitindex import JitIndex
     from cubinstore._local import LocalStore
 
-__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "parse_deps", "put_deps", "record", "remember"]
+__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "observe", "parse_deps", "put_deps", "record", "remember"]
 
 _log = logging.getLogger(__name__)
 
@@ -223,8 +224,10 @@ def _place(path: str, roots: Roots, skip: Sequence[str], work: Path) -> tuple[st
     # like the others; outside all of them it is a system header, keyed by the host compiler.
     real = os.path.realpath(path)
     for label, base, tree in zip(roots.labels, roots.base, roots.tree):
-        if label == TOOLKIT and _inside(real, tree):
-            return (label, "include/" + os.path.relpath(real, tree))
+        if label == TOOLKIT:
+            if _inside(real, tree):  # opened as <root>/include/..., which resolves to the tree
+                return (label, "include/" + os.path.relpath(real, tree))
+            continue  # elsewhere in the toolkit: refused below, with the nvcc binary's toolkit
         if _inside(real, base) or _inside(real, tree):
             return (label, os.path.relpath(real, base)) if _inside(real, base) else None
     if any(_inside(real, home) for home in roots.homes):
@@ -248,7 +251,8 @@ def shapes_of(roots: Roots, local: LocalStore | None) -> dict[str, Any]:
     return {label: shape(tree, local=local, what=f"JIT root {label}") for label, tree in zip(roots.labels, roots.tree)}
 
 
-def put_deps(index: JitIndex, key: str, files: list[tuple[str, str, str]], shapes: dict[str, Any]) -> None:
+def put_deps(index: JitIndex, key: str, files: list[tuple[str, str, str]], shapes: dict[str, Any],
+             seen: _Observed | None = None) -> None:
     """What ``key``'s compile read; written before its index entry (best effort)."""
     try:
         index.put_deps(key, files, {label: s.key for label, s in shapes.items()})
@@ -257,8 +261,9 @@ def put_deps(index: JitIndex, key: str, files: list[tuple[str, str, str]], shape
 
 
 def record(index: JitIndex, dreq: DirectRequest, key: str, files: list[tuple[str, str, str]],
-           shapes: dict[str, Any]) -> None:
-    """After ``key`` is in the index: the direct entry, then this host's stat cache.
+           shapes: dict[str, Any], seen: _Observed | None) -> None:
+    """After ``key`` is in the index: the direct entry, then this host's stat cache (``seen``:
+    the stats taken before the recorded files were hashed).
 
     Best effort: a failure leaves the full key as the way in (which lists it again)."""
     try:
@@ -266,7 +271,8 @@ def record(index: JitIndex, dreq: DirectRequest, key: str, files: list[tuple[str
     except CubinstoreError as exc:
         _log.warning("JIT xxh3:%s: cannot write its direct entry (the full key still finds it): %s", key, exc)
         return
-    _remember_stats(dreq, key, files, shapes)
+    if seen is not None:
+        _save(dreq, key, seen)
 
 
 def remember(index: JitIndex, dreq: DirectRequest, key: str) -> None:
@@ -282,8 +288,7 @@ def remember(index: JitIndex, dreq: DirectRequest, key: str) -> None:
 
 # -- the warm path ------------------------------------------------------------------------------------
 
-def _paths(dreq: DirectRequest, files: Sequence[tuple[int, str]], probes: Sequence[tuple[int, str]]) -> list[str]:
-    roots = dreq.roots
+def _paths(roots: Roots, files: Sequence[tuple[int, str]], probes: Sequence[tuple[int, str]]) -> list[str]:
     return ([f"{roots.base[i]}/{rel}" for i, rel in files]
             + [f"{roots.tree[i]}/{rel}" if rel else roots.tree[i] for i, rel in probes])
 
@@ -318,19 +323,38 @@ def clear() -> None:
         _passed.clear()
 
 
-def _remember_stats(dreq: DirectRequest, key: str, files: Sequence[tuple[str, str, str]], shapes: dict[str, Any]) -> None:
-    roots = dreq.roots
-    file_refs = [(roots.index(label), rel) for label, rel, _ in files]
-    probe_refs = [(roots.index(label), rel) for label, s in shapes.items() for rel in s.probes]
-    stats = _stats(_paths(dreq, file_refs, probe_refs))
+@dataclass(frozen=True)
+class _Observed:
+    """Stats of the recorded files and of every root's probes, taken *before* the files are
+    hashed (git's order): a change after the hash then shows in a later stat."""
+
+    files: tuple[tuple[int, str], ...]
+    probes: tuple[tuple[int, str], ...]
+    stats: tuple[tuple[int, ...] | None, ...]
+
+
+def observe(roots: Roots, files: Sequence[tuple[str, str] | tuple[str, str, str]], shapes: dict[str, Any]) -> _Observed | None:
+    """None when a shape no longer holds (a probe's stat moved since the shape was read)."""
+    file_refs = tuple((roots.index(f[0]), f[1]) for f in files)
+    probe_refs = tuple((roots.index(label), rel) for label, s in shapes.items() for rel in s.probes)
+    stats = tuple(_stats(_paths(roots, file_refs, probe_refs)))
+    at = len(file_refs)
+    for s in shapes.values():
+        if probe_fingerprint(s.probes, stats[at:at + len(s.probes)]) != s.fingerprint:
+            return None
+        at += len(s.probes)
+    return _Observed(file_refs, probe_refs, stats)
+
+
+def _save(dreq: DirectRequest, key: str, seen: _Observed) -> None:
     now = time.time_ns()
     # Modified too recently to trust a stat (git's racy entries), or gone: the next process
     # checks content again.
-    if any(st is None or now - max(st[3], st[4]) < _RACY_NS for st in stats):
+    if any(st is None or now - max(st[3], st[4]) < _RACY_NS for st in seen.stats):
         return
     _StatCache(dreq.local).put(dreq._stat_name, {
-        "fingerprint": _stats_fingerprint(stats), "key": key,
-        "files": [list(r) for r in file_refs], "probes": [list(r) for r in probe_refs]})
+        "fingerprint": _stats_fingerprint(seen.stats), "key": key,
+        "files": [list(r) for r in seen.files], "probes": [list(r) for r in seen.probes]})
 
 
 def _fast(dreq: DirectRequest) -> str | None:
@@ -341,7 +365,7 @@ def _fast(dreq: DirectRequest) -> str | None:
         files = [(int(i), str(rel)) for i, rel in doc["files"]]
         probes = [(int(i), str(rel)) for i, rel in doc["probes"]]
         key = check_key(doc["key"])
-        if _stats_fingerprint(_stats(_paths(dreq, files, probes))) == doc["fingerprint"]:
+        if _stats_fingerprint(_stats(_paths(dreq.roots, files, probes))) == doc["fingerprint"]:
             return key
     except (KeyError, TypeError, ValueError, IndexError):  # BadArgumentError is a ValueError
         pass
@@ -367,11 +391,14 @@ def _check(dreq: DirectRequest, index: JitIndex, key: str) -> bool:
             _log.debug("direct %s: root %s has another shape than xxh3:%s's", dreq.key, label, key)
             return False
         current[label] = s
+    seen = observe(roots, files, current)
+    if seen is None:
+        return False
     now = hash_deps([(label, rel) for label, rel, _ in files], roots)
     if now is None or now != files:
         _log.debug("direct %s: an included file differs from xxh3:%s's", dreq.key, key)
         return False
-    _remember_stats(dreq, key, files, current)
+    _save(dreq, key, seen)
     return True
 
 

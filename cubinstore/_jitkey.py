@@ -400,10 +400,17 @@ def _light_walk(root: str, what: str) -> tuple[list[str], list[tuple[str, os.sta
     return files, probes
 
 
-def _probe_fingerprint(probes: Iterable[tuple[str, os.stat_result | None]]) -> str:
-    return xxhash.xxh3_128_hexdigest(marshal.dumps(
-        [(rel,) if st is None else (rel, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-         for rel, st in probes]))
+def stat_facts(st: os.stat_result | None) -> tuple[int, ...] | None:
+    """What a stat fingerprint compares: device, inode, size, mtime, ctime (None: missing)."""
+    return None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def probe_fingerprint(rels: Sequence[str], facts: Sequence[tuple[int, ...] | None]) -> str:
+    return xxhash.xxh3_128_hexdigest(marshal.dumps([(rel,) if f is None else (rel, *f) for rel, f in zip(rels, facts)]))
+
+
+def _probe_fingerprint(probes: Sequence[tuple[str, os.stat_result | None]]) -> str:
+    return probe_fingerprint([rel for rel, _ in probes], [stat_facts(st) for _, st in probes])
 
 
 def stat_probes(root: str, rels: Iterable[str]) -> list[tuple[str, os.stat_result | None]]:

@@ -40,6 +40,7 @@ from cubinstore._jitdirect import (
     forget,
     hash_deps,
     lookup,
+    observe,
     parse_deps,
     put_deps,
     record,
@@ -384,7 +385,7 @@ def _lay_out(req: _Request, work: Path) -> None:
     (work / "tmp").mkdir()
 
 
-def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes, tuple[Any, Any] | None]:
+def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes, tuple[Any, Any, Any] | None]:
     """The CUBIN's bytes, and what the direct entry records (None: write none)."""
     work = index.compile_dir(req.key.hex, 0)
     try:
@@ -412,7 +413,7 @@ def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex) -> tuple[Any, Any] | None:
+def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex) -> tuple[Any, Any, Any] | None:
     try:
         text = (work / DEPS_NAME).read_text(encoding="utf-8", errors="surrogateescape")
     except OSError as exc:
@@ -420,15 +421,20 @@ def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex
         return None
     skip = [SOURCE_NAME, ANCHOR_NAME, *(f"flagpath/{i}" for i, fp in enumerate(req.flags.paths) if not fp.is_dir)]
     placed = parse_deps(text, dreq.roots, skip, work)
-    files = hash_deps(placed, dreq.roots) if placed is not None else None
-    if files is None:
+    if placed is None:
         _log.info("JIT %s: a dependency outside the known roots; no direct entry (the full key finds it)", req.key)
         return None
     try:
-        return files, shapes_of(dreq.roots, index.local)
+        shapes = shapes_of(dreq.roots, index.local)
     except CubinstoreError as exc:
         _log.warning("JIT %s: cannot read the shape of its roots (%s); no direct entry", req.key, exc)
         return None
+    seen = observe(dreq.roots, placed, shapes)  # stats first, then content
+    files = hash_deps(placed, dreq.roots)
+    if files is None:
+        _log.info("JIT %s: cannot read back a file nvcc read; no direct entry", req.key)
+        return None
+    return files, shapes, seen
 
 
 def _hash_file(path: str) -> str:

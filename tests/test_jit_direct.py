@@ -210,7 +210,7 @@ def own_toolkit(lib: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_a_toolkit_copy_hits_through_the_direct_path(lib: SimpleNamespace, own_toolkit: Path) -> None:
-    first = _compile(lib)
+    _compile(lib)
     (dep,) = _direct_files(lib.home, "deps")
     assert any(label == "cuda" for label, _, _ in json.loads(dep.read_text())["files"])
     assert _again(lib).found_by == "direct"
