@@ -182,7 +182,7 @@ def _read_manifest(tar: tarfile.TarFile, path: Path, expect: Digest | None) -> M
 
 def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: LocalStore,
                  staged: list[tuple[str, Digest]], progress: Progress | None) -> None:
-    """Stream each blob member into a staging file, verifying size and hash as it goes."""
+    """Stream each blob member into a staged temp file, verifying size and hash as it goes."""
     needed = {digest.hex: (digest, size) for digest, size in manifest.blobs}
     declared = sum(size for _, size in needed.values())
     if declared > _MAX_TOTAL:
@@ -213,7 +213,7 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
         handle = tar.extractfile(member)
         if handle is None:
             raise BundleError(f"bundle {path}: cannot read member {show(member.name)}")
-        out, tmp = local.new_staged()
+        out, tmp = local.new_staged(digest)
         staged.append((tmp, digest))
         hasher = hashlib.sha256()
         got = 0
@@ -242,7 +242,7 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
     """Verify the bundle at ``path`` member by member, then store the manifest and every blob in ``local``.
 
     ``expect`` pins the manifest digest: a bundle with any other manifest is rejected before
-    any blob is read. Blobs stream into ``v1/staging`` (memory stays at one chunk) and enter
+    any blob is read. Blobs stream into temp files beside their CAS names (memory stays at one chunk) and enter
     the CAS only once the whole bundle has verified. ``pin`` pins the manifest under the
     same lock gc takes, so no gc can run between the blobs landing and the pin.
     """
@@ -255,7 +255,8 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
                 raise BundleError(f"bundle {path} is {size} bytes, more than the {_MAX_TOTAL} allowed")
             try:
                 # Plain tar only: no decompression bombs, and member sizes come from headers we check.
-                with tarfile.open(fileobj=_BoundedReads(f, path), mode="r:") as tar:  # type: ignore[arg-type]
+                with tarfile.open(fileobj=_BoundedReads(f, path), mode="r:") as tar, \
+                        local.session():  # type: ignore[arg-type]
                     manifest = _read_manifest(tar, path, expect)
                     _stage_blobs(tar, path, manifest, local, staged, progress)
             except (BundleError, StoreError, ManifestError):
@@ -266,7 +267,7 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
                 raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
         # Everything verified: publish. A failure here leaves only complete, verified entries.
         try:
-            local.sync_staged([tmp for tmp, _ in staged])  # every staged byte durable before any rename
+            local.sync_staged(staged)  # every staged byte durable before any rename
             # The renames: made durable together by one more sync when the batch ends.
             with pins_lock(local) if pin else nullcontext(), local.batch(sync_each=False):
                 local.write(manifest.digest, manifest.raw)
@@ -280,7 +281,7 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
         except StoreError as exc:
             raise StoreError(f"unpacking {path} into {local.root}: {exc}") from exc
     finally:
-        for tmp, _digest in staged:
-            local.drop_staged(tmp)
+        for tmp, digest in staged:
+            local.drop_staged(tmp, digest)
     _log.debug("unpacked %s (%d blobs) from %s into %s", manifest.digest, len(manifest.blobs), path, local.root)
     return manifest

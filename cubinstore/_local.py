@@ -121,6 +121,15 @@ class LocalStore(Layer):
                             sync_dir=not deferred)
 
     @contextmanager
+    def session(self) -> Iterator[None]:
+        """Directories walked and checked once for the body (``StoreRoot.begin_session``)."""
+        self._fs.begin_session()
+        try:
+            yield
+        finally:
+            self._fs.end_session()
+
+    @contextmanager
     def batch(self, *, sync_each: bool = True) -> Iterator[None]:
         """Many writes, made durable together: each directory is fsynced once when the body ends.
 
@@ -135,9 +144,11 @@ class LocalStore(Layer):
             self._batch_depth += 1
             if not sync_each:
                 self._batch_lazy += 1
+        self._fs.begin_session()  # each directory walked and checked once for the whole batch
         try:
             yield
         finally:
+            self._fs.end_session()
             with self._batch_lock:
                 self._batch_depth -= 1
                 if not sync_each:
@@ -334,11 +345,15 @@ class LocalStore(Layer):
                     if self.remove_file(("cas", shard), name):
                         removed.append(self.cas_dir / shard / name)
                         _log.info("removed stale temp file %s", self.cas_dir / shard / name)
-        for name, st in self.list_dir(("staging",)):  # left by a killed unpack
-            if name.startswith(_TEMP_PREFIX) and stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                if self.remove_file(("staging",), name):
-                    removed.append(self.v1 / "staging" / name)
-                    _log.info("removed stale staged file %s", self.v1 / "staging" / name)
+        # Left by a killed unpack: in staging/<hh>/ (and staging/ itself, where older versions staged).
+        shards = [(s,) for s, st in self.list_dir(("staging",)) if _SHARD_RE.fullmatch(s) and stat.S_ISDIR(st.st_mode)]
+        for sub in [(), *shards]:
+            where = ("staging", *sub)
+            for name, st in self.list_dir(where, only=lambda n: n.startswith(_TEMP_PREFIX)):
+                if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
+                    if self.remove_file(where, name):
+                        removed.append(self.v1.joinpath(*where, name))
+                        _log.info("removed stale staged file %s", self.v1.joinpath(*where, name))
         return removed
 
     def clean_locks(self) -> int:
@@ -381,21 +396,26 @@ class LocalStore(Layer):
         return removed
 
     # -- staging: verify many blobs first, publish them together (unpack) ----------------------
+    # Staged blobs live in v1/staging/<hh>/ (the shard of their digest): one flat directory made
+    # each create slower as a bundle grew (10,000 files in one directory), and nothing appears
+    # under cas/ until the whole bundle has verified.
 
-    def new_staged(self) -> tuple[BinaryIO, str]:
-        """A fresh temp file in ``v1/staging`` to stream a blob into, and its name."""
-        with self._fs.dir("v1", "staging", create=True) as fd:
+    def new_staged(self, digest: Digest) -> tuple[BinaryIO, str]:
+        """A fresh temp file in ``v1/staging/<hh>`` to stream ``digest``'s bytes into, and its name."""
+        shard = digest.hex[:2]
+        with self._fs.dir("v1", "staging", shard, create=True) as fd:
             assert fd is not None
-            tmp_fd, name = new_temp(fd, "blob", self.v1 / "staging")
+            tmp_fd, name = new_temp(fd, "blob", self.v1 / "staging" / shard)
         os.fchmod(tmp_fd, 0o644)  # the final mode of a CAS entry: it is renamed as is
         return os.fdopen(tmp_fd, "wb"), name
 
     def commit_staged(self, name: str, digest: Digest) -> None:
-        """Rename a staged temp file (verified by the caller, re-checked here by size) to its CAS entry."""
-        with self._fs.dir("v1", "staging", check=True) as src, \
-                self._fs.dir("v1", "cas", digest.hex[:2], create=True) as dst:
+        """Rename a staged temp file (verified by the caller) to its CAS entry."""
+        shard = digest.hex[:2]
+        with self._fs.dir("v1", "staging", shard, check=True) as src, \
+                self._fs.dir("v1", "cas", shard, create=True) as dst:
             if src is None:
-                raise StoreError(f"staged file {self.v1 / 'staging' / name} for {digest} vanished")
+                raise StoreError(f"staged file {self.v1 / 'staging' / shard / name} for {digest} vanished")
             try:
                 os.replace(name, digest.hex, src_dir_fd=src, dst_dir_fd=dst)
             except OSError as exc:
@@ -403,30 +423,31 @@ class LocalStore(Layer):
             with self._batch_lock:
                 deferred = self._batch_depth > 0
                 if deferred:
-                    self._batch_dirs.add(("cas", digest.hex[:2]))
+                    self._batch_dirs.add(("cas", shard))
                     self._batch_unsynced |= self._batch_lazy > 0
             if not deferred:
-                fsync_fd(dst, self.cas_dir / digest.hex[:2])
+                fsync_fd(dst, self.cas_dir / shard)
 
-    def sync_staged(self, names: list[str]) -> None:
+    def sync_staged(self, staged: list[tuple[str, Digest]]) -> None:
         """Make staged files durable: one filesystem sync, else an fsync of each."""
-        if not names or sync_filesystem(self.root):
+        if not staged or sync_filesystem(self.root):
             return
-        with self._fs.dir("v1", "staging", check=True) as dir_fd:
-            if dir_fd is None:
-                return
-            for name in names:
+        for name, digest in staged:
+            with self._fs.dir("v1", "staging", digest.hex[:2], check=True) as dir_fd:
+                if dir_fd is None:
+                    continue
                 fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
                 try:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
 
-    def drop_staged(self, name: str) -> None:
+    def drop_staged(self, name: str, digest: Digest) -> None:
+        where = ("staging", digest.hex[:2])
         try:
-            self.remove_file(("staging",), name)
+            self.remove_file(where, name)
         except StoreError as exc:
-            _log.warning("cannot remove staged file %s: %s", self.v1 / "staging" / name, exc)
+            _log.warning("cannot remove staged file %s: %s", self.v1.joinpath(*where, name), exc)
 
     # -- persistent counters (for `cubinstore stats`) -------------------------------------------
     # A hit must not pay a lock and a file rewrite (that was most of a verified load), so counts

@@ -56,6 +56,8 @@ class StoreRoot:
         self.allow_shared = allow_shared
         self._held: dict[tuple[str, ...], int] = {}
         self._held_lock = threading.Lock()
+        self._session: dict[tuple[str, ...], int] | None = None
+        self._session_depth = 0
 
     def held_dir(self, *parts: str, refresh: bool = False) -> int | None:
         """A descriptor of ``root/parts...`` (opened like ``dir``) kept open for reads.
@@ -83,12 +85,52 @@ class StoreRoot:
         no directory on the way is writable by another user. A symlink or non-directory on
         the way is an ``UnsafeStoreError`` when writing and a miss (None, logged) when reading.
         """
+        session = self._session
+        if session is not None:
+            with self._held_lock:
+                fd = session.get(parts)
+        if session is not None and (fd is not None or create or check):
+            # Inside a session a directory checked once serves every operation; a read of one not
+            # yet held takes the plain path below (reads need no ownership check).
+            if fd is None:
+                fd = self._open(parts, create=create, check=True)
+                if fd is not None:
+                    with self._held_lock:
+                        if parts in session:  # another thread opened it first
+                            os.close(fd)
+                            fd = session[parts]
+                        else:
+                            session[parts] = fd
+            yield fd
+            return
         fd = self._open(parts, create=create, check=check or create)
         try:
             yield fd
         finally:
             if fd is not None:
                 os.close(fd)
+
+    def begin_session(self) -> None:
+        """Until ``end_session``, ``dir`` keeps each directory it opens (checked, as for a write).
+
+        For a batch of many writes (prefetch, unpack, gc): the walk from the root and the
+        ownership checks run once per directory, not once per file. What a walk guards
+        against is the same: every operation still acts on a descriptor of a directory that
+        was reached without following a link and checked when it was opened.
+        """
+        with self._held_lock:
+            self._session_depth += 1
+            if self._session is None:
+                self._session = {}
+
+    def end_session(self) -> None:
+        with self._held_lock:
+            self._session_depth -= 1
+            if self._session_depth > 0 or self._session is None:
+                return
+            session, self._session = self._session, None
+        for fd in session.values():
+            os.close(fd)
 
     def _open(self, parts: tuple[str, ...], *, create: bool, check: bool) -> int | None:
         path = self.root
