@@ -48,13 +48,13 @@ from cubinstore._jitdirect import (
     shapes_of,
 )
 from cubinstore._jitindex import IndexEntry, JitIndex
+from cubinstore import _jitkey
 from cubinstore._jitkey import (
     ACTION_ENV,
     Flags,
     HostCompiler,
     JitKey,
     Toolkit,
-    clear_caches,
     find_toolkit,
     host_compiler,
     key_parts,
@@ -318,15 +318,29 @@ def _named(family: str | None, params: Mapping[str, Any] | None) -> str:
     return f", family {family}" + "".join(f" {k}={v!r}" for k, v in (params or {}).items())
 
 
+# Keys whose parts were read back and re-hashed in this process: a key names its parts, so
+# they never go stale (``clear_caches`` forgets them anyway, for tests of damaged files).
+_parts_read: dict[str, JitKey] = {}
+
+
+def clear_caches() -> None:
+    """Forget every tree, toolkit and host identity hashed in this process, every direct check
+    that passed and every key's parts read back (files changed under this process)."""
+    _jitkey.clear_caches()
+    _parts_read.clear()
+
+
 def _direct_hit(index: JitIndex, store: Store, dreq: DirectRequest) -> tuple[JitKey, IndexEntry] | None:
     hex_ = lookup(dreq, index)
     if hex_ is None:
         return None
-    parts = index.get_parts(hex_)
-    # The parts must still make the key (a damaged file reads as a miss, never as another key).
-    if parts is None or make_key(parts).hex != hex_:
-        return None
-    k = JitKey(hex_, parts)
+    k = _parts_read.get(hex_)
+    if k is None:
+        parts = index.get_parts(hex_)
+        # The parts must still make the key (a damaged file reads as a miss, never as another key).
+        if parts is None or make_key(parts).hex != hex_:
+            return None
+        k = _parts_read.setdefault(hex_, JitKey(hex_, parts))
     found = _hit(index, store, k)
     if found is None:
         forget(dreq)
