@@ -8,7 +8,8 @@ fingerprint (device, inode, size, mtime, ctime of every file) lets a fresh proce
 content hash a previous one computed, as git's index does. Fingerprints are local facts
 kept under ``<store>/v1/jit/stat/``: they decide whether to re-read files, never the key.
 Everything here is read and written through the local store's descriptor-based file API
-(no link inside the store is followed).
+(no link inside the store is followed). ``shape`` and ``toolkit_core`` are what the direct key
+(``_jitdirect``) checks instead of whole trees.
 
 ``xxhash`` is imported here and only here: ``import cubinstore`` stays standard library only.
 """

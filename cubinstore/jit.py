@@ -7,7 +7,10 @@
     k.launch("axpy_f32", grid=..., block=..., args=...)   # like lib.kernel(...).launch
 
 The key (``cubinstore._jitkey``) covers content only, so a second install of the same
-library at another prefix, a relocated container or a fresh process hits. The CUBIN is an
+library at another prefix, a relocated container or a fresh process hits. A warm call first
+tries the direct key (``cubinstore._jitdirect``): only the files an earlier compile of the
+same TU included, and the shape of each root, are checked, so it needs no walk of the trees;
+``k.found_by`` says whether the direct key, the full key or a compile found it. The CUBIN is an
 ordinary blob of the local CAS (by sha256); ``<store>/v1/jit/index`` maps key -> digest.
 nvcc runs with the Bazel rule's command shape and environment in a private directory under
 the store's root in which every path is relative, so nvcc's messages and the CUBIN carry no
@@ -31,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore import _env
+from cubinstore import _env, _jitkey
 from cubinstore._abi import Arch, CubinImage, module_anchor, param_layout, param_type
 from cubinstore._digest import Digest, show
 from cubinstore._jitdirect import (
@@ -48,7 +51,6 @@ from cubinstore._jitdirect import (
     shapes_of,
 )
 from cubinstore._jitindex import IndexEntry, JitIndex
-from cubinstore import _jitkey
 from cubinstore._jitkey import (
     ACTION_ENV,
     Flags,
