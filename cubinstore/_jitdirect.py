@@ -30,6 +30,7 @@ are covered, as by the full key, by the host compiler's identity.
 
 from __future__ import annotations
 
+import functools
 import logging
 import marshal
 import os
@@ -49,7 +50,9 @@ from cubinstore._jitkey import (
     HostCompiler,
     ToolkitCore,
     _StatCache,
+    host_command,
     host_compiler,
+    locate_toolkit,
     normalize_flags,
     probe_fingerprint,
     shape,
@@ -111,26 +114,47 @@ def make_roots(include_dirs: Sequence[str], flags: Flags, toolkit_root: Path) ->
 
 
 class DirectRequest:
-    """What the direct key covers for one call, computed without walking any tree."""
+    """What the direct key covers for one call, computed without walking any tree.
+
+    The toolkit's and host compiler's identities are taken only when needed (a slow check or a
+    compile): a fresh process whose stat check passes reads neither, since the stats it checks
+    include the files those identities were taken from."""
 
     def __init__(self, text: str, source_name: str, include_dirs: Sequence[str], flags: Sequence[str], arch: Arch,
                  local: LocalStore) -> None:
         self.local = local
         self.flags: Flags = normalize_flags(flags, local=local, key_dirs=False)
-        self.core: ToolkitCore = toolkit_core(local=local)
-        self.host: HostCompiler = host_compiler(local=local)
-        self.roots = make_roots(include_dirs, self.flags, self.core.root)
-        doc = {
+        self.toolkit_root, _ = locate_toolkit()
+        self.host_name, self.host_binary = host_command()
+        self.roots = make_roots(include_dirs, self.flags, self.toolkit_root)
+        self._request = {
             "scheme": DIRECT_SCHEME, "source": xxh3(text.encode("utf-8", "surrogateescape")), "source_name": source_name,
             "includes": len(include_dirs), "flags": list(self.flags.keyed), "arch": str(arch),
-            "toolkit": self.core.identity, "host": {"name": self.host.name, "identity": self.host.identity},
         }
-        self.key: str = xxhash.xxh3_128_hexdigest(dumps_canonical(doc))
+        # The stat cache's name: everything but the identities, and where each root is here.
+        self._stat_name = "\0".join((
+            "direct", xxhash.xxh3_128_hexdigest(dumps_canonical(self._request)), self.host_name, self.host_binary,
+            *self.roots.base, *self.roots.tree))
 
-    @property
-    def _stat_name(self) -> str:
-        # The check's result is a local fact about these locations: keyed by them, never shared.
-        return "\0".join(("direct", self.key, *self.roots.base, *self.roots.tree))
+    @functools.cached_property
+    def core(self) -> ToolkitCore:
+        return toolkit_core(local=self.local)
+
+    @functools.cached_property
+    def host(self) -> HostCompiler:
+        return host_compiler(local=self.local)
+
+    @functools.cached_property
+    def key(self) -> str:
+        doc = {**self._request, "toolkit": self.core.identity,
+               "host": {"name": self.host.name, "identity": self.host.identity}}
+        return xxhash.xxh3_128_hexdigest(dumps_canonical(doc))
+
+    def ids(self) -> tuple[tuple[str, ...], tuple[tuple[int, ...] | None, ...]]:
+        """The files the toolkit's and host compiler's identities were taken from, and their stats then."""
+        if self.core.root != self.toolkit_root or self.host.id_paths[:1] != (self.host_binary,):
+            return (), ()  # the environment moved under this request: nothing to vouch for
+        return self.core.id_paths + self.host.id_paths, self.core.id_facts + self.host.id_facts
 
 
 # -- recording, after a compile ---------------------------------------------------------------------
@@ -325,25 +349,33 @@ def clear() -> None:
 
 @dataclass(frozen=True)
 class _Observed:
-    """Stats of the recorded files and of every root's probes, taken *before* the files are
-    hashed (git's order): a change after the hash then shows in a later stat."""
+    """Stats of the recorded files, of every root's probes and of the identities' files, taken
+    *before* the files are hashed (git's order): a change after the hash shows in a later stat."""
 
     files: tuple[tuple[int, str], ...]
     probes: tuple[tuple[int, str], ...]
+    ids: tuple[str, ...]
     stats: tuple[tuple[int, ...] | None, ...]
 
 
-def observe(roots: Roots, files: Sequence[tuple[str, str] | tuple[str, str, str]], shapes: dict[str, Any]) -> _Observed | None:
-    """None when a shape no longer holds (a probe's stat moved since the shape was read)."""
+def observe(dreq: DirectRequest, files: Sequence[tuple[str, str] | tuple[str, str, str]],
+            shapes: dict[str, Any]) -> _Observed | None:
+    """None when a shape or an identity no longer holds (a stat moved since it was taken)."""
+    roots = dreq.roots
+    id_paths, id_facts = dreq.ids()
+    if not id_paths:
+        return None
     file_refs = tuple((roots.index(f[0]), f[1]) for f in files)
     probe_refs = tuple((roots.index(label), rel) for label, s in shapes.items() for rel in s.probes)
-    stats = tuple(_stats(_paths(roots, file_refs, probe_refs)))
+    stats = tuple(_stats([*_paths(roots, file_refs, probe_refs), *id_paths]))
     at = len(file_refs)
     for s in shapes.values():
         if probe_fingerprint(s.probes, stats[at:at + len(s.probes)]) != s.fingerprint:
             return None
         at += len(s.probes)
-    return _Observed(file_refs, probe_refs, stats)
+    if stats[at:] != id_facts:
+        return None
+    return _Observed(file_refs, probe_refs, id_paths, stats)
 
 
 def _save(dreq: DirectRequest, key: str, seen: _Observed) -> None:
@@ -354,7 +386,7 @@ def _save(dreq: DirectRequest, key: str, seen: _Observed) -> None:
         return
     _StatCache(dreq.local).put(dreq._stat_name, {
         "fingerprint": _stats_fingerprint(seen.stats), "key": key,
-        "files": [list(r) for r in seen.files], "probes": [list(r) for r in seen.probes]})
+        "files": [list(r) for r in seen.files], "probes": [list(r) for r in seen.probes], "ids": list(seen.ids)})
 
 
 def _fast(dreq: DirectRequest) -> str | None:
@@ -364,8 +396,9 @@ def _fast(dreq: DirectRequest) -> str | None:
     try:
         files = [(int(i), str(rel)) for i, rel in doc["files"]]
         probes = [(int(i), str(rel)) for i, rel in doc["probes"]]
+        ids = [str(p) for p in doc["ids"]]
         key = check_key(doc["key"])
-        if _stats_fingerprint(_stats(_paths(dreq.roots, files, probes))) == doc["fingerprint"]:
+        if ids and _stats_fingerprint(_stats([*_paths(dreq.roots, files, probes), *ids])) == doc["fingerprint"]:
             return key
     except (KeyError, TypeError, ValueError, IndexError):  # BadArgumentError is a ValueError
         pass
@@ -391,7 +424,7 @@ def _check(dreq: DirectRequest, index: JitIndex, key: str) -> bool:
             _log.debug("direct %s: root %s has another shape than xxh3:%s's", dreq.key, label, key)
             return False
         current[label] = s
-    seen = observe(roots, files, current)
+    seen = observe(dreq, files, current)
     if seen is None:
         return False
     now = hash_deps([(label, rel) for label, rel, _ in files], roots)

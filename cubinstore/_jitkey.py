@@ -54,6 +54,7 @@ __all__ = [
     "Tree",
     "clear_caches",
     "find_toolkit",
+    "host_command",
     "host_compiler",
     "make_key",
     "shape",
@@ -581,6 +582,10 @@ class ToolkitCore:
     root: Path  # resolved; never keyed
     version: str
     binaries: str  # xxh3 of the listing of those files
+    # The stats the identity was taken at (local facts, never keyed): the programs (None: absent),
+    # libdevice's directory and files. The direct path's stat check covers them too.
+    id_paths: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    id_facts: tuple[tuple[int, ...] | None, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def identity(self) -> dict[str, str]:
@@ -606,8 +611,16 @@ def toolkit_core(*, local: LocalStore | None = None) -> ToolkitCore:
         hit = _core_cache.get(str(root))
     if hit is not None:
         return hit
+    lib = str(root / "nvvm" / "libdevice")
+    try:
+        lib_facts = stat_facts(os.stat(lib))  # before its listing: a file added later moves it
+    except OSError:
+        lib_facts = None
     files = _core_files(root)
     fingerprint = _fingerprint(files)
+    absent = [str(root / rel) for rel in TOOL_FILES if not any(f == rel for f, _, _ in files)]
+    id_paths = (*(p for _, p, _ in files), *absent, lib)
+    id_facts = (*(stat_facts(st) for _, _, st in files), *(None for _ in absent), lib_facts)
     stat_cache = _StatCache(local)
     doc = stat_cache.get(f"toolkit-core\0{root}", fingerprint)
     version = doc.get("version") if doc is not None else None
@@ -621,7 +634,7 @@ def toolkit_core(*, local: LocalStore | None = None) -> ToolkitCore:
         binaries = _tree_from_files(files, "xxh3").key
         if not _is_racy(files):
             stat_cache.put(f"toolkit-core\0{root}", {"fingerprint": fingerprint, "binaries": binaries, "version": version})
-    core = ToolkitCore(root, version, binaries)
+    core = ToolkitCore(root, version, binaries, id_paths, id_facts)
     with _cache_lock:
         _core_cache[str(root)] = core
     return core
@@ -635,6 +648,9 @@ class HostCompiler:
 
     name: str  # the command name on /usr/bin:/bin, what -ccbin gets
     identity: str  # the text third_party/cuda writes to host_compiler.id
+    # The binary and cc1plus, and their stats when the identity was taken (local facts).
+    id_paths: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    id_facts: tuple[tuple[int, ...] | None, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def summary(self) -> str:
@@ -647,6 +663,24 @@ def _stat_sig(path: str) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
+def host_command() -> tuple[str, str]:
+    """``$CUBINSTORE_HOST_CC`` (default gcc) and the binary it names on /usr/bin:/bin (resolved)."""
+    name = _env.host_cc()
+    if not name or "/" in name:
+        raise BadArgumentError(f"CUBINSTORE_HOST_CC must be a command name on {ACTION_PATH}, got {show(name)}")
+    binary = next((os.path.realpath(p) for d in ACTION_PATH.split(":") if os.path.isfile(p := os.path.join(d, name))), None)
+    if binary is None:
+        raise BadArgumentError(f"host compiler {show(name)} (CUBINSTORE_HOST_CC) not found on {ACTION_PATH}")
+    return name, binary
+
+
+def _facts_of(path: str) -> tuple[int, ...] | None:
+    try:
+        return stat_facts(os.stat(path))
+    except OSError:
+        return None
+
+
 def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
     """``$CUBINSTORE_HOST_CC`` (default gcc) on /usr/bin:/bin and its identity, like the repository rule."""
     name = _env.host_cc()
@@ -656,11 +690,11 @@ def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
         hit = _host_cache.get(name)
     if hit is not None:
         return hit
-    binary = next((os.path.realpath(p) for d in ACTION_PATH.split(":") if os.path.isfile(p := os.path.join(d, name))), None)
-    if binary is None:
-        raise BadArgumentError(f"host compiler {show(name)} (CUBINSTORE_HOST_CC) not found on {ACTION_PATH}")
+    name, binary = host_command()
     stat_cache = _StatCache(local)
     cache_name = f"host\0{name}\0{binary}"
+    id_paths: tuple[str, ...] = (binary,)
+    id_facts: tuple[tuple[int, ...] | None, ...] = (_facts_of(binary),)
     sig = _stat_sig(binary)
     identity = None
     doc = stat_cache.get(cache_name, sig)
@@ -669,21 +703,26 @@ def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
         try:
             if front is None or (isinstance(front, list) and _stat_sig(front[0]) == front[1]):
                 identity = doc.get("identity")
+                if front is not None:
+                    id_paths, id_facts = (binary, front[0]), (id_facts[0], _facts_of(front[0]))
         except OSError:
             identity = None
     if not isinstance(identity, str):
+        id_paths, id_facts = (binary,), (_facts_of(binary),)
         lines = [f"name: {name}", f"sha256: {_hash_file(binary, _sha256).split(':', 1)[1]}"]
         front_end = _run_checked([binary, "-print-prog-name=cc1plus"], "host compiler").strip()
         front_doc = None
         if front_end.startswith("/") and os.path.exists(front_end):
             real_front = os.path.realpath(front_end)
+            front_facts = _facts_of(real_front)  # before its content is read
             lines.append(f"cc1plus sha256: {_hash_file(real_front, _sha256).split(':', 1)[1]}")
             front_doc = [real_front, _stat_sig(real_front)]
+            id_paths, id_facts = (binary, real_front), (id_facts[0], front_facts)
         lines.append("version:")
         lines.append(_run_checked([binary, "--version"], "host compiler"))
         identity = "\n".join(lines)
         stat_cache.put(cache_name, {"fingerprint": sig, "cc1plus": front_doc, "identity": identity})
-    host = HostCompiler(name, identity)
+    host = HostCompiler(name, identity, id_paths, id_facts)
     with _cache_lock:
         _host_cache[name] = host
     return host

@@ -445,7 +445,7 @@ def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex
     except CubinstoreError as exc:
         _log.warning("JIT %s: cannot read the shape of its roots (%s); no direct entry", req.key, exc)
         return None
-    seen = observe(dreq.roots, placed, shapes)  # stats first, then content
+    seen = observe(dreq, placed, shapes)  # stats first, then content
     files = hash_deps(placed, dreq.roots)
     if files is None:
         _log.info("JIT %s: cannot read back a file nvcc read; no direct entry", req.key)
