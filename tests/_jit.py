@@ -81,35 +81,22 @@ def run_child(code: str, env: dict[str, str], timeout: float = 300) -> subproces
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
 
 def toolkit_copy(dest: Path) -> Path:
-    """A toolkit that compiles with its own headers: nvcc and its profile hard-linked (nvcc finds its
-    include tree from where its binary is), the include tree hard-linked file by file, the rest
-    linked. Change a header with ``own_copy`` first, never through the hard link."""
+    """A toolkit that compiles with its own headers: nvcc and its profile and the include tree
+    copied (nvcc finds its include tree from where its binary really is), the rest linked.
+    Copies, not hard links: a link to the real toolkit's files would move their ctime and so
+    every stat cache of the real toolkit."""
     real = real_toolkit()
     (dest / "bin").mkdir(parents=True)
     for item in (real / "bin").iterdir():
         if item.name in ("nvcc", "nvcc.profile"):
-            _link_or_copy(str(item), str(dest / "bin" / item.name))
+            shutil.copy2(item, dest / "bin" / item.name)
         else:
             (dest / "bin" / item.name).symlink_to(item)
     (dest / "nvvm").symlink_to(real / "nvvm")
-    shutil.copytree(os.path.realpath(real / "include"), dest / "include", copy_function=_link_or_copy)
+    shutil.copytree(os.path.realpath(real / "include"), dest / "include")
     if (real / "targets" / "x86_64-linux" / "include").is_dir():  # where nvcc.profile's -I points
         (dest / "targets" / "x86_64-linux").mkdir(parents=True)
         (dest / "targets" / "x86_64-linux" / "include").symlink_to("../../include")
     return dest
-
-
-def own_copy(path: Path) -> Path:
-    """Replace a hard link by a private copy of its content, so editing it leaves the original alone."""
-    data = path.read_bytes()
-    path.unlink()
-    path.write_bytes(data)
-    return path

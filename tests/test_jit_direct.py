@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
-from _jit import ENTRIES, TU, child_env, make_library, own_copy, run_child, toolkit_copy  # noqa: E402
+from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy  # noqa: E402
 
 from cubinstore import _jitdirect, _jitkey, jit  # noqa: E402
 from cubinstore._jitindex import JitIndex  # noqa: E402
@@ -200,13 +200,33 @@ def test_headers_of_the_device_pass_and_of_the_host_pass_are_both_checked(lib: S
     assert k.compiled is True and k.digest != first.digest
 
 
+@pytest.fixture(scope="module")
+def toolkit_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return toolkit_copy(tmp_path_factory.mktemp("toolkit") / "cuda")
+
+
+_edits: list[tuple[Path, bytes | None]] = []
+
+
+def _edit(path: Path, text: str) -> None:
+    """Append ``text`` to a file of the toolkit copy (or create it); undone after the test."""
+    _edits.append((path, path.read_bytes() if path.exists() else None))
+    with open(path, "a") as f:
+        f.write(text)
+
+
 @pytest.fixture
-def own_toolkit(lib: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> Path:
+def own_toolkit(lib: SimpleNamespace, toolkit_tree: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A toolkit copy whose nvcc reads the copy's headers, as CUDA_PATH."""
-    root = toolkit_copy(lib.tmp / "cuda")
-    monkeypatch.setenv("CUDA_PATH", str(root))
+    monkeypatch.setenv("CUDA_PATH", str(toolkit_tree))
     jit.clear_caches()
-    return root
+    yield toolkit_tree
+    while _edits:
+        path, original = _edits.pop()
+        if original is None:
+            path.unlink()
+        else:
+            path.write_bytes(original)
 
 
 def test_a_toolkit_copy_hits_through_the_direct_path(lib: SimpleNamespace, own_toolkit: Path) -> None:
@@ -216,10 +236,10 @@ def test_a_toolkit_copy_hits_through_the_direct_path(lib: SimpleNamespace, own_t
     assert _again(lib).found_by == "direct"
 
 
-def test_a_changed_toolkit_header_the_tu_includes_misses(lib: SimpleNamespace, own_toolkit: Path) -> None:
+def test_a_changed_toolkit_header_the_tu_includes_misses(lib: SimpleNamespace, own_toolkit: Path,
+                                                          no_racy_window: None) -> None:
     first = _compile(lib)
-    with open(own_copy(own_toolkit / "include" / "crt" / "host_defines.h"), "a") as f:
-        f.write("\n// patched toolkit\n")
+    _edit(own_toolkit / "include" / "crt" / "host_defines.h", "\n// patched toolkit\n")
     k = _again(lib)
     assert k.compiled is True and k.key != first.key
 
@@ -228,8 +248,7 @@ def test_a_changed_toolkit_header_the_tu_does_not_include_hits(lib: SimpleNamesp
     first = _compile(lib)
     (dep,) = _direct_files(lib.home, "deps")
     assert not any(rel.endswith("/cuda_fp16.h") for _, rel, _ in json.loads(dep.read_text())["files"])
-    with open(own_copy(own_toolkit / "include" / "cuda_fp16.h"), "a") as f:
-        f.write("\n// patched, never included by this TU\n")
+    _edit(own_toolkit / "include" / "cuda_fp16.h", "\n// patched, never included by this TU\n")
     k = _again(lib)
     assert (k.compiled, k.found_by, k.key) == (False, "direct", first.key)
     assert jit.key(TU, include_dirs=[lib.include], arch=ARCH, store=lib.store) != first.key  # the full key sees it
@@ -237,15 +256,15 @@ def test_a_changed_toolkit_header_the_tu_does_not_include_hits(lib: SimpleNamesp
 
 def test_a_new_file_in_the_toolkit_include_tree_misses(lib: SimpleNamespace, own_toolkit: Path) -> None:
     _compile(lib)
-    (own_toolkit / "include" / "stdio.h").write_text("// would shadow the C library's\n")
+    _edit(own_toolkit / "include" / "stdio.h", "// would shadow the C library's\n")
     assert _again(lib).compiled is True
 
 
-def test_changed_toolkit_programs_miss(lib: SimpleNamespace, own_toolkit: Path) -> None:
+def test_changed_toolkit_programs_miss(lib: SimpleNamespace, own_toolkit: Path, no_racy_window: None) -> None:
     first = _compile(lib)
-    profile = own_copy(own_toolkit / "bin" / "nvcc.profile")
-    with open(profile, "a") as f:
-        f.write("\n")
+    assert _child_compile(lib, lib.include, "import os\nos.environ['CUDA_PATH'] = " + repr(str(own_toolkit)) + "\n"
+                          + _NO_WALK)[:2] == ["False", "direct"]  # by stat alone, identities not taken
+    _edit(own_toolkit / "bin" / "nvcc.profile", "\n")
     k = _again(lib)
     assert k.compiled is True and k.key != first.key
 
