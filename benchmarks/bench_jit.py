@@ -260,11 +260,12 @@ def cpu_rows(work: Path, cutlass: Path, repeats: int) -> list[tuple[str, str, st
                  "stat cache over ~1,900 toolkit files; first process on a machine hashes ~200 MB once"))
     _spawn("core_statcached", args, env)
     rows.append(("direct key: toolkit programs + host identity, fresh process",
-                 _ms(_repeat("core_statcached", args, env, repeats)), "stat cache over nvcc, cicc, ptxas... and libdevice"))
+                 _ms(_repeat("core_statcached", args, env, repeats)),
+                 "stat cache over nvcc, cicc, ptxas... and libdevice; only a slow check or a compile takes it"))
     direct, full = _warm_rows("jit_warm", args, env, repeats)
     checks = [w["direct_check"] for w in direct if "direct_check" in w]
     rows.append(("direct check, fresh process", _ms(_median(checks)),
-                 "direct key + stat of the included files and of each root's directories"))
+                 "stat of the included files, each root's directories, the identities' files"))
     warm = _median([w["seconds"] for w in direct])
     rows.append(("JIT warm hit, fresh process: direct check + index + verified fetch", _ms(warm),
                  f"CPU part (no GPU load); found by {_found(direct)}"))
