@@ -752,6 +752,11 @@ def _spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> 
     return KernelSpec._checked(obj, specs)
 
 
+# Only a big manifest is worth it: aging also moves the application's young objects (and any
+# young cyclic garbage) to the oldest generation, where they wait for the next full collection.
+_AGE_AFTER_BYTES = 1 << 20
+
+
 def _age_young_objects() -> None:
     """Move what the parse allocated straight to the oldest GC generation.
 
@@ -814,7 +819,8 @@ class _Index:
                 specs = self._cache.setdefault("all", tuple(map(self.spec, range(self._count))))
             finally:
                 if collecting:
-                    _age_young_objects()
+                    if self._count >= 5000:  # see _AGE_AFTER_BYTES
+                        _age_young_objects()
                     gc.enable()
         return specs
 
@@ -921,7 +927,8 @@ class Manifest:
             return cls._from_doc(doc, raw, source)
         finally:
             if collecting:
-                _age_young_objects()
+                if len(raw) >= _AGE_AFTER_BYTES:
+                    _age_young_objects()
                 gc.enable()
 
     @classmethod

@@ -267,3 +267,20 @@ def test_a_bad_manifest_still_names_its_field_at_scale() -> None:
     with pytest.raises(ManifestError, match=r"^invalid manifest m\.json: kernels\[\d+\] \(id 'f\d/bm\d+/bn\d+/sm_90a'\)\.size: "
                                             r"expected a positive integer \(bytes\), got -1"):
         Manifest.from_bytes(raw, source="m.json")
+
+
+def test_a_big_open_leaves_nothing_young_for_the_collector_and_respects_a_freeze() -> None:
+    import gc
+
+    raw = big_manifest(4000)
+    assert len(raw) >= manifest_module._AGE_AFTER_BYTES
+    m = Manifest.from_bytes(raw)
+    assert gc.isenabled() and gc.get_count()[0] < 700  # the document was aged, not left in generation 0
+    gc.freeze()  # an application's own freeze (a pre-fork server) is never undone
+    try:
+        frozen = gc.get_freeze_count()
+        Manifest.from_bytes(raw)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert len(m.kernels) == 4000
