@@ -1,4 +1,4 @@
-"""Fill the local store with many blobs: a bounded pool of parallel downloads, one batch of fsyncs.
+"""Fill the local store with many blobs: a bounded pool of parallel downloads, one filesystem sync at the end.
 
 Each blob goes through ``Store.get`` (verified, per-digest lock, one download across
 processes); the pool only overlaps the waiting. The bytes are dropped as soon as they are
