@@ -261,3 +261,42 @@ def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
         for digest, _ in manifest.blobs:
             tar.addfile(_member(f"cas/{digest.hex}", len(blobs[digest.hex])), io.BytesIO(blobs[digest.hex]))
     assert bundle.read_bytes() == expected.getvalue()
+
+
+def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    manifest, _ = release(tmp_path / "src", 400, size=20_000)
+    (tmp_path / "m.json").write_bytes(manifest.raw)
+    home = tmp_path / "home"
+    child = textwrap.dedent(f"""
+        import sys
+        from cubinstore import Manifest, Store
+        from cubinstore.store import DiskCacheStore, LocalStore
+        from cubinstore._prefetch import fetch_blobs
+        m = Manifest.from_path({str(tmp_path / "m.json")!r})
+        store = Store([LocalStore({str(home)!r}), DiskCacheStore({str(tmp_path / "src")!r})], strict=True)
+        seen = []
+        def names(d):
+            seen.append(d)
+            if len(seen) == 150:
+                print("halfway", flush=True)
+                sys.stdin.readline()  # blocks (the parent writes nothing) until the kill: mid-batch, deterministically
+            return str(d)
+        fetch_blobs(store, list(m.blobs), names=names, jobs=4)
+        print("finished", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "halfway"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    local = LocalStore(home)
+    report = verify_store(local)
+    assert report.corrupt == [] and 140 < report.ok < 400  # what reached a final path is whole
+    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []  # the rest is fetched again
+    assert verify_store(local).ok == 400
