@@ -22,7 +22,7 @@ CUBINSTORE_HOST_CC              str      gcc                               host 
 CUBINSTORE_CUTLASS_INCLUDE      path     (none)                            CUTLASS/CuTe include root (Bazel, family JIT templates)
 CUBINSTORE_ALLOW_SHARED_STORE   bool     false                             write to a store whose directories others can write
 CUBINSTORE_TRUST_POLICY         path     (none)                            trust policy for ``channel:NAME`` (signed releases)
-CUBINSTORE_FETCH_JOBS           int      16                                parallel downloads of ``prefetch``
+CUBINSTORE_FETCH_JOBS           int      16                                parallel downloads of ``prefetch`` (uploads of ``publish``)
 =============================== ======== ================================= ==========================================
 """
 
@@ -86,7 +86,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", "0",
              "write to a local store whose directories other users can write (a store shared by a trusted group)"),
     Variable("CUBINSTORE_TRUST_POLICY", "path", "", "trust policy file for channel:NAME (signed releases)"),
-    Variable("CUBINSTORE_FETCH_JOBS", "int", "16", "blobs prefetch downloads at once (each over a kept-alive connection)"),
+    Variable("CUBINSTORE_FETCH_JOBS", "int", "16", "blobs prefetch downloads (and publish uploads) at once, each over a kept-alive connection"),
 )
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -212,7 +212,7 @@ def memory_bytes() -> int:
 
 
 def fetch_jobs() -> int:
-    """``CUBINSTORE_FETCH_JOBS``: parallel downloads of ``prefetch`` (sized for a CDN; 1 is sequential)."""
+    """``CUBINSTORE_FETCH_JOBS``: parallel downloads of ``prefetch``, uploads of ``publish`` (sized for a CDN; 1 is sequential)."""
     return max(1, _count("CUBINSTORE_FETCH_JOBS", 16))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 
@@ -17,7 +18,9 @@ from cubinstore._memory import MemoryStore
 from cubinstore.errors import CubinstoreError
 from cubinstore.store import Store
 
-__all__ = ["fetch_blobs", "without_memory"]
+__all__ = ["fetch_blobs", "run_each", "without_memory"]
+
+T = TypeVar("T")
 
 _log = logging.getLogger(__name__)
 
@@ -28,31 +31,23 @@ def without_memory(store: Store) -> Store:
                  backfill=store.backfill)
 
 
-def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Callable[[Digest], str],
-                jobs: int, progress: Callable[[int, int, int], None] | None = None) -> list[str]:
-    """Get every blob through ``store`` with at most ``jobs`` in flight; the failures, in ``blobs`` order.
+def run_each(items: Sequence[T], fn: Callable[[T], int], *, jobs: int,
+             progress: Callable[[int, int, int], None] | None = None) -> list[int | CubinstoreError]:
+    """``fn(item)`` for every item with at most ``jobs`` in flight: each result (bytes handled, for
+    the progress line) or the ``CubinstoreError`` it raised, in ``items`` order.
 
-    ``progress(done, total, bytes)`` is called from this thread after each blob. Writes are
-    batched (``LocalStore.batch``): the filesystem is synced once, when every blob is in.
+    ``progress(done, total, bytes)`` is called from this thread after each item. At most
+    ``2 * jobs`` items are submitted at a time: a queue of 10,000 blobs never becomes 10,000 futures.
     """
-    local = store.local
-    failures: dict[int, str] = {}
-    done = 0
-    nbytes = 0
-
-    def one(digest: Digest, size: int) -> int:
-        return len(store.get(digest, size, name=names(digest)))
-
-    # One filesystem sync at the end instead of a flush per blob (see LocalStore.batch).
-    with (local.batch(sync_each=False) if local is not None else nullcontext()), \
-            ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    results: list[int | CubinstoreError] = [0] * len(items)
+    done = nbytes = 0
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         pending: dict[Future[int], int] = {}
-        queue = iter(enumerate(blobs))
+        queue = iter(enumerate(items))
         try:
             while True:
-                # At most 2 * jobs submitted: the queue of 10,000 blobs is not materialised as futures.
-                for i, (digest, size) in queue:
-                    pending[pool.submit(one, digest, size)] = i
+                for i, item in queue:
+                    pending[pool.submit(fn, item)] = i
                     if len(pending) >= 2 * jobs:
                         break
                 if not pending:
@@ -61,15 +56,33 @@ def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Cal
                 for future in finished:
                     i = pending.pop(future)
                     try:
-                        nbytes += future.result()
+                        results[i] = future.result()
+                        nbytes += results[i]  # type: ignore[operator]
                     except CubinstoreError as exc:
-                        failures[i] = str(exc)
+                        results[i] = exc
                     done += 1
                     if progress is not None:
-                        progress(done, len(blobs), nbytes)
+                        progress(done, len(items), nbytes)
         except BaseException:
             for future in pending:
                 future.cancel()
             raise
-    return [failures[i] for i in sorted(failures)]
+    return results
 
+
+def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Callable[[Digest], str],
+                jobs: int, progress: Callable[[int, int, int], None] | None = None) -> list[str]:
+    """Get every blob through ``store`` with at most ``jobs`` in flight; the failures, in ``blobs`` order.
+
+    Writes are batched (``LocalStore.batch``): the filesystem is synced once, when every blob is in.
+    """
+    local = store.local
+
+    def one(blob: tuple[Digest, int]) -> int:
+        digest, size = blob
+        return len(store.get(digest, size, name=names(digest)))
+
+    # One filesystem sync at the end instead of a flush per blob (see LocalStore.batch).
+    with local.batch(sync_each=False) if local is not None else nullcontext():
+        results = run_each(blobs, one, jobs=jobs, progress=progress)
+    return [str(r) for r in results if isinstance(r, CubinstoreError)]

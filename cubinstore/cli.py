@@ -303,25 +303,31 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         manifest = Manifest.from_digest(manifest_digest, sources)
     else:
         manifest = _load_manifest(args.manifest, sources)
-    failures: list[str] = []
-    uploaded: list[tuple[Digest, int]] = []
+    from cubinstore._prefetch import run_each
+
+    blobs = list(manifest.blobs)
+
+    def upload(blob: tuple[Digest, int]) -> int:
+        digest, size = blob
+        remote.put(digest, sources.get(digest, size, name=_names(manifest, digest)))
+        return size
+
     progress = _Progress("publish")
-    done = 0
-    for i, (digest, size) in enumerate(manifest.blobs):
-        try:
-            data = sources.get(digest, size, name=_names(manifest, digest))
-            remote.put(digest, data)
-            uploaded.append((digest, size))
-            done += size
-        except CubinstoreError as exc:
-            failures.append(str(exc))
-        progress(i + 1, len(manifest.blobs), done)
-    progress.close()
+    try:  # CUBINSTORE_FETCH_JOBS uploads at once, each over a kept-alive connection
+        results = run_each(blobs, upload, jobs=_env.fetch_jobs(), progress=progress)
+    finally:
+        progress.close()
+    failures = [str(r) for r in results if isinstance(r, CubinstoreError)]
+    uploaded = [blob for blob, r in zip(blobs, results) if not isinstance(r, CubinstoreError)]
+
     # The server may have accepted bytes it did not keep or mangled: read every blob back.
-    for digest, size in uploaded:
-        failure = _check_remote(remote, digest, size, _names(manifest, digest))
+    def check(blob: tuple[Digest, int]) -> int:
+        failure = _check_remote(remote, blob[0], blob[1], _names(manifest, blob[0]))
         if failure:
-            failures.append(failure)
+            raise CubinstoreError(failure)
+        return blob[1]
+
+    failures += [str(r) for r in run_each(uploaded, check, jobs=_env.fetch_jobs()) if isinstance(r, CubinstoreError)]
     for failure in failures:
         _err(failure)
     if failures:
