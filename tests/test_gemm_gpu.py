@@ -11,19 +11,15 @@ not write fails the check.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import cubinstore.ops as ops
-from cubinstore import _cuda, launch
-from cubinstore.manifest import Manifest
-from cubinstore.store import DirectorySource, LocalStore, Store
+from cubinstore import launch
+from _gpu import family_ids, family_library
 
-ROOT = Path(__file__).resolve().parents[1]
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 TUNING = importlib.import_module("cubinstore.ops._gemm_tuning")
 
@@ -37,19 +33,6 @@ TAILS = [(1000, 1000, 1008), (1, 1, 8), (7, 13, 8), (129, 257, 72), (255, 191, 4
          (300, 4099, 520)]
 
 
-def _manifest_path() -> Path:
-    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
-    return path if path.is_absolute() else ROOT / path
-
-
-def _gemm_ids() -> list[str]:
-    path = _manifest_path()
-    if not path.is_file():
-        return ["<no manifest>"]
-    ids = [k.id for k in Manifest.from_path(path) if k.family == G.FAMILY]
-    return ids or ["<no gemm kernels in the manifest>"]
-
-
 @pytest.fixture(scope="module")
 def torch() -> Any:
     return pytest.importorskip("torch", reason="the GEMM tests make their inputs with torch")
@@ -57,22 +40,7 @@ def torch() -> Any:
 
 @pytest.fixture(scope="module")
 def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch.Library]:
-    ok, why = _cuda.available()
-    if not ok:
-        pytest.skip(f"no CUDA device: {why}")
-    if _cuda.compute_capability(0) != (9, 0):
-        pytest.skip(f"the gemm kernels are sm_90a; device 0 is {_cuda.compute_capability(0)}")
-    path = _manifest_path()
-    if not path.is_file():
-        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
-    manifest = Manifest.from_path(path)
-    if not manifest.find(G.FAMILY):
-        pytest.skip(f"manifest {path} has no gemm kernels")
-    # The local store CUBINSTORE_HOME names (e.g. filled by `cubinstore unpack`), else a fresh one,
-    # backed by the build tree the manifest sits in (bazel-bin/kernels).
-    home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
-    store = Store([LocalStore(home), DirectorySource(path.parent)])
-    library = launch.open(manifest, store)
+    library = family_library(G.FAMILY, tmp_path_factory)
     ops.set_library(library)
     yield library
     ops.set_library(None)
@@ -95,7 +63,7 @@ def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
     assert rel < MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
 
 
-@pytest.mark.parametrize("kernel_id", _gemm_ids())
+@pytest.mark.parametrize("kernel_id", family_ids(G.FAMILY))
 @pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_every_instantiation_matches_float32_reference(

@@ -15,19 +15,15 @@ element the kernel does not write fails the check.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cubinstore import _cuda, launch
-from cubinstore.manifest import Manifest
-from cubinstore.store import DirectorySource, LocalStore, Store
+from cubinstore import launch
+from _gpu import family_ids, family_library
 from cubinstore.tensormap import from_tensor
 
-ROOT = Path(__file__).resolve().parents[1]
 FAMILY = "tgemm"
 ENTRY = "cubinstore::tgemm::tgemm_impl<cubinstore::tgemm::{dtype}, {bm}, {bn}, {bk}, {stages}>"
 # The Itanium mangling of ENTRY (what the CUBIN's symbol table holds).
@@ -45,19 +41,6 @@ SHAPES = [(1, 1, 16), (128, 256, 128), (77, 301, 144), (300, 520, 1040), (1000, 
           (257, 4095, 2048), (129, 257, 4112), (4096, 4096, 4096), (333, 14336, 4096), (4096, 1024, 14336)]
 
 
-def _manifest_path() -> Path:
-    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
-    return path if path.is_absolute() else ROOT / path
-
-
-def _tgemm_ids() -> list[str]:
-    path = _manifest_path()
-    if not path.is_file():
-        return ["<no manifest>"]
-    ids = [k.id for k in Manifest.from_path(path) if k.family == FAMILY]
-    return ids or ["<no tgemm kernels in the manifest>"]
-
-
 @pytest.fixture(scope="module")
 def torch() -> Any:
     return pytest.importorskip("torch", reason="the tgemm tests make their inputs with torch")
@@ -65,19 +48,7 @@ def torch() -> Any:
 
 @pytest.fixture(scope="module")
 def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch.Library]:
-    ok, why = _cuda.available()
-    if not ok:
-        pytest.skip(f"no CUDA device: {why}")
-    if _cuda.compute_capability(0) != (9, 0):
-        pytest.skip(f"the tgemm kernels are sm_90a; device 0 is {_cuda.compute_capability(0)}")
-    path = _manifest_path()
-    if not path.is_file():
-        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
-    manifest = Manifest.from_path(path)
-    if not manifest.find(FAMILY):
-        pytest.skip(f"manifest {path} has no tgemm kernels")
-    home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
-    yield launch.open(manifest, Store([LocalStore(home), DirectorySource(path.parent)]))
+    yield family_library(FAMILY, tmp_path_factory)
 
 
 def _params(lib: launch.Library, kernel_id: str) -> dict[str, Any]:
@@ -120,7 +91,7 @@ class Problem:
         assert rel < MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
 
 
-@pytest.mark.parametrize("kernel_id", _tgemm_ids())
+@pytest.mark.parametrize("kernel_id", family_ids(FAMILY))
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("scales", [True, False], ids=["scaled", "unscaled"])
 def test_every_instantiation_matches_float64_reference_with_manifest_geometry(
@@ -133,7 +104,7 @@ def test_every_instantiation_matches_float64_reference_with_manifest_geometry(
     prob.check(f"{kernel_id} at {m}x{n}x{k} {'scaled' if scales else 'unscaled'}")
 
 
-@pytest.mark.parametrize("kernel_id", _tgemm_ids())
+@pytest.mark.parametrize("kernel_id", family_ids(FAMILY))
 def test_mangled_entry_name_launches_the_same_kernel(lib: launch.Library, torch: Any, kernel_id: str) -> None:
     p = _params(lib, kernel_id)
     kern = lib.kernel(FAMILY, **p)
@@ -142,7 +113,7 @@ def test_mangled_entry_name_launches_the_same_kernel(lib: launch.Library, torch:
     prob.check(f"{kernel_id} by mangled name")
 
 
-@pytest.mark.parametrize("kernel_id", _tgemm_ids())
+@pytest.mark.parametrize("kernel_id", family_ids(FAMILY))
 def test_repeated_launches_give_identical_bits(lib: launch.Library, torch: Any, kernel_id: str) -> None:
     # A race (a stage released or refilled too early) shows as results that move between runs.
     p = _params(lib, kernel_id)
@@ -158,7 +129,7 @@ def test_repeated_launches_give_identical_bits(lib: launch.Library, torch: Any, 
         assert torch.equal(first.view(torch.int16), prob.d.view(torch.int16)), f"{kernel_id}: bits moved"
 
 
-@pytest.mark.parametrize("kernel_id", _tgemm_ids())
+@pytest.mark.parametrize("kernel_id", family_ids(FAMILY))
 def test_padded_row_stride_is_read_through_the_tensor_map(lib: launch.Library, torch: Any, kernel_id: str) -> None:
     p = _params(lib, kernel_id)
     dtype = torch.bfloat16 if p["dtype"] == "bf16" else torch.float8_e4m3fn
@@ -175,7 +146,7 @@ def test_runs_on_the_current_torch_stream(lib: launch.Library, torch: Any) -> No
     # On a side stream, A is overwritten behind a long sleep and the kernel launched after it: only
     # a launch on that same stream is ordered after the copy (torch's streams do not synchronise
     # with the legacy default stream), so a kernel sent elsewhere reads the old A and fails.
-    kernel_id = _tgemm_ids()[0]
+    kernel_id = family_ids(FAMILY)[0]
     p = _params(lib, kernel_id)
     kern = lib.kernel(FAMILY, **p)
     prob = Problem(torch, p, 1024, 1024, 2048, scales=True)

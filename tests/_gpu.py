@@ -1,0 +1,50 @@
+"""What the GPU tests share: the manifest under test and a library over the build tree it sits in.
+
+`CUBINSTORE_TEST_MANIFEST` names the manifest (default `bazel-bin/kernels/manifest.json`,
+relative to the repository); its CUBINs are found by content in the directory beside it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cubinstore import _cuda, launch
+from cubinstore.manifest import Manifest
+from cubinstore.store import DirectorySource, LocalStore, Store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def manifest_path() -> Path:
+    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
+    return path if path.is_absolute() else ROOT / path
+
+
+def family_ids(family: str) -> list[str]:
+    """The family's kernel ids, for parametrize: a placeholder id that skips when there are none."""
+    path = manifest_path()
+    if not path.is_file():
+        return ["<no manifest>"]
+    return [k.id for k in Manifest.from_path(path) if k.family == family] or [f"<no {family} kernels in the manifest>"]
+
+
+def family_library(family: str, tmp_path_factory: pytest.TempPathFactory) -> launch.Library:
+    """A library over the manifest under test, on a Hopper GPU 0; skips with the reason otherwise."""
+    ok, why = _cuda.available()
+    if not ok:
+        pytest.skip(f"no CUDA device: {why}")
+    if _cuda.compute_capability(0) != (9, 0):
+        pytest.skip(f"the {family} kernels are sm_90a; device 0 is {_cuda.compute_capability(0)}")
+    path = manifest_path()
+    if not path.is_file():
+        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
+    manifest = Manifest.from_path(path)
+    if not manifest.find(family):
+        pytest.skip(f"manifest {path} has no {family} kernels")
+    # The local store CUBINSTORE_HOME names (e.g. filled by `cubinstore unpack`), else a fresh one,
+    # backed by the build tree the manifest sits in (bazel-bin/kernels).
+    home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
+    return launch.open(manifest, Store([LocalStore(home), DirectorySource(path.parent)]))
