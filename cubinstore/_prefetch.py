@@ -82,7 +82,9 @@ def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Cal
         digest, size = blob
         return len(store.get(digest, size, name=names(digest)))
 
-    # One filesystem sync at the end instead of a flush per blob (see LocalStore.batch).
-    with local.batch(sync_each=False) if local is not None else nullcontext():
+    # Each blob is fsynced before its rename, so no power loss leaves a short entry at a final
+    # path (an offline host may have nowhere to refetch it from); each directory is fsynced
+    # once when the batch ends (see LocalStore.batch).
+    with local.batch(sync_each=True) if local is not None else nullcontext():
         results = run_each(blobs, one, jobs=jobs, progress=progress)
     return [str(r) for r in results if isinstance(r, CubinstoreError)]

@@ -202,13 +202,15 @@ def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]
     return synced, filesystems
 
 
-def test_prefetch_syncs_the_filesystem_once_instead_of_each_blob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    manifest, _ = release(tmp_path / "src", 600)
+def test_prefetch_fsyncs_each_blob_and_each_shard_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Durable before visible: a power loss mid-prefetch never leaves a short entry at a final path.
+    manifest, blobs = release(tmp_path / "src", 600)
     local = LocalStore(tmp_path / "home")
     store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
     synced, filesystems = _count_syncs(monkeypatch)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
-    assert filesystems == [local.root] and synced == []
+    assert filesystems == []
+    assert synced.count("file") == 600 and synced.count("dir") == len({h[:2] for h in blobs}) < 600
     assert verify_store(local).ok == 600
 
 
