@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import stat
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._digest import Digest
-from cubinstore._safedir import READ_FLAGS, NotRegularFile, read_fd
+from cubinstore._safedir import NotRegularFile, read_at
 from cubinstore.errors import BadArgumentError, CubinstoreError, IntegrityError, StoreError
 
 __all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]
@@ -28,18 +27,7 @@ def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None
     ``LocalStore.read_file``, which follows no link at all. Reading one byte past ``limit``
     lets the caller see "longer than expected" without reading an arbitrarily large file.
     """
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
-            raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
-        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
-    try:
-        return read_fd(fd, limit, path=path, touch=touch)
-    finally:
-        os.close(fd)
+    return read_at(None, os.fspath(path), limit, path=path, touch=touch)
 
 
 def open_regular(path: Path, what: str, error: type[CubinstoreError] = BadArgumentError) -> BinaryIO:

@@ -230,8 +230,8 @@ def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path | str
         os.close(fd)
 
 
-def read_at(dir_fd: int, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
-    """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd``; None if absent.
+def read_at(dir_fd: int | None, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
+    """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd`` (None: a plain path); None if absent.
 
     A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock)
     when it is ``TOUCH_AFTER`` seconds old or more.
