@@ -7,7 +7,6 @@ entry); counts still add up across processes, and each blob is hashed once per f
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -16,27 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Store
 from cubinstore import _local
-from cubinstore.store import DiskCacheStore, LocalStore, MemoryStore
+from cubinstore.store import LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def blob(n: int = 5000, seed: int = 0) -> tuple[Digest, bytes]:
-    data = random.Random(seed).randbytes(n)
-    return Digest.of(data), data
-
-
-def disk_cache_with(root: Path, blobs: list[tuple[Digest, bytes]]) -> DiskCacheStore:
-    for digest, data in blobs:
-        path = root / "cas" / digest.hex[:2] / digest.hex
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    return DiskCacheStore(root)
+def blob(n: int = 5000, seed: int | None = 0) -> tuple[Digest, bytes]:
+    return random_blob(n, seed)
 
 
 class Syscalls:

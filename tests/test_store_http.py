@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import random
 import socket
 import time
 from pathlib import Path
 
 import pytest
+from _blobs import random_blob
 
 from cubinstore import (
     BadArgumentError,
@@ -22,9 +22,8 @@ from cubinstore.store import HttpStore, LocalStore, MemoryStore
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
-def blob(n: int = 10_000, seed: int | None = None) -> tuple[Digest, bytes]:
-    data = random.Random(seed).randbytes(n)
-    return Digest.of(data), data
+def blob(n: int = 10000, seed: int | None = None) -> tuple[Digest, bytes]:
+    return random_blob(n, seed)
 
 
 def fast(url: str, **kw: float) -> HttpStore:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
+from _blobs import random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store
 from cubinstore import _env
@@ -15,8 +15,7 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def blob(n: int = 3000, seed: int | None = None) -> tuple[Digest, bytes]:
-    data = random.Random(seed).randbytes(n)
-    return Digest.of(data), data
+    return random_blob(n, seed)
 
 
 def test_from_env_orders_memory_local_disk_cache_remotes(clean_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -12,27 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
+from _blobs import disk_cache_with, random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store, StoreError
 from cubinstore._maint import verify_store
-from cubinstore.store import DiskCacheStore, LocalStore, MemoryStore
+from cubinstore.store import LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def blob(n: int = 5000, seed: int = 0) -> tuple[Digest, bytes]:
-    data = random.Random(seed).randbytes(n)
-    return Digest.of(data), data
-
-
-def disk_cache_with(root: Path, digest: Digest, data: bytes) -> DiskCacheStore:
-    """A real Bazel --disk_cache directory holding one blob: a later, non-cache layer."""
-    path = root / "cas" / digest.hex[:2] / digest.hex
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return DiskCacheStore(root)
+def blob(n: int = 5000, seed: int | None = 0) -> tuple[Digest, bytes]:
+    return random_blob(n, seed)
 
 
 def temps(local: LocalStore) -> list[Path]:
@@ -94,7 +86,7 @@ def test_empty_blob_digest_is_not_a_cubin(tmp_path: Path) -> None:
 def test_corrupted_blob_is_refetched_not_loaded(tmp_path: Path, damage: str) -> None:
     digest, data = blob(8192)
     local = LocalStore(tmp_path / "local")
-    source = disk_cache_with(tmp_path / "disk_cache", digest, data)  # any later layer works
+    source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])  # any later layer works
     local.write(digest, data)
     path = local.path_for(digest)
     bad = {"flip": data[:100] + bytes([data[100] ^ 1]) + data[101:], "zero-length": b"",
@@ -142,7 +134,7 @@ def test_symlink_at_entry_path_is_not_followed(tmp_path: Path) -> None:
     path = local.path_for(digest)
     path.parent.mkdir(parents=True)
     path.symlink_to(outside)
-    store = Store([local, disk_cache_with(tmp_path / "disk_cache", digest, data)])
+    store = Store([local, disk_cache_with(tmp_path / "disk_cache", [(digest, data)])])
     assert store.get(digest, len(data)) == data
     assert store.stats.misses == 1  # the link was a miss, the bytes came from the next layer
     assert path.is_file() and not path.is_symlink()
@@ -305,7 +297,7 @@ def test_reader_polling_during_writes_sees_absent_or_complete(tmp_path: Path) ->
 def test_stats_are_counted_and_persisted(tmp_path: Path) -> None:
     local = LocalStore(tmp_path / "local")
     digest, data = blob()
-    source = disk_cache_with(tmp_path / "disk_cache", digest, data)
+    source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])
     store = Store([MemoryStore(), local, source])
     store.get(digest, len(data))   # fetched from source
     store.get(digest, len(data))   # memory hit

@@ -4,7 +4,6 @@ read-only stores, and what the library prints (nothing)."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -12,28 +11,20 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Manifest, Store, StoreError, UnsafeStoreError
 from cubinstore._bundle import pack, unpack
 from cubinstore._maint import gc, pin, unpin, verify_store
-from cubinstore.store import DiskCacheStore, LocalStore
+from cubinstore.store import LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def blob(n: int = 4000, seed: int = 0) -> tuple[Digest, bytes]:
-    data = random.Random(seed).randbytes(n)
-    return Digest.of(data), data
-
-
-def disk_cache_with(root: Path, blobs: list[tuple[Digest, bytes]]) -> DiskCacheStore:
-    for digest, data in blobs:
-        path = root / "cas" / digest.hex[:2] / digest.hex
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    return DiskCacheStore(root)
+def blob(n: int = 4000, seed: int | None = 0) -> tuple[Digest, bytes]:
+    return random_blob(n, seed)
 
 
 def everything_under(path: Path) -> list[Path]:
