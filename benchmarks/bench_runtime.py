@@ -110,7 +110,7 @@ def reads(home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
 # -- 3. fresh loads on the GPU --------------------------------------------------------------------
 
 def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
-    from cubinstore import _cuda, launch
+    from cubinstore import _cuda, _loader, launch
     from cubinstore.store import LocalStore, Store
 
     drv = _cuda.driver()
@@ -150,16 +150,16 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
             b = time.perf_counter() - t
             unload(lib_peer)
 
-            with launch._modules_lock:
-                launch._modules.clear()  # a fresh load, as in a new process
+            with _loader._modules_lock:
+                _loader._modules.clear()  # a fresh load, as in a new process
             library = launch.Library(manifest, store)  # one store, no memory layer: read and verified each time
             t = time.perf_counter()
             library.kernel(spec.id, device=0)
             c = time.perf_counter() - t
-            with launch._modules_lock:
-                for module in launch._modules.values():
+            with _loader._modules_lock:
+                for module in _loader._modules.values():
                     unload(module.code[0])
-                launch._modules.clear()
+                _loader._modules.clear()
             if i >= 5:
                 raw.append(a)
                 peer.append(b)

@@ -143,7 +143,7 @@ def _nvcc_seconds(nvcc: str, spec: Any, cutlass: str | None, repeats: int, work:
 
 
 def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list[dict[str, Any]]:
-    from cubinstore import _cuda, launch
+    from cubinstore import _cuda, _loader, launch
     from cubinstore.store import LocalStore, Store
 
     local = LocalStore(home)
@@ -158,8 +158,8 @@ def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list
                 _cuda.library_function(library, entry, spec.id)
 
     def ours(spec: Any) -> float:
-        with launch._modules_lock:
-            launch._modules.clear()  # force a real fetch + load
+        with _loader._modules_lock:
+            _loader._modules.clear()  # force a real fetch + load
         lib = launch.Library(manifest, Store([LocalStore(home)]))  # no memory layer: read the disk
         t = time.perf_counter()
         lib.kernel(spec.id, device=0)

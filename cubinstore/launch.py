@@ -4,7 +4,7 @@
     k = lib.kernel("axpy", dtype="f32", vec=4)          # picks sm_90a on an H100/H200
     k.launch("axpy_f32", grid=(blocks,), block=(256,), args=(n, 2.0, x, y))
 
-Nothing touches CUDA until the first `Library.kernel` call. A module is loaded
+Nothing touches CUDA until the first `Library.kernel` call. A module is loaded (`_loader.py`)
 from the exact in-memory bytes the store verified, once per (digest, device).
 Each entry's parameter layout is checked against the CUBIN's
 (`cuFuncGetParamInfo`) before it can be launched.
@@ -22,33 +22,28 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore import _abi, _cuda
-from cubinstore._args import ParamSlot, check_layout, pack_args
+from cubinstore._args import pack_args
+from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
 from cubinstore._digest import Digest, show
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
     KernelNotFoundError,
-    ManifestError,
 )
-from cubinstore.manifest import KernelSpec, Manifest, arch_compatible
+from cubinstore.manifest import KernelSpec, Manifest
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
 
-__all__ = ["Kernel", "Library", "open"]
+__all__ = ["Kernel", "Library", "is_loaded", "loaded_module_count", "open"]
 
 logger = logging.getLogger(__name__)
 
-# Above this a function must opt in through CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
-_DEFAULT_DYNAMIC_SMEM: Final = 48 * 1024
 _PORTABLE_CLUSTER: Final = 8
-_MAX_PARAMS: Final = 8192  # 32 KiB of parameter space holds at most 8191 4-byte parameters
 
 
 def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | None = None) -> Library:
@@ -78,52 +73,6 @@ def _default_store() -> Store:
     from cubinstore.store import Store
 
     return Store.from_env()
-
-
-@dataclass
-class _Function:
-    """One entry of a loaded module on one device."""
-
-    handle: int  # CUfunction in the device's primary context
-    static_smem: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    dynamic_smem_limit: int = _DEFAULT_DYNAMIC_SMEM
-    non_portable_cluster: bool = False
-    # (declared types, offsets) -> checked layout; one digest may be named by several manifests.
-    layouts: dict[tuple[Any, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
-
-
-@dataclass
-class _Module:
-    """A CUBIN loaded on one device: its CUlibrary and its entries' functions."""
-
-    digest: Digest
-    device: int
-    code: tuple[int, bytes]  # the CUlibrary handle and the verified bytes it was loaded from; never unloaded
-    functions: dict[str, _Function]
-    load_seconds: float
-
-
-_modules: dict[tuple[Digest, int], _Module] = {}
-_modules_lock = threading.Lock()
-_key_locks: dict[tuple[Digest, int], threading.Lock] = {}
-
-
-def _key_lock(key: tuple[Digest, int]) -> threading.Lock:
-    with _modules_lock:
-        return _key_locks.setdefault(key, threading.Lock())
-
-
-def loaded_module_count() -> int:
-    """How many (digest, device) modules this process has loaded (for tests and benchmarks)."""
-    with _modules_lock:
-        return len(_modules)
-
-
-def is_loaded(digest: Digest | str, device: int) -> bool:
-    """Whether the CUBIN `digest` is loaded on `device` in this process."""
-    with _modules_lock:
-        return (Digest.parse(digest), device) in _modules
 
 
 class Library:
@@ -175,11 +124,11 @@ class Library:
             else:
                 if key is not None:
                     self._selected[key] = spec
-        module = _load(spec, ordinal, cc, self.store)
+        module = load(spec, ordinal, cc, self.store)
         functions: dict[str, _Function] = {}
         for symbol in spec.entries:
             fn = module.functions[symbol]
-            _check_function_layout(spec, symbol, fn, ordinal)
+            check_function_layout(spec, symbol, fn, ordinal)
             functions[symbol] = fn
         return Kernel(spec, ordinal, functions, module.load_seconds)
 
@@ -252,95 +201,6 @@ def _device_ordinal(device: Any) -> int:
         index = device.index
         return _check_ordinal(_current_ordinal() if index is None else index)
     raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {show(device)}")
-
-
-def _load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store) -> _Module:
-    """The module of `spec` on `ordinal`, fetched, verified and loaded at most once."""
-    key = (spec.digest, ordinal)
-    module = _modules.get(key)
-    if module is not None:
-        return module
-    with _key_lock(key):
-        module = _modules.get(key)
-        if module is not None:
-            return module
-        # The one path to the driver's loader: refuse a CUBIN the device cannot run before
-        # it is fetched or any byte reaches the driver, with an error naming both archs.
-        if not arch_compatible(spec.arch, cc):
-            raise IncompatibleArchError(
-                f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
-                f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
-            )
-        started = time.perf_counter()
-        data = store.get(spec.digest, spec.size, name=spec.id)
-        fetched = time.perf_counter()
-        if len(data) != spec.size:
-            raise ManifestError(
-                f"kernel {spec.id!r} ({spec.digest}): expected {spec.size} bytes, the store returned {len(data)}"
-            )
-        _check_cubin_header(spec, data)
-        module = _load_module(spec, bytes(data), ordinal)
-        module.load_seconds = time.perf_counter() - fetched
-        logger.debug(
-            "loaded %s (%s) on device %d: fetch+verify %.3f ms, load %.3f ms",
-            spec.id, spec.digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
-        )
-        with _modules_lock:
-            _modules[key] = module
-        return module
-
-
-def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
-    """The bytes must be a CUDA ELF built for the SM the manifest names."""
-    sm = _abi.CubinImage(data, f"kernel {spec.id!r} ({spec.digest})").sm
-    major, minor = _abi.Arch.parse(spec.arch).compute_capability
-    if sm is not None and sm != major * 10 + minor:
-        raise ManifestError(
-            f"kernel {spec.id!r} ({spec.digest}): manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}"
-        )
-
-
-def _load_module(spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
-    started = time.perf_counter()
-    functions: dict[str, _Function] = {}
-    with _cuda.on_device(ordinal):
-        library = _cuda.load_library(data, f"kernel {spec.id!r} ({spec.digest}) on device {ordinal}")
-        for entry in spec.entries:
-            what = f"kernel {spec.id!r} ({spec.digest}) entry {entry!r} on device {ordinal}"
-            func = _cuda.library_function(library, entry, what)
-            if func is None:
-                raise ManifestError(f"{what}: the manifest declares it, the CUBIN has no such function")
-            functions[entry] = _Function(
-                handle=func, static_smem=_cuda.function_attribute(func, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", what)
-            )
-    return _Module(spec.digest, ordinal, (library, data), functions, time.perf_counter() - started)
-
-
-def _param_info(fn: _Function, spec: KernelSpec, entry: str) -> list[tuple[int, int]]:
-    """The CUBIN's real (offset, size) per parameter, from `cuFuncGetParamInfo`."""
-    drv = _cuda.driver()
-    func = drv.CUfunction(fn.handle)
-    out: list[tuple[int, int]] = []
-    for index in range(_MAX_PARAMS):
-        err, offset, size = drv.cuFuncGetParamInfo(func, index)
-        if err == drv.CUresult.CUDA_ERROR_INVALID_VALUE:
-            break  # index is past the last parameter
-        _cuda.check((err,), f"cuFuncGetParamInfo({index}) for kernel {spec.id!r} entry {entry!r}")
-        out.append((int(offset), int(size)))
-    return out
-
-
-def _check_function_layout(spec: KernelSpec, symbol: str, fn: _Function, ordinal: int) -> tuple[ParamSlot, ...]:
-    entry = spec.entry_specs[symbol]
-    key = (entry.types, entry.offsets)
-    with fn.lock:
-        layout = fn.layouts.get(key)
-        if layout is None:
-            with _cuda.on_device(ordinal):
-                actual = _param_info(fn, spec, symbol)
-            layout = check_layout(spec.id, entry.name, entry.types, actual, spec.arch, entry.offsets)
-            fn.layouts[key] = layout
-        return layout
 
 
 def _dims(kernel: str, name: str, value: Any, *, limit: int = 2**31 - 1) -> tuple[int, int, int]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cubinstore import _abi, _cuda, launch
+from cubinstore import _abi, _cuda, _loader, launch
 from cubinstore.errors import CudaError, ParamLayoutError
 from cubinstore.errors import (
     BadArgumentError,
@@ -156,7 +156,7 @@ def test_cubin_labelled_with_the_wrong_arch_is_refused_before_loading(cubins: di
 
     spec = _axpy_manifest(str(Digest.of(data)), len(data)).kernels[0]
     with pytest.raises(ManifestError, match=r"^kernel 'axpy/f32/vec4/sm_90a' \(sha256:[0-9a-f]{64}\): manifest says sm_90a, the CUBIN's ELF header says sm_80$"):
-        launch._check_cubin_header(spec, data)
+        _loader._check_cubin_header(spec, data)
 
 
 @pytest.mark.parametrize(("data", "why"), [(b"\0" * 4096, "bad magic"), (b"\x7fELF\x01" + b"\0" * 100, "expected a 64-bit little-endian ELF")])
@@ -165,7 +165,7 @@ def test_bytes_that_are_not_a_cubin_are_refused_before_loading(data: bytes, why:
 
     spec = _axpy_manifest(str(Digest.of(data)), len(data)).kernels[0]
     with pytest.raises(ManifestError, match=r"^kernel 'axpy/f32/vec4/sm_90a' \(sha256:[0-9a-f]{64}\): .*" + why):
-        launch._check_cubin_header(spec, data)
+        _loader._check_cubin_header(spec, data)
 
 
 # -- on a GPU ------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def test_sm80_cubin_is_refused_before_the_driver_sees_it(lib: launch.Library, ma
         lib.kernel(spec.id, device=0)
     # The loader's own guard, reached directly: a store with no layers proves nothing was fetched either.
     with pytest.raises(IncompatibleArchError, match=rf"^kernel '{spec.id}' \({spec.digest}\) is built for sm_80, device 0 has compute capability 9\.0; it was not loaded$"):
-        launch._load(spec, 0, (9, 0), Store([]))
+        _loader.load(spec, 0, (9, 0), Store([]))
     assert not launch.is_loaded(spec.digest, 0)
 
 

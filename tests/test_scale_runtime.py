@@ -56,8 +56,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeDriver:
     monkeypatch.setattr(launch._cuda, "compute_capability", counted("cuDeviceGetAttribute", (9, 0)))
     monkeypatch.setattr(launch._cuda, "current_device", counted("cuCtxGetDevice", 0))
     module = SimpleNamespace(functions={"k": object()}, load_seconds=0.0)
-    monkeypatch.setattr(launch, "_load", lambda spec, ordinal, cc, store: module)
-    monkeypatch.setattr(launch, "_check_function_layout", lambda spec, symbol, fn, ordinal: ())
+    monkeypatch.setattr(launch, "load", lambda spec, ordinal, cc, store: module)
+    monkeypatch.setattr(launch, "check_function_layout", lambda spec, symbol, fn, ordinal: ())
     return drv
 
 
