@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING, Any
 
 from cubinstore._digest import Digest
 from cubinstore.errors import (
@@ -33,6 +32,7 @@ from cubinstore.errors import (
     UnsafeStoreError,
 )
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type checkers read it as True
 if TYPE_CHECKING:
     from cubinstore.launch import Kernel, Library, open
     from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
@@ -56,7 +56,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'cubinstore' has no attribute {name!r}")

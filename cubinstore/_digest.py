@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import re
-from dataclasses import dataclass
-
 from cubinstore.errors import BadArgumentError
 
 __all__ = ["Digest", "EMPTY_SHA256_HEX", "show"]
@@ -13,8 +9,8 @@ __all__ = ["Digest", "EMPTY_SHA256_HEX", "show"]
 _PREFIX = "sha256:"
 _HEX_LEN = 64
 _HEX_CHARS = frozenset("0123456789abcdef")
-_HEX_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
-EMPTY_SHA256_HEX = hashlib.sha256(b"").hexdigest()
+# sha256(b""); a test checks it. A constant, so that importing this module does not import hashlib.
+EMPTY_SHA256_HEX = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 
 def show(value: object, limit: int = 80) -> str:
@@ -28,7 +24,7 @@ def _check_hex(hex_: object, original: object) -> str:
         raise BadArgumentError(
             f"invalid digest: expected a string 'sha256:<64 lowercase hex>', got {type(hex_).__name__}"
         )
-    if _HEX_RE.fullmatch(hex_):  # the common case in one C call; the checks below word the error
+    if len(hex_) == _HEX_LEN and _HEX_CHARS.issuperset(hex_):  # the common case; the checks below word the error
         return hex_
     if len(hex_) != _HEX_LEN:
         raise BadArgumentError(
@@ -43,18 +39,40 @@ def _check_hex(hex_: object, original: object) -> str:
     return hex_
 
 
-@dataclass(frozen=True, slots=True)
 class Digest:
     """A sha256 digest. ``str(d)`` is ``sha256:<hex>``; ``d.hex`` is the 64 hex characters.
 
     Construction validates, so a ``Digest`` can always be used to build a path
-    or URL safely: only 64 lowercase hex characters ever reach ``hex``.
+    or URL safely: only 64 lowercase hex characters ever reach ``hex``. Immutable,
+    hashable, equal by value. (A plain class rather than a frozen dataclass: importing
+    ``dataclasses`` was a fifth of ``import cubinstore``.)
     """
 
+    __slots__ = ("hex",)
     hex: str
 
-    def __post_init__(self) -> None:
-        _check_hex(self.hex, self.hex)
+    def __init__(self, hex: str) -> None:  # noqa: A002 - the field's public name
+        object.__setattr__(self, "hex", _check_hex(hex, hex))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Digest is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Digest is immutable: cannot delete {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is Digest:
+            return self.hex == other.hex  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.hex)
+
+    def __repr__(self) -> str:
+        return f"Digest(hex={self.hex!r})"
+
+    def __reduce__(self) -> tuple[type[Digest], tuple[str]]:
+        return (Digest, (self.hex,))
 
     @classmethod
     def parse(cls, text: object) -> Digest:
@@ -73,6 +91,8 @@ class Digest:
     @classmethod
     def of(cls, data: bytes | bytearray | memoryview) -> Digest:
         """The digest of ``data``."""
+        import hashlib
+
         return cls(hashlib.sha256(data).hexdigest())
 
     @property

@@ -31,7 +31,6 @@ are covered, as by the full key, by the host compiler's identity.
 from __future__ import annotations
 
 import functools
-import logging
 import marshal
 import os
 import threading
@@ -59,6 +58,7 @@ from cubinstore._jitkey import (
     toolkit_core,
     xxh3,
 )
+from cubinstore._log import get_logger
 from cubinstore.errors import CubinstoreError
 
 from cubinstore._jitindex import check_key
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "observe", "parse_deps", "put_deps", "record", "remember"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 DIRECT_SCHEME: Final = "cubinstore-jit-direct-v1"
 DEPS_NAME: Final = "cubinstore_jit.d"  # nvcc -MF output in the compile directory

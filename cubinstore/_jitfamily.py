@@ -13,7 +13,6 @@ would have had, so ``Library.kernel`` can load it like any other.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 from cubinstore import _env
 from cubinstore._abi import Arch, dumps_canonical, kernel_id, render_param
 from cubinstore._digest import Digest, show
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError, StoreError
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FamilyTemplate", "SOURCES_SCHEMA", "TEMPLATE_SCHEMA", "compile_family_point", "make_bundle", "resolve_miss"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 TEMPLATE_SCHEMA: Final = "cubinstore/jit-family/v1"
 SOURCES_SCHEMA: Final = "cubinstore/jit-sources/v1"

@@ -21,7 +21,6 @@ validated, and a damaged entry reads as absent (a miss recompiles and rewrites i
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Final
 from cubinstore._abi import dumps_canonical
 from cubinstore._digest import Digest
 from cubinstore._jitkey import KeyParts
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["IndexEntry", "JitIndex"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 SCHEMA: Final = "cubinstore/jit-index/v1"
 PARTS_SCHEMA: Final = "cubinstore/jit-parts/v1"

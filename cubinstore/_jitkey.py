@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import marshal
 import os
 import re
@@ -36,6 +35,7 @@ import xxhash
 from cubinstore import _env
 from cubinstore._abi import Arch, dumps_canonical, merge_flags
 from cubinstore._digest import show
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, StoreError
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ __all__ = [
     "xxh3",
 ]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 # Bumped when the command shape or what the key covers changes, so old entries stop matching.
 SCHEME: Final = "cubinstore-jit-v1"

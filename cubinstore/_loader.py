@@ -8,7 +8,6 @@ checked against the CUBIN's before it can be launched.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 from cubinstore import _abi, _cuda
 from cubinstore._args import ParamSlot, check_layout
 from cubinstore._digest import Digest
+from cubinstore._log import get_logger
 from cubinstore.errors import IncompatibleArchError, ManifestError
 from cubinstore.manifest import KernelSpec, arch_compatible
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["is_loaded", "load", "check_function_layout", "loaded_module_count"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Above this a function must opt in through CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
 _DEFAULT_DYNAMIC_SMEM: Final = 48 * 1024

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import stat
 import threading
@@ -12,10 +11,11 @@ from pathlib import Path
 from cubinstore._digest import Digest
 from cubinstore._files import NotRegularFile, read_regular
 from cubinstore._layer import Layer, limit_for
+from cubinstore._log import get_logger
 
 __all__ = ["DirectorySource", "DiskCacheStore"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 
 class DiskCacheStore(Layer):

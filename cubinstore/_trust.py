@@ -23,7 +23,6 @@ import binascii
 import calendar
 import hashlib
 import json
-import logging
 import re
 import time
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from cubinstore import _env
 from cubinstore._digest import Digest, show
 from cubinstore._files import open_regular
+from cubinstore._log import get_logger
 from cubinstore._safedir import NotRegularFile
 from cubinstore.errors import (
     BadArgumentError,
@@ -65,7 +65,7 @@ __all__ = [
     "sign_release",
 ]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 RECORD_SCHEMA = "cubinstore/release/v1"
 SIGNATURE_SCHEMA = "cubinstore/signature/v1"

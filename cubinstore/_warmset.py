@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 import stat
 import time
@@ -27,11 +26,12 @@ from typing import Any, Final
 from cubinstore._abi import dumps_canonical
 from cubinstore._digest import Digest, show
 from cubinstore._files import atomic_write
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
 
 __all__ = ["Record", "export", "prefetch", "record", "records", "warm_digests"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 SCHEMA: Final = "cubinstore/warmset/v1"
 EXPORT_MARK: Final = "# cubinstore-warmset-v1 points: "

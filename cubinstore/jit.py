@@ -23,7 +23,6 @@ Needs the ``jit`` extra (``xxhash``); ``import cubinstore`` does not import this
 
 from __future__ import annotations
 
-import logging
 import os
 import shlex
 import shutil
@@ -67,6 +66,7 @@ from cubinstore._jitkey import (
     unchanged,
     xxh3,
 )
+from cubinstore._log import get_logger
 from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
@@ -85,7 +85,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FamilyTemplate", "JitKernel", "clear_caches", "compile", "compile_family_point", "key", "resolve_miss"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 # The TU's name in the compile directory: part of the key (it salts anonymous-namespace
 # symbols through --orig_src_path_name and names the module anchor).
