@@ -37,12 +37,20 @@ class _Function:
     """One entry of a loaded module on one device."""
 
     handle: int  # CUfunction in the device's primary context
-    static_smem: int
+    what: str  # "kernel <id> (<digest>) entry <symbol> on device <n>", for errors
     lock: threading.Lock = field(default_factory=threading.Lock)
     dynamic_smem_limit: int = _DEFAULT_DYNAMIC_SMEM
     non_portable_cluster: bool = False
     # (declared types, offsets) -> checked layout; one digest may be named by several manifests.
     layouts: dict[tuple[Any, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
+    _static_smem: int | None = None
+
+    @property
+    def static_smem(self) -> int:
+        """Static shared memory in bytes, asked of the driver when first needed (a launch over 48 KiB)."""
+        if self._static_smem is None:
+            self._static_smem = _cuda.function_attribute(self.handle, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", self.what)
+        return self._static_smem
 
 
 @dataclass
@@ -134,9 +142,7 @@ def _load_module(spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
             func = _cuda.library_function(library, entry, what)
             if func is None:
                 raise ManifestError(f"{what}: the manifest declares it, the CUBIN has no such function")
-            functions[entry] = _Function(
-                handle=func, static_smem=_cuda.function_attribute(func, "CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES", what)
-            )
+            functions[entry] = _Function(handle=func, what=what)
     return _Module(spec.digest, ordinal, (library, data), functions, time.perf_counter() - started)
 
 

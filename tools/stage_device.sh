@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Stage, into the git-ignored .device/, what a GPU host without Bazel needs for the GPU tests
+# and benchmarks: the CUBINs, manifests and JIT source lists of `bazel build //kernels:all`,
+# and CUTLASS's headers (the JIT tests compile against them). Then carry `.device` to the
+# GPU host and run tools/device_run.sh there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ ! -f bazel-bin/kernels/manifest.json ]]; then
+  echo "stage_device: no bazel-bin/kernels/manifest.json: run 'npx bazelisk build //kernels:all' first" >&2
+  exit 1
+fi
+cutlass_include="$(.venv/bin/python -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')"
+if [[ ! -d "$cutlass_include/cute" ]]; then
+  echo "stage_device: no CuTe headers under $cutlass_include (is nvidia-cutlass installed in .venv?)" >&2
+  exit 1
+fi
+
+rm -rf .device
+mkdir -p .device/kernels
+# -L: bazel-bin holds links into the output base; the GPU host gets the bytes.
+dest="$PWD/.device/kernels"  # bazel-bin is a link: a relative path from inside it leads elsewhere
+(cd bazel-bin/kernels && find -L . -type f \( -name '*.cubin' -o -name '*.json' \) -print0 |
+  while IFS= read -r -d '' f; do mkdir -p "$dest/$(dirname "$f")"; cp -L "$f" "$dest/$f"; done)
+cp -rL "$cutlass_include" .device/cutlass_include
+echo "staged $(find .device/kernels -name '*.cubin' | wc -l) CUBINs and CUTLASS headers in .device ($(du -sh .device | cut -f1))"
