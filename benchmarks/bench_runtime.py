@@ -132,7 +132,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
     rows = []
     for spec in specs:
         path = local.path_for(spec.digest)
-        raw, peer, ours = [], [], []
+        raw, peer, ours, layout = [], [], [], []
         for i in range(samples + 5):  # 5 warm-up rounds: first-touch costs of each path
             t = time.perf_counter()
             with open(path, "rb") as f:
@@ -154,8 +154,15 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                 _loader._modules.clear()  # a fresh load, as in a new process
             library = launch.Library(manifest, store)  # one store, no memory layer: read and verified each time
             t = time.perf_counter()
-            library.kernel(spec.id, device=0)
+            kernel = library.kernel(spec.id, device=0)
             c = time.perf_counter() - t
+            # The per-entry layout check (cuFuncGetParamInfo per parameter) alone, done again on fresh caches:
+            # where it runs (load or first launch), this is what it costs.
+            t = time.perf_counter()
+            for symbol, fn in kernel._functions.items():
+                fn.layouts.clear()
+                _loader.check_function_layout(spec, symbol, fn, 0)
+            d = time.perf_counter() - t
             with _loader._modules_lock:
                 for module in _loader._modules.values():
                     unload(module.code[0])
@@ -164,8 +171,10 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                 raw.append(a)
                 peer.append(b)
                 ours.append(c)
+                layout.append(d)
         rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
-                     (("raw", raw), ("peer", peer), ("ours", ours)) for q, p in (("p50", 0.5), ("p99", 0.99))}})
+                     (("raw", raw), ("peer", peer), ("ours", ours), ("layout", layout))
+                     for q, p in (("p50", 0.5), ("p99", 0.99))}})
     return rows
 
 
@@ -189,9 +198,40 @@ print(json.dumps({"load_s": time.perf_counter() - t, "kernels": len(ids)}), flus
 """
 
 
-def concurrent(manifest_path: Path, home: Path, procs: int) -> dict[str, Any]:
-    def run(n: int) -> list[float]:
-        children = [subprocess.Popen([sys.executable, "-c", CHILD, str(manifest_path)], env=env_for(home),
+# The plain peer of CHILD: read, sha256 and load the same CUBINs from the same store with bare
+# cuda.bindings calls, so contention that is the driver's (not ours) shows in its own ratio.
+CHILD_RAW = """
+import sys, time, json, hashlib
+from cuda.bindings import driver as drv
+paths = json.loads(sys.argv[1])
+drv.cuInit(0)
+err, dev = drv.cuDeviceGet(0)
+err, ctx = drv.cuDevicePrimaryCtxRetain(dev)
+drv.cuCtxSetCurrent(ctx)
+print("ready", flush=True)
+sys.stdin.readline()
+t = time.perf_counter()
+for path, hex_, entries in paths:
+    with open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != hex_:
+        raise SystemExit(path + ": bytes do not verify")
+    err, lib = drv.cuLibraryLoadData(data, None, None, 0, None, None, 0)
+    for entry in entries:
+        err, kern = drv.cuLibraryGetKernel(lib, entry.encode())
+        err, fn = drv.cuKernelGetFunction(kern)
+print(json.dumps({"load_s": time.perf_counter() - t, "kernels": len(paths)}), flush=True)
+"""
+
+
+def concurrent(manifest_path: Path, home: Path, procs: int, specs: list[Any] | None = None) -> dict[str, Any]:
+    from cubinstore.store import LocalStore
+
+    local = LocalStore(home)
+    raw_arg = json.dumps([[str(local.path_for(s.digest)), s.digest.hex, list(s.entries)] for s in specs or []])
+
+    def run(n: int, code: str = CHILD, arg: str = str(manifest_path)) -> list[float]:
+        children = [subprocess.Popen([sys.executable, "-c", code, arg], env=env_for(home),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for _ in range(n)]
         for c in children:
@@ -207,8 +247,14 @@ def concurrent(manifest_path: Path, home: Path, procs: int) -> dict[str, Any]:
 
     one = [run(1)[0] for _ in range(3)]
     many = run(procs)
-    return {"one_s": statistics.median(one), "procs": procs, "many_median_s": statistics.median(many),
-            "many_max_s": max(many)}
+    out = {"one_s": statistics.median(one), "procs": procs, "many_median_s": statistics.median(many),
+           "many_max_s": max(many)}
+    if specs:
+        raw_one = [run(1, CHILD_RAW, raw_arg)[0] for _ in range(3)]
+        raw_many = run(procs, CHILD_RAW, raw_arg)
+        out.update(raw_one_s=statistics.median(raw_one), raw_many_median_s=statistics.median(raw_many),
+                   raw_many_max_s=max(raw_many))
+    return out
 
 
 def main() -> None:
@@ -262,19 +308,25 @@ def main() -> None:
         loads = gpu_loads(manifest, work / "home", specs, opts.samples)
         results["loads"] = loads
         print(f"\n## fresh loads on GPU 0 (compute capability {cc[0]}.{cc[1]}), {opts.samples} samples each (ms)\n")
-        print("| kernel | bytes | raw p50 | raw p99 | read+sha256+load p50 | p99 | Library.kernel() p50 | p99 | ours/raw p50 | ours/raw p99 |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| kernel | bytes | raw p50 | raw p99 | read+sha256+load p50 | p99 | Library.kernel() p50 | p99 | ours/raw p50 | ours/raw p99 | layout check p50 |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in loads:
             print(f"| {r['id']} | {r['size']} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['peer_p50']:.3f} | {r['peer_p99']:.3f} "
-                  f"| {r['ours_p50']:.3f} | {r['ours_p99']:.3f} | {r['ours_p50'] / r['raw_p50']:.2f} | {r['ours_p99'] / r['raw_p99']:.2f} |")
+                  f"| {r['ours_p50']:.3f} | {r['ours_p99']:.3f} | {r['ours_p50'] / r['raw_p50']:.2f} | {r['ours_p99'] / r['raw_p99']:.2f} "
+                  f"| {r['layout_p50']:.3f} |")
         agg = {k: statistics.median(r[k] for r in loads) for k in loads[0] if k.endswith(("p50", "p99"))}
         print(f"| all (median of rows) | | {agg['raw_p50']:.3f} | {agg['raw_p99']:.3f} | {agg['peer_p50']:.3f} | {agg['peer_p99']:.3f} "
-              f"| {agg['ours_p50']:.3f} | {agg['ours_p99']:.3f} | {agg['ours_p50'] / agg['raw_p50']:.2f} | {agg['ours_p99'] / agg['raw_p99']:.2f} |")
-        conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs)
+              f"| {agg['ours_p50']:.3f} | {agg['ours_p99']:.3f} | {agg['ours_p50'] / agg['raw_p50']:.2f} | {agg['ours_p99'] / agg['raw_p99']:.2f} "
+              f"| {agg['layout_p50']:.3f} |")
+        conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs, specs)
         results["concurrent"] = conc
-        print(f"\n## load phase (every runnable kernel through Library.kernel, fresh processes, one local store)\n")
-        print(f"1 process: {conc['one_s'] * 1e3:.1f} ms; {conc['procs']} at once: median {conc['many_median_s'] * 1e3:.1f} ms, "
-              f"max {conc['many_max_s'] * 1e3:.1f} ms ({conc['many_max_s'] / conc['one_s']:.2f}x)")
+        print("\n## load phase (every runnable kernel, fresh processes started together, one local store)\n")
+        print("| path | 1 process ms | %d at once: median ms | max ms | median / 1 | max / 1 |" % conc["procs"])
+        print("|---|---|---|---|---|---|")
+        for label, key in (("Library.kernel()", ""), ("plain peer: read + sha256 + cuLibraryLoadData", "raw_")):
+            if key + "one_s" in conc:
+                one_s, med, top = conc[key + "one_s"], conc[key + "many_median_s"], conc[key + "many_max_s"]
+                print(f"| {label} | {one_s * 1e3:.1f} | {med * 1e3:.1f} | {top * 1e3:.1f} | {med / one_s:.2f} | {top / one_s:.2f} |")
     finally:
         if opts.json:
             opts.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
