@@ -1,0 +1,87 @@
+"""The GEMM shapes of the tuning and benchmark scripts, defined once.
+
+`TUNING` is what `tune_gemm.py --calibrate` measures and fits the selection model to
+(the 33 shapes of the 2026-11-29 tuning table plus a few that exercise tails and partial
+waves); `HELD_OUT` is what the model is judged on and the calibration never sees: square,
+Llama-3 8B/70B projections other than the tuning set's, MoE-like tall-skinny shapes and odd
+sizes with tails in M, N and K. The two sets are disjoint (tests/test_gemm_model.py checks).
+Each shape is (M, N, K) for D = A @ B.T with A M x K and B N x K; K is a multiple of 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ["HELD_OUT", "LARGE_M", "TUNING", "Shape"]
+
+#: The issue's goals treat M >= LARGE_M (compute-bound serving batches) apart from smaller M.
+LARGE_M: Final = 128
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One problem and where it comes from."""
+
+    m: int
+    n: int
+    k: int
+    group: str  # "square", "llm", "moe", "tail", "partial-wave"
+    name: str
+
+    @property
+    def mnk(self) -> tuple[int, int, int]:
+        return self.m, self.n, self.k
+
+    @property
+    def large_m(self) -> bool:
+        return self.m >= LARGE_M
+
+    @property
+    def label(self) -> str:
+        return f"{self.m}x{self.n}x{self.k}"
+
+
+def _llm(model: str, projections: dict[str, tuple[int, int]], ms: tuple[int, ...]) -> list[Shape]:
+    return [Shape(m, n, k, "llm", f"{model} {proj}") for proj, (n, k) in projections.items() for m in ms]
+
+
+# Llama-3 8B: hidden 4096, 8 KV heads of 128 (kv 1024), MLP 14336. 70B: hidden 8192, kv 1024,
+# MLP 28672. N x K per projection (N output features, K input features); gate-up is fused.
+_TUNING_LLM: Final = {"q/o": (4096, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
+_HELD_OUT_8B: Final = {"kv": (1024, 4096), "gate-up": (28672, 4096)}
+_HELD_OUT_70B: Final = {"q/o": (8192, 8192), "kv": (1024, 8192), "gate-up": (57344, 8192), "down": (8192, 28672)}
+
+TUNING: Final[tuple[Shape, ...]] = tuple(
+    [Shape(s, s, s, "square", "square") for s in (1024, 2048, 4096, 8192)]
+    + [s for s in _llm("llama3-8b", _TUNING_LLM, (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+       if s.mnk != (4096, 4096, 4096)]
+    + [
+        # Tails and last waves the LLM shapes lack, so the fit sees them too.
+        Shape(300, 2304, 1544, "tail", "tail"),
+        Shape(2560, 2560, 520, "partial-wave", "short K"),
+        Shape(1280, 3584, 4096, "partial-wave", "140 tiles of 128x256"),
+        Shape(96, 8192, 2048, "moe", "small M"),
+        Shape(6000, 512, 3000, "moe", "large M, small N"),
+    ]
+)
+
+HELD_OUT: Final[tuple[Shape, ...]] = tuple(
+    [Shape(s, s, s, "square", "square") for s in (1536, 3072, 6144)]
+    + _llm("llama3-8b", _HELD_OUT_8B, (1, 16, 128, 512, 2048, 8192))
+    # M up to 4096 here: 8192 x 8192 x 8192 is a tuning square.
+    + _llm("llama3-70b", _HELD_OUT_70B, (1, 16, 128, 512, 2048, 4096))
+    + [
+        Shape(48, 2048, 7168, "moe", "expert up, few tokens"),
+        Shape(200, 7168, 2048, "moe", "expert down, few tokens"),
+        Shape(256, 1408, 2048, "moe", "small expert"),
+        Shape(16384, 256, 7168, "moe", "large M, small N"),
+        Shape(32768, 128, 1024, "moe", "router-like, N 128"),
+        Shape(1000, 3000, 2008, "tail", "tails in M, N, K"),
+        Shape(4095, 4097, 4104, "tail", "one past the tiles"),
+        Shape(777, 1555, 3112, "tail", "odd"),
+        Shape(2049, 2047, 1000, "tail", "odd K"),
+        Shape(129, 12289, 4104, "tail", "one row past a tile"),
+        Shape(1, 5000, 3000, "tail", "M = 1, odd N"),
+    ]
+)

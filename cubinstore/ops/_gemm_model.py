@@ -1,0 +1,300 @@
+"""Selection model of cubinstore.ops.gemm: (kernel id, K splits) from an estimate of the work.
+
+For every candidate instantiation and split count the model estimates the kernel's time
+from what the launch contract (``kernels/gemm/README.md``, ``gemm.plan``) makes of the
+shape, and ``choose`` takes the fastest:
+
+- **the busiest CTA**: a persistent grid of ``min(units, SMs / cluster)`` clusters runs
+  ``ceil(units / clusters)`` work units on its busiest cluster (a partial last wave costs a
+  whole unit); a unit costs ``unit_us`` (accumulator reset, pipeline drain, epilogue) plus
+  ``kblock_us`` per K block it owns, plus, with split-K, the fp32 partial written and, on
+  the last CTA to arrive, the other partials read back (``split_unit_us`` for the fence and
+  counter, ``partial_bytes_per_us`` for the bytes);
+- **the memory**: A, B and D (and a workspace larger than half the L2) cross HBM at
+  ``hbm_bytes_per_us`` at best, and at most as fast as the grid keeps bytes in flight
+  (each CTA has ``stages`` loads outstanding, each taking ``fetch_latency_us``): what makes
+  small M bandwidth bound and why split-K helps it;
+- the time is ``launch_us`` plus the larger of the two and ``overlap_loss`` of the smaller.
+
+The per-instantiation constants (``TileCosts``) and the machine's (``MachineCosts``) come
+from ``_gemm_calibration.py`` (written by ``benchmarks/tune_gemm.py --calibrate``) where it
+has them, else from defaults derived from the H200's specifications and the 2026-11-29
+tuning table. No numpy: this runs in serving processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Final
+
+from cubinstore.errors import BadArgumentError
+from cubinstore.ops import _gemm_calibration as _calibration
+
+__all__ = [
+    "DEFAULT_MACHINE",
+    "Estimate",
+    "MAX_SPLITS",
+    "MachineCosts",
+    "Model",
+    "TileCosts",
+    "calibrated_model",
+    "choose",
+    "default_tile_costs",
+    "predict_us",
+]
+
+# The module, not the function `cubinstore.ops.gemm` that the package re-exports.
+_gemm = importlib.import_module("cubinstore.ops.gemm")
+
+#: The most K splits the model weighs: the bound plan() clamps to.
+MAX_SPLITS: Final = _gemm._MAX_SPLITS
+# Beyond this many waves of units a further split only adds reduction work.
+_MAX_SPLIT_WAVES: Final = 4
+
+# H200 (SXM) specifications the defaults are derived from.
+_H200_SMS: Final = 132
+_H200_BF16_DENSE_FLOPS_PER_US: Final = 989e6  # 989 TFLOP/s
+_SM_PEAK_FLOPS_PER_US: Final = _H200_BF16_DENSE_FLOPS_PER_US / _H200_SMS
+# Fraction of the SM's tensor-core peak a K block reaches, by tile area (BM x BN): larger
+# tiles read fewer shared-memory bytes per flop. 0.765 makes 128x256 at 4096^3 take the
+# 195 us (704 TFLOP/s) measured on 2026-11-29; the others are ordered as the table's winners.
+_MMA_EFFICIENCY: Final = {32768: 0.765, 24576: 0.75, 16384: 0.70, 8192: 0.62}
+# L2 -> SM bytes a CTA can take per microsecond: bounds the small tiles' K blocks.
+_SM_FEED_BYTES_PER_US: Final = 110e3
+# Fixed part of a unit (drain, counter bookkeeping) and its epilogue's store rate per SM.
+_UNIT_FIXED_US: Final = 0.5
+_SM_STORE_BYTES_PER_US: Final = 100e3
+# A ring shallower than 4 stages hides a little less latency (stages 4 won 7 of 10 ties
+# with stages 3 in the 2026-11-29 table).
+_DEEP_RING: Final = 4
+_SHALLOW_RING_PENALTY: Final = 0.01
+# Cluster-2 points measured 25-50% slower than their cluster-1 twins (2026-11-29).
+_CLUSTER2_PENALTY: Final = 1.3
+
+
+@dataclass(frozen=True)
+class TileCosts:
+    """What one instantiation costs on one SM (microseconds)."""
+
+    kblock_us: float  # one BK step of one BM x BN tile, pipeline full
+    unit_us: float  # a work unit's fixed part: accumulator reset, drain, epilogue
+
+
+@dataclass(frozen=True)
+class MachineCosts:
+    """What the GPU adds to every instantiation (microseconds, bytes)."""
+
+    launch_us: float = 3.0  # launch, first pipeline fill, last store
+    hbm_bytes_per_us: float = 4.0e6  # sustained HBM bandwidth (H200 peak 4.8 TB/s)
+    fetch_latency_us: float = 1.6  # one TMA load under load (bytes in flight / bandwidth)
+    split_unit_us: float = 0.8  # a split unit's fence, counter atomic and barriers
+    partial_bytes_per_us: float = 250e3  # one CTA's fp32 partials to and from L2
+    l2_bytes: float = 50 * 2**20  # a workspace above half of it goes to HBM
+    overlap_loss: float = 0.1  # fraction of the smaller of compute and memory time not hidden
+
+
+DEFAULT_MACHINE: Final = MachineCosts()
+
+
+def default_tile_costs(config: _gemm.GemmConfig) -> TileCosts:
+    """Costs of an instantiation from the H200's specifications (no measurement)."""
+    flops = 2.0 * config.bm * config.bn * config.bk
+    efficiency = _MMA_EFFICIENCY.get(config.bm * config.bn, min(_MMA_EFFICIENCY.values()))
+    feed_bytes = (config.bm + config.bn) * config.bk * 2
+    kblock = max(flops / (_SM_PEAK_FLOPS_PER_US * efficiency), feed_bytes / _SM_FEED_BYTES_PER_US)
+    if config.cluster > 1:
+        kblock *= _CLUSTER2_PENALTY
+    kblock *= 1 + _SHALLOW_RING_PENALTY * max(0, _DEEP_RING - config.stages)
+    unit = _UNIT_FIXED_US + config.bm * config.bn * 2 / _SM_STORE_BYTES_PER_US
+    return TileCosts(kblock_us=kblock, unit_us=unit)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(kernel_id: str) -> _gemm.GemmConfig:
+    return _gemm.GemmConfig.from_id(kernel_id)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One option's predicted time and the terms it is made of (microseconds)."""
+
+    kernel_id: str
+    splits: int
+    units: int
+    grid: int  # CTAs
+    waves: int  # units on the busiest cluster
+    kblocks_per_unit: int
+    split_us: float  # per unit: fence, counter, partials written and read back
+    busiest_us: float  # the busiest cluster's work
+    memory_us: float  # HBM traffic at the rate the grid can draw
+    time_us: float
+
+
+def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int) -> tuple[int, int, int]:
+    """(tiles, work units per K split, cluster slots) of plan()'s launch contract.
+
+    plan() gives units = these units x splits and grid = min(units, slots) x cluster;
+    tests/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
+    """
+    tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)
+    return tiles_m * tiles_n, -(-tiles_m // config.cluster) * tiles_n, sm_count // config.cluster
+
+
+def _check_shape(m: int, n: int, k: int, sm_count: int) -> None:
+    for name, value in (("M", m), ("N", n), ("K", k), ("sm_count", sm_count)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BadArgumentError(
+                f"gemm model {m}x{n}x{k} on {sm_count} SMs: expected {name} a positive int, got {value!r}"
+            )
+
+
+class Model:
+    """The cost model with one set of constants; `tiles` overrides the defaults per kernel id."""
+
+    def __init__(self, machine: MachineCosts = DEFAULT_MACHINE,
+                 tiles: Mapping[str, TileCosts] | None = None) -> None:
+        self.machine = machine
+        self._tiles = dict(tiles or {})
+        self._costs: dict[str, TileCosts] = {}
+
+    def tile_costs(self, kernel_id: str) -> TileCosts:
+        costs = self._costs.get(kernel_id)
+        if costs is None:
+            costs = self._tiles.get(kernel_id) or default_tile_costs(_config(kernel_id))
+            self._costs[kernel_id] = costs
+        return costs
+
+    def is_calibrated(self, kernel_id: str) -> bool:
+        return kernel_id in self._tiles
+
+    def estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> Estimate:
+        """The model's terms for `kernel_id` with `splits` (clamped as plan() does), from plan()'s launch.
+
+        The readable definition of the model; `options` computes the same times faster
+        (tests/test_gemm_model.py checks that they agree).
+        """
+        _check_shape(m, n, k, sm_count)
+        launch = _gemm.plan(m, n, k, sm_count, kernel_id, splits)
+        cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
+        clusters = launch.grid // cfg.cluster
+        partial = cfg.bm * cfg.bn * 4
+        split_us = 0.0
+        hbm = 2.0 * (m * k + n * k + m * n)
+        if launch.splits > 1:
+            # Each unit writes its partial; the last of a tile's units reads the others back.
+            split_us = mc.split_unit_us + launch.splits * partial / mc.partial_bytes_per_us
+            if launch.workspace_floats * 4 > mc.l2_bytes / 2:
+                hbm += 2.0 * launch.workspace_floats * 4
+        waves = -(-launch.units // clusters)
+        kblocks_per_unit = -(-(-(-k // cfg.bk)) // launch.splits)
+        # Bytes a CTA keeps in flight (its A rows and its share of the B tile, `stages` deep)
+        # over the latency of a load: the bandwidth one CTA draws.
+        cta_rate = cfg.stages * (min(cfg.bm, m) + min(cfg.bn, n) / cfg.cluster) * cfg.bk * 2 / mc.fetch_latency_us
+        memory = hbm / min(mc.hbm_bytes_per_us, launch.grid * cta_rate)
+        busiest = waves * (costs.unit_us + kblocks_per_unit * costs.kblock_us + split_us)
+        # Loads and tensor-core work overlap, not perfectly.
+        time = mc.launch_us + max(busiest, memory) + mc.overlap_loss * min(busiest, memory)
+        return Estimate(kernel_id, launch.splits, launch.units, launch.grid, waves, kblocks_per_unit, split_us,
+                        busiest, memory, time)
+
+    def predict_us(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
+        """Estimated kernel time of `kernel_id` with `splits` (clamped as plan() does)."""
+        return self.estimate(m, n, k, sm_count, kernel_id, splits).time_us
+
+    def _times(self, m: int, n: int, k: int, sm_count: int, kernel_id: str,
+               last: int) -> list[tuple[float, str, int]]:
+        """(time, kernel id, splits) for splits 1..last, stopping where units exceed the split-wave cap.
+
+        `estimate` inlined: plan() parses the id (about 5 us, too slow for 16 candidates x 16
+        splits a shape), so the layout comes from `_layout` and the loop keeps to locals.
+        """
+        cfg = _config(kernel_id)
+        costs = self.tile_costs(kernel_id)
+        mc = self.machine
+        cluster = cfg.cluster
+        kblocks = -(-k // cfg.bk)
+        tiles, units_per_split, slots = _layout(cfg, m, n, sm_count)
+        partial = cfg.bm * cfg.bn * 4
+        split_fixed = mc.split_unit_us
+        partial_us = partial / mc.partial_bytes_per_us
+        operand_bytes = 2.0 * (m * k + n * k + m * n)
+        workspace_limit = mc.l2_bytes / 2
+        cta_rate = cfg.stages * (min(cfg.bm, m) + min(cfg.bn, n) / cluster) * cfg.bk * 2 / mc.fetch_latency_us
+        hbm_rate, launch_us, overlap_loss = mc.hbm_bytes_per_us, mc.launch_us, mc.overlap_loss
+        unit_us, kblock_us = costs.unit_us, costs.kblock_us
+        cap = _MAX_SPLIT_WAVES * slots
+        out: list[tuple[float, str, int]] = []
+        for splits in range(1, last + 1):
+            units = units_per_split * splits
+            if splits > 1 and units > cap:
+                break
+            clusters = units if units < slots else slots  # the grid, in clusters
+            unit = unit_us + -(-kblocks // splits) * kblock_us
+            hbm = operand_bytes
+            if splits > 1:
+                unit += split_fixed + splits * partial_us
+                if tiles * splits * partial > workspace_limit:
+                    hbm += 2.0 * tiles * splits * partial
+            busiest = -(-units // clusters) * unit
+            rate = clusters * cluster * cta_rate
+            memory = hbm / (rate if rate < hbm_rate else hbm_rate)
+            if busiest >= memory:
+                out.append((launch_us + busiest + overlap_loss * memory, kernel_id, splits))
+            else:
+                out.append((launch_us + memory + overlap_loss * busiest, kernel_id, splits))
+        return out
+
+    def options(self, m: int, n: int, k: int, sm_count: int,
+                candidates: Iterable[str]) -> list[tuple[float, str, int]]:
+        """(predicted us, kernel id, splits) of every option the model weighs, unsorted."""
+        _check_shape(m, n, k, sm_count)
+        out: list[tuple[float, str, int]] = []
+        for kernel_id in candidates:
+            cfg = _config(kernel_id)
+            if sm_count >= cfg.cluster:
+                out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)))
+        return out
+
+    def choose(self, m: int, n: int, k: int, sm_count: int, candidates: frozenset[str]) -> tuple[str, int]:
+        """(kernel id, splits) with the least predicted time; ties go to the smaller id, then fewer splits."""
+        options = self.options(m, n, k, sm_count, sorted(candidates))
+        if not options:
+            raise BadArgumentError(
+                f"gemm {m}x{n}x{k} on {sm_count} SMs: expected at least one gemm candidate that fits, "
+                f"got {sorted(candidates)!r}"
+            )
+        _, kernel_id, splits = min(options)
+        return kernel_id, splits
+
+
+def calibrated_model() -> Model:
+    """The model with `_gemm_calibration`'s constants over the defaults."""
+    known = {f.name for f in fields(MachineCosts)}
+    unknown = sorted(set(_calibration.MACHINE) - known)
+    if unknown:
+        raise BadArgumentError(
+            f"_gemm_calibration.MACHINE: expected fields of MachineCosts {sorted(known)}, got {unknown}"
+        )
+    machine = replace(DEFAULT_MACHINE, **_calibration.MACHINE)
+    tiles = {kid: TileCosts(kblock_us=kb, unit_us=unit) for kid, (kb, unit) in _calibration.TILES.items()}
+    return Model(machine, tiles)
+
+
+_MODEL: Final = calibrated_model()
+
+
+def choose(m: int, n: int, k: int, sm_count: int, candidates: frozenset[str]) -> tuple[str, int]:
+    """(kernel id, splits) for an M x N x K problem on `sm_count` SMs, the id among `candidates`.
+
+    Deterministic; raises `BadArgumentError` naming the shape if no candidate fits.
+    """
+    return _MODEL.choose(m, n, k, sm_count, candidates)
+
+
+def predict_us(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
+    """The calibrated model's estimate of one launch, in microseconds."""
+    return _MODEL.predict_us(m, n, k, sm_count, kernel_id, splits)
+

@@ -1,0 +1,277 @@
+"""The gemm selection model (cubinstore/ops/_gemm_model.py) on the CPU.
+
+Expectations come from the work a shape makes (tiles, waves over the SMs, K depth,
+bytes), not from running the model: a big square takes a big tile unsplit, a
+bandwidth-bound M = 1 splits K to draw HBM from more SMs, a shape whose tiles leave a
+nearly empty last wave takes an option that fills its waves better. Every id the model
+can return must exist in the built manifest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cubinstore.errors import BadArgumentError
+from cubinstore.manifest import Manifest
+from cubinstore.ops import _gemm_calibration, _gemm_model
+from cubinstore.ops._gemm_model import MachineCosts, Model, TileCosts
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_gemm  # noqa: E402  (benchmarks/bench_gemm.py: GRID, the instantiations without Bazel)
+import gemm_shapes  # noqa: E402  (benchmarks/gemm_shapes.py: the one definition of the shape sets)
+
+G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
+MANIFEST = ROOT / "bazel-bin" / "kernels" / "manifest.json"
+H200_SMS = 132
+
+# The gemm family's points as bench_gemm.GRID lists them for builds without Bazel (the
+# manifest test checks that the built manifest has the same ids).
+BUILT = frozenset(G.GemmConfig(*point).kernel_id for point in bench_gemm.GRID)
+SHAPE_GRID = [(m, n, k) for m in (1, 7, 16, 64, 128, 129, 256, 1000, 4096, 8192)
+              for n in (8, 64, 1000, 4096, 14336, 57344) for k in (8, 72, 1000, 4096, 14336)]
+ALL_SHAPES = sorted({s.mnk for s in gemm_shapes.TUNING + gemm_shapes.HELD_OUT} | set(SHAPE_GRID))
+
+
+def _manifest_ids() -> frozenset[str]:
+    if not MANIFEST.is_file():
+        pytest.skip(f"no manifest at {MANIFEST}: run `bazel build //kernels:all` (CI does before pytest)")
+    return frozenset(k.id for k in Manifest.from_path(MANIFEST) if k.family == G.FAMILY)
+
+
+def _plan(m: int, n: int, k: int, choice: tuple[str, int], sm_count: int = H200_SMS) -> G.Plan:
+    return G.plan(m, n, k, sm_count, *choice)
+
+
+def _wave_fill(launch: G.Plan) -> float:
+    """Fraction of the grid's cluster-slots busy, over all waves: 1.0 when the last wave is full."""
+    clusters = launch.grid // launch.config.cluster
+    waves = -(-launch.units // clusters)
+    return launch.units / (waves * (H200_SMS // launch.config.cluster))
+
+
+# -- the manifest and the candidates --------------------------------------------------------------
+
+
+def test_every_id_the_model_can_return_is_in_the_built_manifest() -> None:
+    ids = _manifest_ids()
+    assert ids == BUILT, f"manifest and bench_gemm.GRID differ: {sorted(ids ^ BUILT)}"
+    returned = {_gemm_model.choose(m, n, k, sms, ids)[0] for m, n, k in ALL_SHAPES for sms in (66, 114, H200_SMS)}
+    assert returned <= ids
+    # Not a degenerate model: the grid of shapes needs several tiles.
+    assert len(returned) >= 4, f"expected the shape grid to use several instantiations, got {sorted(returned)}"
+
+
+def test_every_choice_is_a_valid_launch_whose_splits_plan_keeps() -> None:
+    for m, n, k in ALL_SHAPES:
+        kernel_id, splits = _gemm_model.choose(m, n, k, H200_SMS, BUILT)
+        assert 1 <= splits <= min(_gemm_model.MAX_SPLITS, -(-k // G.GemmConfig.from_id(kernel_id).bk))
+        assert _plan(m, n, k, (kernel_id, splits)).splits == splits, f"{m}x{n}x{k}: plan() clamps {splits}"
+
+
+def test_a_candidate_set_without_the_preferred_id_still_gets_a_valid_choice() -> None:
+    for m, n, k in ((8192, 8192, 8192), (1, 4096, 4096), (1000, 3000, 2008)):
+        preferred, _ = _gemm_model.choose(m, n, k, H200_SMS, BUILT)
+        rest = BUILT - {preferred}
+        other, splits = _gemm_model.choose(m, n, k, H200_SMS, rest)
+        assert other in rest and splits >= 1
+        assert _gemm_model.choose(m, n, k, H200_SMS, frozenset({other}))[0] == other
+
+
+def test_cluster2_only_candidates_are_chosen_when_nothing_else_is_offered() -> None:
+    pairs = frozenset(i for i in BUILT if i.endswith("/cluster2/sm_90a"))
+    kernel_id, _ = _gemm_model.choose(4096, 4096, 4096, H200_SMS, pairs)
+    assert kernel_id in pairs
+
+
+# -- choices from the work ------------------------------------------------------------------------
+
+
+def test_a_big_square_takes_a_large_tile_unsplit() -> None:
+    kernel_id, splits = _gemm_model.choose(8192, 8192, 8192, H200_SMS, BUILT)
+    cfg = G.GemmConfig.from_id(kernel_id)
+    # 2048 tiles of 128x256 make 15.5 waves: nothing to gain from split-K; the largest tile
+    # area reads the fewest bytes per flop.
+    assert (cfg.bm * cfg.bn, splits) == (128 * 256, 1)
+
+
+def test_bandwidth_bound_single_row_splits_k_over_most_sms() -> None:
+    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 8192)):
+        choice = _gemm_model.choose(1, n, k, H200_SMS, BUILT)
+        launch = _plan(1, n, k, choice)
+        # B's bytes are the whole cost; N / 256 tiles alone would draw HBM from a few SMs only.
+        tiles = launch.tiles_m * launch.tiles_n
+        assert launch.grid >= H200_SMS * 3 // 4, f"1x{n}x{k}: {choice} runs on {launch.grid} SMs"
+        if tiles < H200_SMS // 2:
+            assert choice[1] > 1, f"1x{n}x{k}: {tiles} tiles, expected split-K, got {choice}"
+
+
+def test_one_by_4096_squared_splits_k() -> None:
+    assert _gemm_model.choose(1, 4096, 4096, H200_SMS, BUILT)[1] > 1
+
+
+def test_a_nearly_empty_last_wave_is_avoided() -> None:
+    # 1280 x 3584 is 10 x 14 = 140 tiles of 128x256: a full wave of 132 and a second of 8.
+    m, n, k = 1280, 3584, 4096
+    large = G.GemmConfig(128, 256, 64, 4, 1).kernel_id
+    naive = _plan(m, n, k, (large, 1))
+    assert naive.units == 140
+    choice = _gemm_model.choose(m, n, k, H200_SMS, BUILT)
+    chosen = _plan(m, n, k, choice)
+    assert choice[1] > 1 or _wave_fill(chosen) > _wave_fill(naive), (
+        f"{m}x{n}x{k}: {choice} fills {_wave_fill(chosen):.2f} of its waves, 128x256 unsplit {_wave_fill(naive):.2f}"
+    )
+
+
+def test_tall_skinny_fills_the_gpu() -> None:
+    # N = 256 leaves few tile columns: the choice needs small tiles or split-K to occupy the SMs.
+    for m, n, k in ((8192, 256, 4096), (16384, 256, 7168), (32768, 128, 1024)):
+        launch = _plan(m, n, k, _gemm_model.choose(m, n, k, H200_SMS, BUILT))
+        assert launch.grid >= H200_SMS * 3 // 4, f"{m}x{n}x{k}: grid {launch.grid}"
+
+
+def test_no_cluster2_choice_unless_calibrated_to_beat_its_twin() -> None:
+    model = _gemm_model.calibrated_model()
+    uncalibrated = Model()  # defaults only
+    for m, n, k in ALL_SHAPES:
+        assert G.GemmConfig.from_id(uncalibrated.choose(m, n, k, H200_SMS, BUILT)[0]).cluster == 1
+        kernel_id, splits = model.choose(m, n, k, H200_SMS, BUILT)
+        if G.GemmConfig.from_id(kernel_id).cluster == 2:
+            twin = kernel_id.replace("/cluster2/", "/cluster1/")
+            assert model.is_calibrated(kernel_id), f"{m}x{n}x{k}: uncalibrated cluster-2 {kernel_id}"
+            assert model.predict_us(m, n, k, H200_SMS, kernel_id, splits) < min(
+                model.predict_us(m, n, k, H200_SMS, twin, s) for s in range(1, 17))
+
+
+def test_the_2026_11_29_winners_are_predicted_near_the_models_best() -> None:
+    # The table's measured winners; the model need not pick them (many are near-ties) but must
+    # not predict them much slower than its own pick on most shapes.
+    table = importlib.import_module("cubinstore.ops._gemm_tuning").TABLE
+    model = Model()
+    near = 0
+    for (m, n, k), winner in table.items():
+        best = model.predict_us(m, n, k, H200_SMS, *model.choose(m, n, k, H200_SMS, BUILT))
+        near += model.predict_us(m, n, k, H200_SMS, *winner) <= 1.10 * best
+    assert near >= 0.8 * len(table), f"{near} of {len(table)} winners within 10% of the model's best"
+
+
+# -- properties -----------------------------------------------------------------------------------
+
+
+def test_choices_are_deterministic_across_processes_and_set_orders() -> None:
+    shapes = [list(s) for s in ALL_SHAPES[::7]]
+    code = (
+        "import json, sys; from cubinstore.ops import _gemm_model as g; ids = json.loads(sys.argv[1]); "
+        "print(json.dumps([g.choose(m, n, k, 132, frozenset(ids)) for m, n, k in json.loads(sys.argv[2])]))"
+    )
+    runs = []
+    for seed, order in (("1", sorted(BUILT)), ("2", sorted(BUILT, reverse=True))):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(order), json.dumps(shapes)], env=env,
+                             cwd=ROOT, capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout))
+    here = [list(_gemm_model.choose(m, n, k, H200_SMS, BUILT)) for m, n, k in shapes]
+    assert runs[0] == runs[1] == here
+
+
+def test_more_sms_never_predict_a_longer_time() -> None:
+    model = _gemm_model.calibrated_model()
+    for m, n, k in ALL_SHAPES[::3]:
+        previous = float("inf")
+        for sms in (8, 16, 33, 66, 100, 114, 132, 264):
+            best = min(model.options(m, n, k, sms, BUILT))[0]
+            assert best <= previous, f"{m}x{n}x{k}: {best:.2f} us on {sms} SMs, {previous:.2f} on fewer"
+            previous = best
+    for kernel_id in sorted(BUILT):
+        for splits in (1, 3, 16):
+            times = [model.predict_us(4095, 4097, 4104, sms, kernel_id, splits) for sms in (16, 66, 132, 264)]
+            assert times == sorted(times, reverse=True), f"{kernel_id} splits={splits}: {times}"
+
+
+def test_the_fast_path_agrees_with_the_plan_based_estimate() -> None:
+    model = _gemm_model.calibrated_model()
+    for m, n, k in ALL_SHAPES[::5]:
+        for sms in (2, 66, H200_SMS):
+            options = model.options(m, n, k, sms, sorted(BUILT))
+            assert options
+            for time, kernel_id, splits in options:
+                estimate = model.estimate(m, n, k, sms, kernel_id, splits)
+                assert estimate.splits == splits
+                assert time == pytest.approx(estimate.time_us, rel=1e-12), f"{m}x{n}x{k} {kernel_id} {splits}"
+
+
+def test_split_k_costs_its_partials() -> None:
+    # Same units, same K blocks a unit: the split option pays the reduction, the unsplit one does not.
+    model = Model()
+    kernel_id = G.GemmConfig(128, 128, 64, 5, 1).kernel_id
+    one = model.estimate(4096, 4096, 4096, H200_SMS, kernel_id, 1)
+    two = model.estimate(4096, 4096, 4096, H200_SMS, kernel_id, 2)
+    assert one.split_us == 0 and two.split_us > 0 and two.waves == 2 * one.waves
+
+
+def test_calibrated_constants_override_the_defaults_per_id() -> None:
+    kernel_id = G.GemmConfig(128, 256, 64, 4, 1).kernel_id
+    slow = Model(tiles={kernel_id: TileCosts(kblock_us=100.0, unit_us=100.0)})
+    assert slow.is_calibrated(kernel_id) and not Model().is_calibrated(kernel_id)
+    assert slow.choose(8192, 8192, 8192, H200_SMS, BUILT)[0] != kernel_id
+    assert Model(MachineCosts(launch_us=50.0)).predict_us(64, 64, 64, H200_SMS, kernel_id, 1) > 50.0
+
+
+def test_the_calibration_module_says_where_it_was_measured() -> None:
+    provenance = _gemm_calibration.PROVENANCE
+    if provenance is None:
+        assert not _gemm_calibration.TILES and not _gemm_calibration.MACHINE
+        return
+    assert {"gpu", "sm_count", "date", "torch"} <= set(provenance)
+    for kernel_id, (kblock_us, unit_us) in _gemm_calibration.TILES.items():
+        G.GemmConfig.from_id(kernel_id)
+        assert kblock_us > 0 and unit_us >= 0, kernel_id
+
+
+def test_tuning_and_held_out_shapes_are_disjoint_and_tma_legal() -> None:
+    tuning = {s.mnk for s in gemm_shapes.TUNING}
+    held_out = {s.mnk for s in gemm_shapes.HELD_OUT}
+    assert not tuning & held_out
+    assert set(importlib.import_module("cubinstore.ops._gemm_tuning").TABLE) <= tuning
+    assert all(k % 8 == 0 for _, _, k in tuning | held_out)
+    groups = {s.group for s in gemm_shapes.HELD_OUT}
+    assert {"square", "llm", "moe", "tail"} <= groups
+    assert any(s.large_m for s in gemm_shapes.HELD_OUT) and any(not s.large_m for s in gemm_shapes.HELD_OUT)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_empty_candidates_name_the_shape() -> None:
+    with pytest.raises(BadArgumentError, match=r"^gemm 128x4096x4096 on 132 SMs: expected at least one gemm "
+                                               r"candidate that fits, got \[\]"):
+        _gemm_model.choose(128, 4096, 4096, H200_SMS, frozenset())
+
+
+def test_candidates_that_cannot_fit_name_the_shape() -> None:
+    pair = G.GemmConfig(128, 256, 64, 4, 2).kernel_id
+    with pytest.raises(BadArgumentError, match=r"^gemm 64x64x64 on 1 SMs: expected at least one gemm candidate"):
+        _gemm_model.choose(64, 64, 64, 1, frozenset({pair}))
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    ((0, 4096, 4096, H200_SMS), r"^gemm model 0x4096x4096 on 132 SMs: expected M a positive int, got 0"),
+    ((16, -1, 4096, H200_SMS), r"^gemm model 16x-1x4096 on 132 SMs: expected N a positive int, got -1"),
+    ((16, 16, 16.0, H200_SMS), r"^gemm model 16x16x16.0 on 132 SMs: expected K a positive int, got 16.0"),
+    ((16, 16, 16, 0), r"^gemm model 16x16x16 on 0 SMs: expected sm_count a positive int, got 0"),
+])
+def test_bad_shapes_are_refused(shape: tuple[int, int, int, int], message: str) -> None:
+    with pytest.raises(BadArgumentError, match=message):
+        _gemm_model.choose(*shape, BUILT)
+
+
+def test_a_candidate_that_is_not_a_gemm_id_is_refused() -> None:
+    with pytest.raises(BadArgumentError, match=r"^invalid gemm kernel id 'axpy/f32/vec4/sm_90a'"):
+        _gemm_model.choose(16, 16, 16, H200_SMS, frozenset({"axpy/f32/vec4/sm_90a"}))
