@@ -176,30 +176,45 @@ def pack_args(
     torch_tensor: Any | None = None
     cupy_array: Any | None = None
     for index, (name, offset, size, value) in enumerate(zip(types, offsets, sizes, args)):
-        at = shift + offset
-        if name == "ptr":
-            raw, kind, extra = _pointer(_Where(kernel_id, entry, index), value, device, pointer_device)
-            keepalive.append(value)
-            if extra is not None:
-                keepalive.append(extra)
-            if kind == "torch" and torch_tensor is None:
-                torch_tensor = value
-            elif kind == "cupy" and cupy_array is None:
-                cupy_array = value
-            struct.pack_into("<Q", view, at, raw)
-        elif name == "tensormap":
-            view[at : at + TENSORMAP_BYTES] = _tensormap(_Where(kernel_id, entry, index), value)
-        elif name in _INT_RANGE:
-            struct.pack_into(_STRUCT[name], view, at, _integer(_Where(kernel_id, entry, index), name, value))
-        elif name.startswith("struct:"):
-            view[at : at + size] = _struct_bytes(_Where(kernel_id, entry, index), name, size, value)
-        else:
-            view[at : at + size] = _floating(_Where(kernel_id, entry, index), name, value)
+        where = _Where(kernel_id, entry, index)
+        kind, extra = _pack_one(where, name, view, shift + offset, size, value, device, pointer_device)
+        if kind is None:
+            continue
+        keepalive.append(value)
+        if extra is not None:
+            keepalive.append(extra)
+        if kind == "torch" and torch_tensor is None:
+            torch_tensor = value
+        elif kind == "cupy" and cupy_array is None:
+            cupy_array = value
     view.release()
     pointers = None
     if offsets:
         pointers = (ctypes.c_void_p * len(offsets))(*[address + shift + o for o in offsets])
     return PackedArgs(buffer, pointers, tuple(keepalive), torch_tensor, cupy_array)
+
+
+def _pack_one(
+    where: _Where, name: str, view: memoryview, at: int, size: int, value: Any, device: int,
+    pointer_device: PointerDevice | None,
+) -> tuple[str | None, Any | None]:
+    """Check one argument against its declared type and write it at `at`.
+
+    Returns (pointer kind, extra object to keep alive) for a `ptr`, (None, None) otherwise.
+    """
+    if name == "ptr":
+        raw, kind, extra = _pointer(where, value, device, pointer_device)
+        struct.pack_into("<Q", view, at, raw)
+        return kind, extra
+    if name == "tensormap":
+        view[at : at + TENSORMAP_BYTES] = _tensormap(where, value)
+    elif name in _INT_RANGE:
+        struct.pack_into(_STRUCT[name], view, at, _integer(where, name, value))
+    elif name.startswith("struct:"):
+        view[at : at + size] = _struct_bytes(where, name, size, value)
+    else:
+        view[at : at + size] = _floating(where, name, value)
+    return None, None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -411,3 +426,80 @@ def dlpack_data_pointer(capsule: Any) -> int:
     tensor = _DLTensor.from_address(address)
     return int(tensor.data or 0) + int(tensor.byte_offset)
 
+
+
+class ArgBuffer:
+    """A parameter buffer reused across launches: fixed arguments packed once, the rest per launch.
+
+    `args` holds one value per declared type, or None for a parameter that changes between
+    launches (None is no valid value of any type, so it cannot be meant literally). `write`
+    packs the changing ones, in parameter order, into the same buffer, checked by the same
+    rules as `pack_args`; a raw int pointer or a 128-byte `bytes` tensor map take a short path.
+    The layout is `_plan`'s, so the bytes equal those `pack_args` gives the same arguments.
+    Not thread-safe: the caller serialises `write` and the launch that reads the buffer.
+    """
+
+    def __init__(
+        self,
+        kernel_id: str,
+        entry: str,
+        types: Sequence[str],
+        args: Sequence[Any],
+        *,
+        device: int,
+        pointer_device: PointerDevice | None = None,
+    ) -> None:
+        types = tuple(types)
+        if isinstance(args, (str, bytes)) or not isinstance(args, Sequence) or len(args) != len(types):
+            got = f"{len(args)}" if isinstance(args, Sequence) else _type_name(args)
+            raise BadArgumentError(
+                f"kernel {kernel_id!r} entry {entry!r}: expected {len(types)} arguments or None "
+                f"placeholders ({', '.join(types)}), got {got}"
+            )
+        offsets, sizes, total = _plan(kernel_id, entry, types)
+        self._kernel_id, self._entry, self._device, self._pointer_device = kernel_id, entry, device, pointer_device
+        self._buffer = (ctypes.c_ubyte * (total + 128))()
+        address = ctypes.addressof(self._buffer)
+        shift = -address % 128  # a tensormap prefers a 128-byte aligned base
+        self._span = (shift, shift + total)
+        self._view = memoryview(self._buffer).cast("B")
+        self._pointers = (ctypes.c_void_p * max(len(offsets), 1))(*[address + shift + o for o in offsets])
+        self.address = ctypes.addressof(self._pointers) if offsets else 0
+        fixed = [(i, v) for i, v in enumerate(args) if v is not None]
+        #: (index, type, buffer offset, size) of each parameter `write` fills, in order.
+        self.varying: tuple[tuple[int, str, int, int], ...] = tuple(
+            (i, types[i], shift + offsets[i], sizes[i]) for i, v in enumerate(args) if v is None
+        )
+        self._keepalive: list[Any] = []  # fixed pointer arguments' objects (and DLPack capsules)
+        self._fixed_at = frozenset(shift + offsets[i] for i, _ in fixed)
+        for index, value in fixed:
+            self._pack(index, types[index], shift + offsets[index], sizes[index], value)
+
+    def raw(self) -> bytes:
+        """The packed bytes (parameter 0 at offset 0), for tests and debugging."""
+        start, end = self._span
+        return bytes(self._view[start:end])
+
+    def write(self, values: Sequence[Any]) -> None:
+        """Pack the changing arguments, one per None of the constructor's `args`, in order."""
+        if len(values) != len(self.varying):
+            raise BadArgumentError(
+                f"kernel {self._kernel_id!r} entry {self._entry!r}: expected {len(self.varying)} changing "
+                f"arguments (parameters {[v[0] for v in self.varying]}), got {len(values)}"
+            )
+        view = self._view
+        for (index, name, at, size), value in zip(self.varying, values):
+            cls = type(value)
+            if name == "tensormap" and cls is bytes and len(value) == TENSORMAP_BYTES:
+                view[at : at + TENSORMAP_BYTES] = value
+            elif name == "ptr" and cls is int and 0 <= value < 2**64:
+                struct.pack_into("<Q", view, at, value)
+            else:
+                self._pack(index, name, at, size, value)
+
+    def _pack(self, index: int, name: str, at: int, size: int, value: Any) -> None:
+        where = _Where(self._kernel_id, self._entry, index)
+        kind, extra = _pack_one(where, name, self._view, at, size, value, self._device, self._pointer_device)
+        if kind is not None and at in self._fixed_at:
+            # A fixed pointer's memory must outlive every launch of this buffer.
+            self._keepalive.append((value, extra))

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore import _abi, _cuda
-from cubinstore._args import pack_args
+from cubinstore._args import ArgBuffer, pack_args
 from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
 from cubinstore._digest import Digest, show
 from cubinstore.errors import (
@@ -39,7 +39,7 @@ from cubinstore.manifest import KernelSpec, Manifest
 if TYPE_CHECKING:
     from cubinstore.store import Store
 
-__all__ = ["Kernel", "Library", "is_loaded", "loaded_module_count", "open"]
+__all__ = ["Kernel", "Library", "PreparedLaunch", "is_loaded", "loaded_module_count", "open"]
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,67 @@ class Kernel:
         name = f"{spec.id!r} entry {entry!r}"
         info = spec.entry(entry)
         fn = self._functions[info.symbol]
-        geometry = info.launch
+        grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, args, grid, block, shared_mem, cluster)
+        drv = _cuda.driver()
+        with _cuda.on_device(self._device):
+            packed = pack_args(spec.id, info.name, info.types, args, device=self._device, pointer_device=_cuda.pointer_device)
+            self._set_function_limits(fn, info.name, shared_mem, cluster3)
+            handle = _stream_handle(stream, packed, self._device, name)
+            config = _launch_config(drv, grid3, block3, shared_mem, cluster3, pdl)
+            config.hStream = drv.CUstream(handle)
+            _cuda.check(
+                drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0),
+                f"cuLaunchKernelEx of kernel {name} on device {self._device} "
+                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3}, pdl {pdl})",
+            )
+        # The driver copied the parameters during the call; `packed` may go now.
+        del packed
+
+    def prepare(
+        self,
+        entry: str,
+        *,
+        args: Sequence[Any],
+        grid: int | Sequence[int] | None = None,
+        block: int | Sequence[int] | None = None,
+        shared_mem: int | None = None,
+        cluster: int | Sequence[int] | None = None,
+        pdl: bool = False,
+    ) -> PreparedLaunch:
+        """A launch of `entry` whose geometry and fixed arguments are checked and packed once.
+
+        `args` has one item per parameter: a value fixed for every launch, or None for one
+        given to each call of the result (`prepared(stream, *changing)`). Geometry is as
+        in `launch` (a grid rule may read only fixed arguments). The function's shared-memory
+        and cluster attributes are set here, once. For a hot path launching one problem
+        shape many times: each call packs only the changing arguments and launches.
+        """
+        spec = self._spec
+        name = f"{spec.id!r} entry {entry!r}"
+        info = spec.entry(entry)
+        fn = self._functions[info.symbol]
+        grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, args, grid, block, shared_mem, cluster)
+        buffer = ArgBuffer(spec.id, info.name, info.types, args, device=self._device,
+                           pointer_device=_cuda.pointer_device)
+        drv = _cuda.driver()
+        with _cuda.on_device(self._device):
+            self._set_function_limits(fn, info.name, shared_mem, cluster3)
+        config = _launch_config(drv, grid3, block3, shared_mem, cluster3, pdl)
+        what = (f"cuLaunchKernelEx of kernel {name} on device {self._device} "
+                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3}, pdl {pdl})")
+        return PreparedLaunch(drv, fn.handle, _cuda.primary_context(self._device), config, buffer, what)
+
+    def _geometry(
+        self,
+        name: str,
+        geometry: _abi.LaunchGeometry | None,
+        args: Sequence[Any],
+        grid: int | Sequence[int] | None,
+        block: int | Sequence[int] | None,
+        shared_mem: int | None,
+        cluster: int | Sequence[int] | None,
+    ) -> tuple[tuple[int, int, int], tuple[int, int, int], int, tuple[int, int, int] | None]:
+        """(grid, block, shared_mem, cluster) of one launch, checked; the manifest's where the caller gave none."""
         if block is None:
             if geometry is None:
                 raise BadArgumentError(f"kernel {name}: pass block=, the manifest declares no launch geometry for it")
@@ -291,39 +351,16 @@ class Kernel:
             raise BadArgumentError(
                 f"kernel {name}: grid {grid3} is not a multiple of cluster {cluster3} in every dimension"
             )
-        drv = _cuda.driver()
-        with _cuda.on_device(self._device):
-            packed = pack_args(spec.id, info.name, info.types, args, device=self._device, pointer_device=_cuda.pointer_device)
-            if shared_mem > fn.dynamic_smem_limit:
-                self._raise_smem_limit(fn, info.name, shared_mem)
-            if cluster3 is not None:
-                self._allow_cluster(fn, info.name, cluster3)
-            handle = _stream_handle(stream, packed, self._device, name)
-            config = drv.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = grid3
-            config.blockDimX, config.blockDimY, config.blockDimZ = block3
-            config.sharedMemBytes = shared_mem
-            config.hStream = drv.CUstream(handle)
-            attrs = []
-            if cluster3 is not None:
-                attr = drv.CUlaunchAttribute()
-                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster3
-                attrs.append(attr)
-            if pdl:
-                attr = drv.CUlaunchAttribute()
-                attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                attr.value.programmaticStreamSerializationAllowed = 1
-                attrs.append(attr)
-            config.attrs = attrs
-            config.numAttrs = len(attrs)
-            _cuda.check(
-                drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0),
-                f"cuLaunchKernelEx of kernel {name} on device {self._device} "
-                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3}, pdl {pdl})",
-            )
-        # The driver copied the parameters during the call; `packed` may go now.
-        del packed
+        return grid3, block3, shared_mem, cluster3
+
+    def _set_function_limits(
+        self, fn: _Function, entry: str, shared_mem: int, cluster: tuple[int, int, int] | None
+    ) -> None:
+        """Raise the function's dynamic shared-memory limit and allow its cluster, where needed (once)."""
+        if shared_mem > fn.dynamic_smem_limit:
+            self._raise_smem_limit(fn, entry, shared_mem)
+        if cluster is not None:
+            self._allow_cluster(fn, entry, cluster)
 
     def _sm_count_for_rule(self, geometry: _abi.LaunchGeometry) -> int | None:
         if geometry.grid is None or all(isinstance(g, int) for g in geometry.grid):
@@ -372,6 +409,83 @@ class Kernel:
                 f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) for kernel {self._spec.id!r} entry {entry!r}",
             )
             fn.non_portable_cluster = True
+
+
+def _launch_config(
+    drv: Any,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    shared_mem: int,
+    cluster: tuple[int, int, int] | None,
+    pdl: bool,
+) -> Any:
+    """A `CUlaunchConfig` of this geometry; the caller sets `hStream`."""
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    attrs = []
+    if cluster is not None:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        attrs.append(attr)
+    if pdl:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
+    return config
+
+
+class PreparedLaunch:
+    """`Kernel.prepare`'s result: call it as `prepared(stream, *changing_args)` to launch.
+
+    The launch config, the function handle and the parameter buffer are built once; a call
+    packs the changing arguments (checked as `Kernel.launch` checks them), makes the device's
+    primary context current if it is not, and calls `cuLaunchKernelEx`. `stream` is a raw
+    CUstream handle. Calls from several threads are serialised by a lock, since they share
+    the buffer; the driver copies the parameters before `cuLaunchKernelEx` returns.
+    """
+
+    def __init__(self, drv: Any, function: int, context: int, config: Any, buffer: ArgBuffer, what: str) -> None:
+        self._drv = drv
+        self._launch = drv.cuLaunchKernelEx
+        self._get_context = drv.cuCtxGetCurrent
+        self._function = drv.CUfunction(function)
+        self._context = context
+        self._config = config
+        self._buffer = buffer
+        self._what = what
+        self._success = drv.CUresult.CUDA_SUCCESS
+        self._stream: int | None = None
+        self._lock = threading.Lock()
+        #: Launches made through this object (for tests and benchmarks: repeat calls reuse it).
+        self.calls = 0
+
+    def __call__(self, stream: int, *changing: Any) -> None:
+        drv = self._drv
+        with self._lock:
+            self._buffer.write(changing)
+            if stream != self._stream:
+                if type(stream) is not int or not 0 <= stream < 2**64:
+                    raise BadArgumentError(f"{self._what} stream: expected a raw handle in [0, 2**64), got {show(stream)}")
+                self._config.hStream = drv.CUstream(stream)
+                self._stream = stream
+            err, current = self._get_context()
+            before = 0 if current is None else int(current)
+            if before != self._context:
+                _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(self._context)), "cuCtxSetCurrent for a prepared launch")
+            try:
+                result = self._launch(self._config, self._function, self._buffer.address, 0)
+            finally:
+                if before != self._context:
+                    _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(before)), "cuCtxSetCurrent (restore)")
+            self.calls += 1
+        if result[0] != self._success:
+            _cuda.check(result, self._what)
 
 
 def _stream_handle(stream: Any, packed: Any, device: int, name: str) -> int:

@@ -33,6 +33,7 @@ from typing import Any, Final
 from cubinstore.errors import BadArgumentError
 
 __all__ = [
+    "AddressEncoder",
     "DTYPES",
     "SWIZZLE_BYTES",
     "TENSORMAP_BYTES",
@@ -40,6 +41,7 @@ __all__ = [
     "TiledArgs",
     "check_tiled",
     "encode_2d_bf16",
+    "encoder_2d_bf16",
     "encode_tiled",
     "from_tensor",
 ]
@@ -355,20 +357,30 @@ def check_tiled(
 
 
 def _encode(args: TiledArgs, device: int | None) -> TensorMap:
-    from cubinstore import _cuda
+    return AddressEncoder(args, device).encode(args.address)
 
-    drv = _cuda.driver()
-    where = "" if device is None else f" on device {device}"
-    strides = list(args.global_strides)
-    if not strides:
-        # Rank 1 has no strides, but cuda.bindings turns an empty list into NULL; hand
-        # the driver one (unread) entry, as C callers of a 1-D map do.
-        strides = [-(-args.global_dim[0] * _BY_NAME[args.dtype].size // 16) * 16]
-    tmap = _cuda.check(
-        drv.cuTensorMapEncodeTiled(
-            getattr(drv.CUtensorMapDataType, args.data_type),
-            args.rank,
-            args.address,
+
+class AddressEncoder:
+    """``cuTensorMapEncodeTiled`` of checked ``TiledArgs`` at any address: the driver's arguments built once.
+
+    A map holds nothing but these arguments, so one encoder gives the maps of every tensor
+    of one shape, strides and box; ``encode`` checks only what changes, the address.
+    """
+
+    def __init__(self, args: TiledArgs, device: int | None = None) -> None:
+        from cubinstore import _cuda
+
+        drv = _cuda.driver()
+        self.args = args
+        self._device = device
+        self._align = 32 if args.interleave == "CU_TENSOR_MAP_INTERLEAVE_32B" else _STRIDE_ALIGN
+        strides = list(args.global_strides)
+        if not strides:
+            # Rank 1 has no strides, but cuda.bindings turns an empty list into NULL; hand
+            # the driver one (unread) entry, as C callers of a 1-D map do.
+            strides = [-(-args.global_dim[0] * _BY_NAME[args.dtype].size // 16) * 16]
+        self._head = (getattr(drv.CUtensorMapDataType, args.data_type), args.rank)
+        self._tail = (
             # cuda.bindings takes its own fixed-width integer wrappers here, not ints.
             [drv.cuuint64_t(d) for d in args.global_dim],
             [drv.cuuint64_t(s) for s in strides],
@@ -378,10 +390,23 @@ def _encode(args: TiledArgs, device: int | None) -> TensorMap:
             getattr(drv.CUtensorMapSwizzle, args.swizzle),
             getattr(drv.CUtensorMapL2promotion, args.l2_promotion),
             getattr(drv.CUtensorMapFloatOOBfill, args.oob_fill),
-        ),
-        f"cuTensorMapEncodeTiled({args.describe()}) at 0x{args.address:x}{where}",
-    )
-    return TensorMap(struct.pack("<16Q", *(int(word) for word in tmap.opaque)))
+        )
+        self._encode_tiled = drv.cuTensorMapEncodeTiled
+        self._success = drv.CUresult.CUDA_SUCCESS
+
+    def encode(self, address: int) -> TensorMap:
+        """The map of the tensor at device ``address``; ``BadArgumentError`` for a bad address."""
+        if isinstance(address, bool) or not isinstance(address, int) or not 0 < address < 2**64:
+            raise BadArgumentError(f"tensor map address: expected a device pointer (an int in [1, 2**64)), got {address!r}")
+        if address % self._align:
+            raise BadArgumentError(f"tensor map address: expected a multiple of {self._align} bytes, got 0x{address:x}")
+        result = self._encode_tiled(*self._head, address, *self._tail)
+        if result[0] != self._success:
+            from cubinstore import _cuda
+
+            where = "" if self._device is None else f" on device {self._device}"
+            _cuda.check(result, f"cuTensorMapEncodeTiled({self.args.describe()}) at 0x{address:x}{where}")
+        return TensorMap(struct.pack("<16Q", *(int(word) for word in result[1].opaque)))
 
 
 def encode_tiled(
@@ -526,8 +551,25 @@ def encode_2d_bf16(
     lets a GEMM run on shapes that are not multiples of its tile. L2 promotion
     is 256 bytes. The same map as ``encode_tiled`` with those arguments.
     """
+    return encoder_2d_bf16(address, rows, cols, row_stride, box_rows, box_cols, swizzle=swizzle,
+                           device=device).encode(address)
+
+
+def encoder_2d_bf16(
+    address: int,
+    rows: int,
+    cols: int,
+    row_stride: int,
+    box_rows: int,
+    box_cols: int,
+    *,
+    swizzle: int = 128,
+    device: int | None = None,
+) -> AddressEncoder:
+    """The encoder of ``encode_2d_bf16``'s maps for this shape, stride and box, checked at ``address``."""
     check_2d_bf16(address, rows, cols, row_stride, box_rows, box_cols, swizzle)
-    return encode_tiled(
+    args = check_tiled(
         address, dtype="bf16", shape=(rows, cols), strides=(row_stride, 1), box=(box_rows, box_cols),
-        swizzle=swizzle, l2_promotion="256B", oob_fill="none", device=device,
+        swizzle=swizzle, l2_promotion="256B", oob_fill="none",
     )
+    return AddressEncoder(args, device)

@@ -7,6 +7,7 @@ without torch or a GPU.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore.errors import CubinstoreError, BadArgumentError, KernelNotFoundError
 from cubinstore.manifest import Manifest
+from cubinstore import launch as ops_launch
+from cubinstore._args import ArgBuffer, PackedArgs, _plan, pack_args
 from cubinstore.tensormap import TensorMap, check_2d_bf16
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
@@ -258,3 +261,62 @@ def test_lookup_returns_the_exact_entry_and_the_nearest_otherwise() -> None:
         assert TUNING.lookup(*shape) == value
         near = tuple(max(1, round(x * 1.1)) for x in shape)
         assert TUNING.lookup(*near) == value, (shape, near)
+
+
+# -- what repeat calls reuse -----------------------------------------------------------------------
+
+
+def _packed_bytes(packed: PackedArgs, types: tuple[str, ...]) -> bytes:
+    """The bytes `pack_args` laid out, from parameter 0's slot on."""
+    _, _, total = _plan("gemm/x", G.ENTRY, types)
+    start = packed.pointers[0] - ctypes.addressof(packed.buffer)  # type: ignore[index]
+    return bytes(packed.buffer)[start : start + total]
+
+
+def test_reused_argument_buffer_packs_the_bytes_pack_args_gives() -> None:
+    maps = [TensorMap(bytes([i]) * 128) for i in (1, 2, 3, 4)]
+    buffer = ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, 1000, 333, 1008, None, None, 4), device=0)
+    # Raw bytes and ints take the short path, TensorMap objects the full one: same bytes either way.
+    for changing in [(maps[0].raw, maps[1].raw, 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000),
+                     (maps[2], maps[3], 0x10, 0, 0)]:
+        buffer.write(changing)
+        tma_a, tma_b, d, ws, counters = changing
+        once = pack_args("gemm/x", G.ENTRY, G.ENTRY_TYPES, (tma_a, tma_b, d, 1000, 333, 1008, ws, counters, 4), device=0)
+        assert buffer.raw() == _packed_bytes(once, G.ENTRY_TYPES)
+
+
+@pytest.mark.parametrize(("changing", "message"), [
+    ((b"\0" * 127, b"\0" * 128, 0, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 0: expected tensormap of 128 bytes"),
+    ((b"\0" * 128, b"\0" * 128, -1, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 2: expected ptr in \[0, 2\*\*64\)"),
+    ((b"\0" * 128, b"\0" * 128, 0, 0.5, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 6: expected ptr, got float"),
+    ((b"\0" * 128, b"\0" * 128, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn': expected 5 changing arguments"),
+])
+def test_reused_argument_buffer_checks_each_changing_argument(changing: tuple[object, ...], message: str) -> None:
+    buffer = ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, 8, 8, 8, None, None, 1), device=0)
+    with pytest.raises(BadArgumentError, match=message):
+        buffer.write(changing)
+
+
+def test_reused_argument_buffer_checks_fixed_arguments_once() -> None:
+    with pytest.raises(BadArgumentError, match=r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 3: expected i32 in"):
+        ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, 2**31, 8, 8, None, None, 1), device=0)
+
+
+def test_selection_is_made_once_per_shape_and_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(G._sm_counts, 0, 132)  # device 0's SM count, as an H200 reports it; no driver here
+    library = ops_launch.open(write_gemm_manifest(tmp_path / "m.json", G.GemmConfig(128, 256, 64, 4, 1),
+                                                  "sha256:" + "ab" * 32))
+    before = G.cache_misses()["selection"]
+    first = G.select(library, 0, 777, 4096, 4096)
+    assert [G.select(library, 0, 777, 4096, 4096) for _ in range(3)] == [first] * 3
+    assert G.cache_misses()["selection"] == before + 1
+    G.select(library, 0, 778, 4096, 4096)  # another shape is another choice
+    G.select(ops_launch.open(library.manifest), 0, 777, 4096, 4096)  # and so is another library
+    assert G.cache_misses()["selection"] == before + 3
+
+
+def test_candidates_are_the_librarys_sm90a_gemm_ids(tmp_path: Path) -> None:
+    cfg = G.GemmConfig(128, 128, 64, 5, 2)
+    library = ops_launch.open(write_gemm_manifest(tmp_path / "m.json", cfg, "sha256:" + "cd" * 32))
+    assert G.candidates(library) == frozenset({cfg.kernel_id})
+    assert G.candidates(library) is G.candidates(library)  # computed once

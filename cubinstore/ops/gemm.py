@@ -3,7 +3,7 @@
 A is M x K and B is N x K, both bf16 and K-major (each row contiguous), on one
 CUDA device of compute capability 9.0; D is M x N, bf16, row-major, computed
 with fp32 accumulation. The instantiation (block tile, pipeline depth, cluster
-size) and the K-split come from the tuning table in ``_gemm_tuning.py``.
+size) and the K-split come from the selection model in ``_gemm_model.py``, once per shape.
 
 The kernels come from the library set with ``cubinstore.ops.set_library``
 (see ``cubinstore/ops/__init__.py``). The launch contract (grid, block,
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,10 +32,14 @@ __all__ = [
     "GemmConfig",
     "Operand",
     "Plan",
+    "cache_misses",
+    "candidates",
     "check_operands",
     "gemm",
     "gemm_with",
     "plan",
+    "run",
+    "select",
     "sm_count",
 ]
 
@@ -264,6 +268,12 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
 
 
 # -- launch -----------------------------------------------------------------------------------------
+# Everything that does not change between calls of one problem signature is computed once:
+# the operand checks that depend only on dtype, shape, strides and device (the signature is
+# the cache key, so a hit has passed them), the selection, the plan, the kernel, its prepared
+# launch (config, function attributes, packed scalars) and the tensor-map encoders; maps are
+# cached per address. A call then checks alignment, allocates D (and the split-K workspace),
+# packs five arguments and launches.
 
 _lock = threading.Lock()
 _kernels: dict[tuple[int, str, int], Kernel] = {}
@@ -271,8 +281,27 @@ _sm_counts: dict[int, int] = {}
 # Per (device, stream): split-K arrival counters. The kernel leaves them at zero, and
 # launches on one stream are ordered, so one buffer per stream is reused safely.
 _counters: dict[tuple[int, int], Any] = {}
-_TENSOR_MAP_CACHE: Final = 64
-_tensor_maps: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+_SELECTION_CACHE: Final = 4096  # (library, device, M, N, K) entries
+_CALL_CACHE: Final = 1024  # problem signatures
+_MAP_CACHE: Final = 16  # addresses per operand and signature (the caching allocator recycles few)
+_selections: dict[tuple[Any, ...], tuple[str, int]] = {}
+_candidates: dict[int, tuple[Library, frozenset[str]]] = {}
+_calls: dict[tuple[Any, ...], _Call] = {}
+# Misses of each cache since start (a hit counts nothing): tests check repeats add none.
+_misses: dict[str, int] = {"selection": 0, "prepared": 0, "tensor_map": 0}
+_PLAIN: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter, once torch is seen
+_raw_stream: Any = None  # device ordinal -> torch's current raw CUstream handle
+
+
+def cache_misses() -> dict[str, int]:
+    """How often each cache of `gemm` missed: selection, prepared (a new problem signature), tensor_map."""
+    with _lock:
+        return dict(_misses)
+
+
+def _count_miss(name: str) -> None:
+    with _lock:
+        _misses[name] += 1
 
 
 def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
@@ -303,25 +332,78 @@ def sm_count(device: int) -> int:
     return count
 
 
-def _tensor_map(device: int, address: int, rows: int, cols: int, stride: int, box: tuple[int, int]) -> Any:
-    from cubinstore.tensormap import encode_2d_bf16
+def candidates(library: Library) -> frozenset[str]:
+    """The ids of the library's gemm kernels for sm_90a: what the selection may choose from (cached)."""
+    cached = _candidates.get(id(library))
+    if cached is not None and cached[0] is library:
+        return cached[1]
+    ids = frozenset(spec.id for spec in library.manifest.find(FAMILY) if spec.arch == ARCH)
+    with _lock:
+        _candidates[id(library)] = (library, ids)
+    return ids
 
-    # A tensor map holds only these values, so equal keys give equal maps.
-    key = (device, address, rows, cols, stride, box[0], box[1])
-    with _lock:
-        cached = _tensor_maps.get(key)
-        if cached is not None:
-            _tensor_maps.move_to_end(key)
-            return cached
-    tmap = encode_2d_bf16(address, rows, cols, stride, box[0], box[1], swizzle=_SWIZZLE_BYTES, device=device)
-    with _lock:
-        _tensor_maps[key] = tmap
-        while len(_tensor_maps) > _TENSOR_MAP_CACHE:
-            _tensor_maps.popitem(last=False)
-    return tmap
+
+def select(library: Library, device: int, m: int, n: int, k: int) -> tuple[str, int]:
+    """(kernel id, K splits) for an M x N x K problem on `device`, chosen once per (library, device, M, N, K)."""
+    key = (library, device, m, n, k)
+    chosen = _selections.get(key)
+    if chosen is None:
+        from cubinstore.ops import _gemm_model
+
+        chosen = _gemm_model.choose(m, n, k, sm_count(device), candidates(library))
+        with _lock:
+            _misses["selection"] += 1
+            if len(_selections) >= _SELECTION_CACHE:
+                _selections.pop(next(iter(_selections)))
+            _selections[key] = chosen
+    return chosen
+
+
+class _TensorMaps:
+    """The tensor maps of one operand signature (shape, strides, box, device), by address.
+
+    A map holds only the address and the encoder's fixed arguments, so a recycled address
+    gets a map equal to a fresh encode: a cached map is never stale.
+    """
+
+    __slots__ = ("_encoder", "_maps")
+
+    def __init__(self, encoder: Any) -> None:
+        self._encoder = encoder
+        self._maps: dict[int, bytes] = {}
+
+    def get(self, address: int) -> bytes:
+        raw = self._maps.get(address)
+        if raw is None:
+            raw = self._encoder.encode(address).raw
+            with _lock:
+                _misses["tensor_map"] += 1
+                if len(self._maps) >= _MAP_CACHE:
+                    self._maps.pop(next(iter(self._maps)))
+                self._maps[address] = raw
+        return raw
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What every call of one problem signature shares."""
+
+    library: Library
+    device: int
+    torch_device: Any
+    shape: tuple[int, int]  # of D
+    plan: Plan
+    launch: Any  # cubinstore.launch.PreparedLaunch: (stream, tma_a, tma_b, d, workspace, counters)
+    maps_a: _TensorMaps
+    maps_b: _TensorMaps
 
 
 def _counter_buffer(torch: Any, device: int, stream: int, count: int) -> Any:
+    if torch.cuda.is_current_stream_capturing():
+        # A graph replays what was captured, not what ran: a per-stream buffer made or used
+        # during capture would be zero at replay only by luck. Give the graph its own
+        # counters, zeroed by a fill captured ahead of the kernel (the kernel leaves them zero).
+        return torch.zeros(count, dtype=torch.int32, device=f"cuda:{device}")
     key = (device, stream)
     with _lock:
         buf = _counters.get(key)
@@ -331,61 +413,142 @@ def _counter_buffer(torch: Any, device: int, stream: int, count: int) -> Any:
     return buf
 
 
+def _stream_of(torch: Any) -> Any:
+    """torch's current raw stream of a device: the private accessor torch's own compiler uses, else the public one."""
+    global _raw_stream
+    if _raw_stream is None:
+        accessor = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = accessor if accessor is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _raw_stream
+
+
 def gemm(a: Any, b: Any, *, out: Any = None) -> Any:
     """D = a @ b.T: `a` (M x K) and `b` (N x K) bf16 CUDA tensors, K-major; returns D (M x N, bf16).
 
     `out`, when given, must be a contiguous bf16 M x N tensor on the same device;
     it is written and returned. Runs on the current torch stream of that device,
-    with the instantiation and K-split the tuning table gives for (M, N, K).
+    with the instantiation and K-split chosen for (M, N, K) (once per shape).
     Raises `BadArgumentError` for bad dtypes, shapes, strides or devices, before
-    any launch.
+    any launch. Under `torch.compile` (and on fake or other tensor subclasses) the
+    call is the custom op `torch.ops.cubinstore.gemm` (`gemm_out` with `out`), which
+    dynamo puts in the graph; eager calls on plain tensors skip torch's dispatcher.
     """
     return gemm_with(a, b, out=out, kernel_id=None, splits=None)
 
 
 def gemm_with(a: Any, b: Any, *, out: Any = None, kernel_id: str | None, splits: int | None) -> Any:
-    """`gemm` with the instantiation and K-split forced (None: from the tuning table).
+    """`gemm` with the instantiation and K-split forced (None: the selection's).
 
     For the tuning script and tests, which must run every instantiation.
     """
-    from cubinstore.ops import _gemm_tuning, get_library
+    torch = sys.modules.get("torch")
+    if torch is not None and _through_op(torch, a, b, out):
+        from cubinstore.ops import _gemm_op
+
+        return _gemm_op.call(torch, a, b, out, kernel_id, splits)
+    return run(a, b, out, kernel_id, splits)
+
+
+def _through_op(torch: Any, a: Any, b: Any, out: Any) -> bool:
+    """Whether a call must go through the torch op: under torch.compile, or on a tensor subclass (fake, functional)."""
+    global _PLAIN
+    if torch.compiler.is_compiling():
+        return True
+    if not _PLAIN:
+        _PLAIN = (torch.Tensor, torch.nn.Parameter)
+    plain = _PLAIN
+    return any(type(t) not in plain and isinstance(t, torch.Tensor) for t in (a, b, out))
+
+
+def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> Any:
+    """The eager implementation of `gemm_with` on real tensors (the torch op's too)."""
+    from cubinstore.ops import get_library
+
+    try:
+        key: tuple[Any, ...] | None = (
+            a.dtype, a.device, a.shape, a.stride(), b.dtype, b.device, b.shape, b.stride(),
+            None if out is None else (out.dtype, out.device, out.shape, out.stride()), kernel_id, splits,
+        )
+        call = _calls.get(key)  # type: ignore[arg-type]
+        address_a, address_b = (a.data_ptr(), b.data_ptr()) if call is not None else (0, 0)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the full checks word the error
+        key, call, address_a, address_b = None, None, 0, 0
+    if call is None or (address_a | address_b) & 15 or call.library is not get_library():
+        call = _prepare(key, a, b, out, kernel_id, splits)  # checks every operand
+        if call is None:  # an empty problem: done
+            return out if out is not None else _empty_result(a, b)
+        address_a, address_b = a.data_ptr(), b.data_ptr()
+    torch = sys.modules["torch"]  # the operands are torch tensors
+    if out is None:
+        out = torch.empty(call.shape, dtype=torch.bfloat16, device=call.torch_device)
+    stream = _stream_of(torch)(call.device)
+    tma_a = call.maps_a.get(address_a)
+    tma_b = call.maps_b.get(address_b)
+    launch = call.plan
+    if launch.splits > 1:
+        workspace = torch.empty(launch.workspace_floats, dtype=torch.float32, device=call.torch_device)
+        counters = _counter_buffer(torch, call.device, stream, launch.counters)
+        call.launch(stream, tma_a, tma_b, out.data_ptr(), workspace.data_ptr(), counters.data_ptr())
+    else:
+        call.launch(stream, tma_a, tma_b, out.data_ptr(), 0, 0)
+    return out
+
+
+def _empty_result(a: Any, b: Any) -> Any:
+    torch = sys.modules["torch"]
+    m, k = a.shape
+    out = torch.empty((m, b.shape[0]), dtype=torch.bfloat16, device=a.device)
+    return out.zero_() if k == 0 else out
+
+
+def _prepare(
+    key: tuple[Any, ...] | None, a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None
+) -> _Call | None:
+    """Check the operands in full and build (or find) their signature's `_Call`; None for an empty problem."""
+    from cubinstore.ops import get_library
+    from cubinstore.tensormap import encoder_2d_bf16
 
     a_op, b_op = _describe("a", a), _describe("b", b)
     out_op = None if out is None else _describe("out", out)
     m, n, k = check_operands(a_op, b_op, out_op)
-    import torch  # a torch tensor was passed, so torch is importable
-
-    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-
+    if m == 0 or n == 0 or k == 0:
+        if out is not None and k == 0:
+            out.zero_()
+        return None
     library = get_library()
+    if key is not None:
+        cached = _calls.get(key)
+        if cached is not None and cached.library is library:  # only the alignment check sent us here
+            return cached
+    torch = sys.modules["torch"]
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if kernel_id is None:
-        kernel_id, table_splits = _gemm_tuning.lookup(m, n, k)
-        splits = table_splits if splits is None else splits
+        kernel_id, chosen_splits = select(library, device, m, n, k)
+        splits = chosen_splits if splits is None else splits
     launch = plan(m, n, k, sm_count(device), kernel_id, 1 if splits is None else splits)
     kernel = _kernel(library, kernel_id, device)
     cfg = launch.config
-    tma_a = _tensor_map(device, a_op.address, m, k, a_op.strides[0] if m > 1 else k, cfg.box_a)
-    tma_b = _tensor_map(device, b_op.address, n, k, b_op.strides[0] if n > 1 else k, cfg.box_b)
-    stream = int(torch.cuda.current_stream(device).cuda_stream)
-    workspace: Any = 0
-    counters: Any = 0
-    if launch.splits > 1:
-        workspace = torch.empty(launch.workspace_floats, dtype=torch.float32, device=out.device)
-        counters = _counter_buffer(torch, device, stream, launch.counters)
     logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d", m, n, k, kernel_id, launch.splits, launch.grid)
-    kernel.launch(
+    prepared = kernel.prepare(
         ENTRY,
         grid=(launch.grid, 1, 1),
         block=(_THREADS, 1, 1),
         # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
-        args=(tma_a, tma_b, out, m, n, k, workspace, counters, launch.splits),
         shared_mem=cfg.smem_bytes,
-        stream=stream,
+        args=(None, None, None, m, n, k, None, None, launch.splits),
     )
-    return out
+    # A 1-row operand's stride is never used to step; give the map a dense one.
+    stride_a = a_op.strides[0] if m > 1 else k
+    stride_b = b_op.strides[0] if n > 1 else k
+    call = _Call(
+        library, device, torch.device("cuda", device), (m, n), launch, prepared,
+        _TensorMaps(encoder_2d_bf16(a_op.address, m, k, stride_a, *cfg.box_a, swizzle=_SWIZZLE_BYTES, device=device)),
+        _TensorMaps(encoder_2d_bf16(b_op.address, n, k, stride_b, *cfg.box_b, swizzle=_SWIZZLE_BYTES, device=device)),
+    )
+    if key is not None:
+        with _lock:
+            _misses["prepared"] += 1
+            if len(_calls) >= _CALL_CACHE:
+                _calls.pop(next(iter(_calls)))
+            _calls[key] = call
+    return call
