@@ -1,20 +1,22 @@
-"""Benchmark of the Hopper bf16 GEMM family against torch.matmul (prints tables; not a test).
+"""Benchmark of cubinstore.ops.gemm against torch.mm on an H200/H100 (prints tables; not a test).
 
-Two steps, because the GPU machine and the build machine may differ:
+  # on the GPU host (torch, cuda-python; no Bazel): about 1-2 minutes of GPU time
+  PYTHONPATH=. python benchmarks/bench_gemm.py run --manifest <dir>/manifest.json
 
-  # anywhere with nvcc 13 and the CUTLASS headers: compile every instantiation,
-  # recording nvcc's CPU seconds, into a directory with a manifest
+  # anywhere with nvcc 13 and the CUTLASS headers, for a GPU host without Bazel: compile
+  # every instantiation (GRID), recording nvcc's CPU seconds, into a directory with a manifest
   python benchmarks/bench_gemm.py compile --out .device/gemm
 
-  # on an H200/H100 with torch: TFLOP/s of cubinstore.ops.gemm and torch.matmul,
-  # side by side on the same tensors, plus the load time of each CUBIN
-  PYTHONPATH=. python benchmarks/bench_gemm.py run --manifest .device/gemm/manifest.json
-
-`run` also takes the manifest of `bazel build //kernels:all`. Timing: CUDA
-events around each call, median of `--reps` calls after `--warmup` calls; the
-GPU is kept busy (torch.cuda._sleep) while Python enqueues, so launch overhead
-on the host is not counted; inputs rotate over enough sets to be at least
-three times the L2 size, so no call finds its operands in L2.
+`run` prints, for the tuning shapes and for the held-out shapes of `gemm_shapes.py` in
+separate tables, the TFLOP/s of `ops.gemm` (with its selection) and of `torch.mm` and their
+ratio, the geometric means (held-out also for M >= 128 alone) against the issue's goals;
+then the host time per call of both (2,000 back-to-back calls at 1x4096x4096 and
+128x4096x4096, the GPU kept ahead so no call waits on it) and the device time per call of
+both replayed from a CUDA graph. Timing: CUDA events around each call, median; the GPU is
+kept busy (torch.cuda._sleep) while Python enqueues, so host overhead is not in the device
+times; inputs are fresh random data rotated over 4x the L2 (read from the device), so no
+call finds its operands in L2; every result is NaN-poisoned first and checked against a
+float32 reference (relative error < 1e-2). Repetitions are capped by `--shape-budget-ms`.
 """
 
 from __future__ import annotations
@@ -111,11 +113,11 @@ def compile_grid(out: Path, nvcc: str, include: Path) -> None:
             "entries": {g.ENTRY: list(g.ENTRY_TYPES)}, "target": f"//kernels/gemm:{target_name(cfg)}",
         })
         print(f"{cfg.kernel_id:50s} {cpu:6.2f} s CPU  {len(data):7d} bytes", flush=True)
-    _write_atomic(out / "manifest.json", Manifest.build(kernels, source=str(out / "manifest.json")).raw)
-    _write_atomic(out / "compile_seconds.json", (json.dumps(seconds, indent=1, sort_keys=True) + "\n").encode())
+    write_atomic(out / "manifest.json", Manifest.build(kernels, source=str(out / "manifest.json")).raw)
+    write_atomic(out / "compile_seconds.json", (json.dumps(seconds, indent=1, sort_keys=True) + "\n").encode())
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -129,6 +131,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 # -- GPU helpers (shared with tune_gemm.py) --------------------------------------------------------
+
+# Inputs rotate over at least this many times the L2, so no call finds its operands there.
+ROTATE_L2 = 4
+# ||D - ref|| / ||ref|| against a float32 reference of the same bf16 inputs.
+MAX_REL_ERROR = 1e-2
+
+
+def l2_bytes(props: Any) -> int:
+    return int(props.L2_cache_size)
 
 
 def open_library(manifest_path: Path, home: Path) -> Any:
@@ -148,15 +159,18 @@ def gemm_specs(library: Any) -> list[Any]:
 
 
 class Operands:
-    """`sets` independent (A, B, D) triples for one shape, together over `min_bytes`."""
+    """`sets` independent (A, B, D) triples of fresh random data for one shape, together over `min_bytes`."""
 
-    def __init__(self, torch: Any, m: int, n: int, k: int, min_bytes: int, seed: int = 0) -> None:
+    def __init__(self, torch: Any, m: int, n: int, k: int, min_bytes: int) -> None:
         per_set = 2 * (m * k + n * k + m * n)
         self.sets = max(2, math.ceil(min_bytes / per_set))
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.a = [torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(self.sets)]
-        self.b = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(self.sets)]
+        self.a = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(self.sets)]
+        self.b = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(self.sets)]
         self.d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(self.sets)]
+
+    def reference(self, i: int) -> Any:
+        """float32 A @ B.T of set i."""
+        return self.a[i].float() @ self.b[i].float().T
 
 
 def time_ms(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup: int) -> float:
@@ -166,7 +180,7 @@ def time_ms(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup:
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    # Keep the GPU busy while Python enqueues (about 0.2 ms of host time a call).
+    # Keep the GPU busy while Python enqueues (at most about 0.2 ms of host time a call).
     torch.cuda._sleep(int(2e6 + reps * 4e5))
     for i in range(reps):
         starts[i].record()
@@ -177,7 +191,7 @@ def time_ms(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup:
 
 
 def torch_mm(torch: Any, data: Operands) -> Callable[[int], None]:
-    """torch.matmul of set i (cuBLAS, D = A @ B.T) into the same output buffers."""
+    """torch.mm of set i (cuBLAS, D = A @ B.T) into the same output buffers."""
     def run(i: int) -> None:
         torch.mm(data.a[i], data.b[i].T, out=data.d[i])
 
@@ -185,7 +199,7 @@ def torch_mm(torch: Any, data: Operands) -> Callable[[int], None]:
 
 
 def ours_mm(data: Operands, kernel_id: str | None = None, splits: int | None = None) -> Callable[[int], None]:
-    """cubinstore.ops.gemm of set i; with `kernel_id`, that instantiation and split instead of the table's."""
+    """cubinstore.ops.gemm of set i; with `kernel_id`, that instantiation and split instead of the selection's."""
     import cubinstore.ops as ops
 
     g = gemm_module()
@@ -199,110 +213,242 @@ def ours_mm(data: Operands, kernel_id: str | None = None, splits: int | None = N
     return run
 
 
-def rel_error(torch: Any, d: Any, a: Any, b: Any) -> float:
-    ref = a.float() @ b.float().T
-    return float((d.float() - ref).norm() / ref.norm())
+def checked_error(torch: Any, fn: Callable[[int], None], data: Operands, ref: Any) -> float:
+    """Relative error of `fn(0)` into a NaN-poisoned D against `ref` (inf where an element stays unwritten)."""
+    data.d[0].fill_(float("nan"))
+    fn(0)
+    torch.cuda.synchronize()
+    d = data.d[0].float()
+    if bool(torch.isnan(d).any()):
+        return math.inf
+    return float((d - ref).norm() / ref.norm())
 
 
 def tflops(m: int, n: int, k: int, ms: float) -> float:
     return 2.0 * m * n * k / (ms * 1e-3) / 1e12
 
 
-def max_active_clusters(library: Any, kernel_id: str) -> str:
-    """How many clusters of the kernel fit on the GPU at once (cuOccupancyMaxActiveClusters).
-
-    The persistent grid assumes SMs / cluster of them; fewer would leave a tail wave.
-    """
-    from cubinstore import _cuda
-
-    g = gemm_module()
-    cfg = g.GemmConfig.from_id(kernel_id)
-    if cfg.cluster == 1:
-        return "-"
-    kernel = library.kernel(kernel_id, device=0)
-    drv = _cuda.driver()
-    config = drv.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = 132, 1, 1
-    config.blockDimX, config.blockDimY, config.blockDimZ = 384, 1, 1
-    config.sharedMemBytes = cfg.smem_bytes
-    config.numAttrs = 0
-    with _cuda.on_device(0):
-        err, count = drv.cuOccupancyMaxActiveClusters(drv.CUfunction(kernel._functions[g.ENTRY].handle), config)
-    return str(count) if err == drv.CUresult.CUDA_SUCCESS else f"err{int(err)}"
+def geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
 
 
 # -- run -------------------------------------------------------------------------------------------
 
+# The issue's goals (ratios of torch.mm's time to ops.gemm's).
+GOAL_TUNING = 0.95  # geometric mean, tuning shapes
+GOAL_HELD_OUT_LARGE_M = 0.90  # geometric mean, held-out shapes with M >= gemm_shapes.LARGE_M
+GOAL_FLOOR = 0.80  # every held-out shape
+GOAL_HOST = 2.0  # host time per call, at most this many times torch's
+HOST_SHAPES = ((1, 4096, 4096), (128, 4096, 4096))
 
-def run(args: argparse.Namespace) -> None:
+
+class Row:
+    """One shape's result: ops.gemm and torch.mm times (ms), the selection, the error."""
+
+    def __init__(self, shape: Any, choice: tuple[str, int], ours_ms: float, torch_ms: float, error: float,
+                 reps: int) -> None:
+        self.shape, self.choice, self.ours_ms, self.torch_ms, self.error, self.reps = (
+            shape, choice, ours_ms, torch_ms, error, reps)
+
+    @property
+    def ratio(self) -> float:
+        return self.torch_ms / self.ours_ms
+
+    @property
+    def right(self) -> bool:
+        return self.error < MAX_REL_ERROR
+
+
+def _reps(torch: Any, fn: Callable[[int], None], args: argparse.Namespace) -> int:
+    """Repetitions within `--shape-budget-ms` of one call's device time, between --min-reps and --reps."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(1)
+    end.record()
+    torch.cuda.synchronize()
+    return max(args.min_reps, min(args.reps, int(args.shape_budget_ms / max(start.elapsed_time(end), 1e-3))))
+
+
+def bench_shape(torch: Any, library: Any, shape: Any, l2: int, args: argparse.Namespace) -> Row:
+    m, n, k = shape.mnk
+    data = Operands(torch, m, n, k, ROTATE_L2 * l2)
+    ours, theirs = ours_mm(data), torch_mm(torch, data)
+    error = checked_error(torch, ours, data, data.reference(0))
+    reps = _reps(torch, theirs, args)
+    ours_ms = time_ms(torch, ours, data.sets, reps, args.warmup)
+    torch_ms = time_ms(torch, theirs, data.sets, reps, args.warmup)
+    return Row(shape, selection(library, m, n, k), ours_ms, torch_ms, error, reps)
+
+
+def selection(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
+    """What ops.gemm runs for M x N x K on device 0 (gemm.select, cached there)."""
+    return gemm_module().select(library, 0, m, n, k)
+
+
+def print_table(title: str, rows: Sequence[Row]) -> None:
+    print(f"\n== {title}")
+    print(f"{'M x N x K':>18s} {'group':>12s} {'from':24s} {'kernel (splits)':>52s} {'ours TF/s':>9s} "
+          f"{'torch TF/s':>10s} {'ratio':>7s} {'reps':>4s} {'rel err':>8s}")
+    for r in rows:
+        m, n, k = r.shape.mnk
+        flag = "" if r.right else "  WRONG"
+        print(f"{r.shape.label:>18s} {r.shape.group:>12s} {r.shape.name[:24]:24s} "
+              f"{f'{r.choice[0]} ({r.choice[1]})':>52s} {tflops(m, n, k, r.ours_ms):9.1f} "
+              f"{tflops(m, n, k, r.torch_ms):10.1f} {r.ratio:7.1%} {r.reps:4d} {r.error:8.1e}{flag}", flush=True)
+
+
+def _goal(what: str, value: float, goal: float, at_least: bool = True) -> str:
+    met = value >= goal if at_least else value <= goal
+    return f"{what:58s} {value:7.3f}  goal {'>=' if at_least else '<='} {goal:.2f}: {'met' if met else 'NOT MET'}"
+
+
+def host_us(torch: Any, fn: Callable[[], Any], calls: int, cycles_per_us: float, chunk: int = 200) -> float:
+    """CPU time per call of `fn` over `calls` back-to-back calls, the GPU kept busy so no call waits on it."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        fn()
+    pilot_us = (time.perf_counter() - t0) / 50 * 1e6
+    torch.cuda.synchronize()
+    total = 0.0
+    for _ in range(max(1, calls // chunk)):
+        # Twice the chunk's host time of GPU sleep: launches queue behind it, none waits.
+        torch.cuda._sleep(int(2 * chunk * pilot_us * cycles_per_us))
+        t0 = time.perf_counter()
+        for _ in range(chunk):
+            fn()
+        total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    return total / (max(1, calls // chunk) * chunk) * 1e6
+
+
+def graph_us(torch: Any, fn: Callable[[], Any], per_graph: int = 20, replays: int = 10) -> float:
+    """Device time per call of `fn` captured `per_graph` times in a CUDA graph, over `replays` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on the capture stream (split-K counters are per stream)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * per_graph)
+
+
+def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> list[str]:
+    import cubinstore.ops as ops
+
+    print(f"\n== host time per call ({args.host_calls} back-to-back calls, GPU kept ahead) "
+          f"and CUDA-graph replay time per call")
+    print(f"{'M x N x K':>18s} {'ours host us':>12s} {'torch host us':>13s} {'ratio':>6s} "
+          f"{'ours graph us':>13s} {'torch graph us':>14s}")
+    goals = []
+    for m, n, k in HOST_SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ours = host_us(torch, lambda: ops.gemm(a, b), args.host_calls, cycles_per_us)
+        theirs = host_us(torch, lambda: torch.mm(a, b.T), args.host_calls, cycles_per_us)
+        graphs = []
+        for fn in (lambda: ops.gemm(a, b, out=d), lambda: torch.mm(a, b.T, out=d)):
+            try:
+                graphs.append(f"{graph_us(torch, fn):.2f}")
+            except Exception as exc:  # a capture failure is a result to print, not a crash
+                graphs.append(f"failed: {type(exc).__name__}: {str(exc)[:60]}")
+        print(f"{f'{m}x{n}x{k}':>18s} {ours:12.2f} {theirs:13.2f} {ours / theirs:6.2f} {graphs[0]:>13s} "
+              f"{graphs[1]:>14s}", flush=True)
+        goals.append(_goal(f"host time per call vs torch at {m}x{n}x{k}", ours / theirs, GOAL_HOST, at_least=False))
+    return goals
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
+    import gemm_shapes
     import cubinstore.ops as ops
-    from cubinstore import launch
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.ops import _gemm_calibration
 
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
-    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-    min_bytes = 3 * l2
+    l2 = l2_bytes(props)
+    cycles_per_us = getattr(props, "clock_rate", 2_000_000) / 1e3  # kHz
     home = Path(args.home or tempfile.mkdtemp(prefix="cubinstore-bench-"))
     library = open_library(args.manifest, home)
-    specs = gemm_specs(library)
-    compile_json = args.manifest.parent / "compile_seconds.json"
-    compile_s = json.loads(compile_json.read_text()) if compile_json.is_file() else {}
+    ops.set_library(library)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}")
+    provenance = _gemm_calibration.PROVENANCE
+    print(f"selection model calibration: {provenance if provenance else 'none (defaults from specifications)'}")
+    print(f"timing: CUDA events, median of up to {args.reps} calls (about {args.shape_budget_ms:.0f} ms of "
+          f"torch.mm a shape, at least {args.min_reps}); inputs rotated over {ROTATE_L2}x the L2; every result "
+          f"NaN-poisoned and checked against float32 (relative error < {MAX_REL_ERROR})")
+    # What ops.gemm will run on each shape, first: a selection that fails costs no GPU time.
+    choices = {s.mnk: selection(library, *s.mnk) for s in gemm_shapes.TUNING + gemm_shapes.HELD_OUT}
+    log.info("%d selections", len(choices))
+    if args.instantiations:
+        every_instantiation(torch, library, home, l2, args)
 
-    # Load times from the local store: fill it first (copy from the build dir, verified),
-    # then load each CUBIN through a store that has only the local layer.
-    for spec in specs:
+    tuning = [bench_shape(torch, library, s, l2, args) for s in gemm_shapes.TUNING]
+    print_table("tuning shapes (what tune_gemm.py --calibrate measured)", tuning)
+    held = [bench_shape(torch, library, s, l2, args) for s in gemm_shapes.HELD_OUT]
+    print_table("held-out shapes (never seen by the calibration)", held)
+    large = [r for r in held if r.shape.large_m]
+    small = [r for r in held if not r.shape.large_m]
+    worst = min(held, key=lambda r: r.ratio)
+    worst_large = min(large, key=lambda r: r.ratio)
+    lm = gemm_shapes.LARGE_M
+    goals = [
+        _goal(f"tuning shapes, geometric mean ({len(tuning)})", geomean([r.ratio for r in tuning]), GOAL_TUNING),
+        _goal(f"held-out, M >= {lm}, geometric mean ({len(large)})", geomean([r.ratio for r in large]),
+              GOAL_HELD_OUT_LARGE_M),
+        _goal(f"held-out, worst shape ({worst.shape.label})", worst.ratio, GOAL_FLOOR),
+        _goal(f"held-out, M >= {lm}, worst shape ({worst_large.shape.label})", worst_large.ratio, GOAL_FLOOR),
+    ]
+    info = [f"{'held-out, all, geometric mean (' + str(len(held)) + ')':58s} {geomean([r.ratio for r in held]):7.3f}",
+            f"{'held-out, M < ' + str(lm) + ', geometric mean (' + str(len(small)) + ')':58s} "
+            f"{geomean([r.ratio for r in small]):7.3f}"]
+    goals += overheads(torch, args, cycles_per_us)
+    print("\n== against the issue's goals (ratio = torch.mm time / ops.gemm time)")
+    print("\n".join(goals[:4] + info + goals[4:]))
+    wrong = [r for r in tuning + held if not r.right]
+    if wrong:
+        print(f"WRONG results at {', '.join(r.shape.label for r in wrong)}")
+        return 1
+    return 0
+
+
+def every_instantiation(torch: Any, library: Any, home: Path, l2: int, args: argparse.Namespace) -> None:
+    """Every instantiation at 4096^3, unsplit, next to torch on the same tensors, with its load time."""
+    from cubinstore import launch
+    from cubinstore.store import LocalStore, Store
+
+    specs = gemm_specs(library)
+    for spec in specs:  # fill the local store first, then load through it alone
         library.store.get(spec.digest, spec.size, name=spec.id)
     local_only = launch.open(library.manifest, Store([LocalStore(home)]))
-    load_ms: dict[str, float] = {}
+    m = n = k = 4096
+    data = Operands(torch, m, n, k, ROTATE_L2 * l2)
+    torch_ms = time_ms(torch, torch_mm(torch, data), data.sets, args.reps, args.warmup)
+    print(f"\n== every instantiation at {m}x{n}x{k}, unsplit (torch.mm {tflops(m, n, k, torch_ms):.0f} TFLOP/s)")
+    print(f"{'kernel id':50s} {'load ms':>8s} {'TFLOP/s':>8s} {'vs torch':>8s}")
     for spec in specs:
         t0 = time.perf_counter()
         local_only.kernel(spec.id, device=0)
-        load_ms[spec.id] = (time.perf_counter() - t0) * 1e3
-    ops.set_library(local_only)
-
-    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}")
-    print(f"table measured: {importlib.import_module('cubinstore.ops._gemm_tuning').MEASURED}")
-
-    # Every instantiation at 4096^3 next to torch on the same tensors.
-    m, n, k = SQUARE
-    data = Operands(torch, m, n, k, min_bytes)
-    torch_ms = time_ms(torch, torch_mm(torch, data), data.sets, args.reps, args.warmup)
-    print(f"\n== every instantiation at {m}x{n}x{k} (torch.matmul {tflops(m, n, k, torch_ms):.0f} TFLOP/s)")
-    print(f"{'kernel id':50s} {'nvcc CPU s':>10s} {'load ms':>8s} {'clusters':>8s} {'TFLOP/s':>8s} "
-          f"{'vs torch':>8s} {'rel err':>8s}")
-    best = (0.0, "")
-    for spec in specs:
+        load_ms = (time.perf_counter() - t0) * 1e3
         ms = time_ms(torch, ours_mm(data, spec.id, 1), data.sets, args.reps, args.warmup)
-        err = rel_error(torch, data.d[0], data.a[0], data.b[0]) if args.check else float("nan")
-        rate = tflops(m, n, k, ms)
-        best = max(best, (rate, spec.id))
-        cs = compile_s.get(spec.id)
-        print(f"{spec.id:50s} {cs if cs is not None else float('nan'):10.2f} {load_ms[spec.id]:8.2f} "
-              f"{max_active_clusters(local_only, spec.id):>8s} {rate:8.1f} {ms and torch_ms / ms:8.1%} {err:8.1e}",
-              flush=True)
-    print(f"best at 4096^3: {best[1]} {best[0]:.1f} TFLOP/s = {best[0] / tflops(m, n, k, torch_ms):.1%} of torch")
-
-    # The tuned op against torch on the issue's shapes.
-    # 4096^3 is also the first LLM shape (M = 4096, N x K = 4096 x 4096).
-    shapes = [(mm, nn, kk) for nn, kk in LLM_NK for mm in LLM_M]
-    print("\n== cubinstore.ops.gemm (tuning table) vs torch.matmul")
-    print(f"{'M x N x K':>20s} {'kernel (splits)':>58s} {'ours TF/s':>9s} {'torch TF/s':>10s} {'ratio':>7s}")
-    ratios_llm = []
-    for m, n, k in shapes:
-        data = Operands(torch, m, n, k, min_bytes, seed=m + n + k)
-        ours_ms = time_ms(torch, ours_mm(data), data.sets, args.reps, args.warmup)
-        torch_ms = time_ms(torch, torch_mm(torch, data), data.sets, args.reps, args.warmup)
-        kid, splits = importlib.import_module("cubinstore.ops._gemm_tuning").lookup(m, n, k)
-        ratio = torch_ms / ours_ms
-        if m >= 128:
-            ratios_llm.append(ratio)
-        print(f"{f'{m}x{n}x{k}':>20s} {f'{kid} ({splits})':>58s} {tflops(m, n, k, ours_ms):9.1f} "
-              f"{tflops(m, n, k, torch_ms):10.1f} {ratio:7.1%}", flush=True)
-    geo = math.exp(sum(map(math.log, ratios_llm)) / len(ratios_llm))
-    print(f"geometric mean ratio over LLM shapes with M >= 128 ({len(ratios_llm)} shapes): {geo:.1%}")
+        print(f"{spec.id:50s} {load_ms:8.2f} {tflops(m, n, k, ms):8.1f} {torch_ms / ms:8.1%}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -313,17 +459,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     c.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     c.add_argument("--include", type=Path, default=None, help="CUTLASS include dir (default: nvidia-cutlass's)")
     r = sub.add_parser("run", help="time on the GPU")
-    r.add_argument("--manifest", type=Path, default=ROOT / ".device" / "gemm" / "manifest.json")
+    r.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
     r.add_argument("--home", type=Path, default=None, help="local store root (default: a fresh temp dir)")
-    r.add_argument("--reps", type=int, default=30)
-    r.add_argument("--warmup", type=int, default=5)
-    r.add_argument("--check", action="store_true", help="also print each instantiation's relative error")
+    r.add_argument("--reps", type=int, default=30, help="most timed calls a shape")
+    r.add_argument("--min-reps", type=int, default=5, help="fewest timed calls a shape")
+    r.add_argument("--shape-budget-ms", type=float, default=60.0, help="torch.mm device time a shape, about")
+    r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--host-calls", type=int, default=2000)
+    r.add_argument("--instantiations", action="store_true",
+                   help="also time every instantiation at 4096^3 with its load time from the local store")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.command == "compile":
         compile_grid(args.out, args.nvcc, args.include or cutlass_include())
     else:
-        run(args)
+        sys.exit(run(args))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ can return must exist in the built manifest.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_gemm  # noqa: E402  (benchmarks/bench_gemm.py: GRID, the instantiations without Bazel)
 import gemm_shapes  # noqa: E402  (benchmarks/gemm_shapes.py: the one definition of the shape sets)
+import tune_gemm  # noqa: E402  (benchmarks/tune_gemm.py: the calibration's fit and module writer)
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 MANIFEST = ROOT / "bazel-bin" / "kernels" / "manifest.json"
@@ -244,6 +247,69 @@ def test_tuning_and_held_out_shapes_are_disjoint_and_tma_legal() -> None:
     groups = {s.group for s in gemm_shapes.HELD_OUT}
     assert {"square", "llm", "moe", "tail"} <= groups
     assert any(s.large_m for s in gemm_shapes.HELD_OUT) and any(not s.large_m for s in gemm_shapes.HELD_OUT)
+
+
+# -- calibration (tune_gemm.py's fit, on timings a known model made) ------------------------------
+
+
+def _truth() -> Model:
+    """A GPU unlike the defaults: other machine constants, each tile 20% faster or slower."""
+    machine = MachineCosts(launch_us=4.0, hbm_bytes_per_us=3.6e6, fetch_latency_us=2.0, split_unit_us=1.2,
+                           partial_bytes_per_us=180e3, overlap_loss=0.15)
+    tiles = {}
+    for i, kernel_id in enumerate(sorted(BUILT)):
+        default = _gemm_model.default_tile_costs(G.GemmConfig.from_id(kernel_id))
+        factor = 1 + 0.1 * ((i * 7) % 5 - 2)
+        tiles[kernel_id] = TileCosts(kblock_us=default.kblock_us * factor, unit_us=default.unit_us * (2 - factor))
+    return Model(machine, tiles)
+
+
+def test_the_fit_recovers_a_known_gpu_from_its_timings() -> None:
+    truth = _truth()
+    shapes = set(gemm_shapes.TUNING[::3])  # a third of the tuning set keeps the fit to seconds
+    timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s))
+               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS) if shape in shapes]
+    machine, tiles = tune_gemm.fit(timings, H200_SMS, 50 * 2**20, rounds=2)
+    fitted = Model(machine, tiles)
+    errors = sorted(abs(fitted.predict_us(t.m, t.n, t.k, H200_SMS, t.kernel_id, t.splits) / t.us - 1)
+                    for t in timings)
+    assert errors[len(errors) // 2] < 0.03 and errors[-1] < 0.15, f"median {errors[len(errors) // 2]:.3f}"
+    # On shapes the fit never saw, its picks run (on the known GPU) within 5% of the best.
+    good = 0
+    for shape in gemm_shapes.HELD_OUT:
+        pick = fitted.choose(*shape.mnk, H200_SMS, BUILT)
+        best = truth.choose(*shape.mnk, H200_SMS, BUILT)
+        good += truth.predict_us(*shape.mnk, H200_SMS, *pick) <= 1.05 * truth.predict_us(*shape.mnk, H200_SMS, *best)
+    assert good >= 0.9 * len(gemm_shapes.HELD_OUT), f"{good} of {len(gemm_shapes.HELD_OUT)}"
+
+
+def test_the_written_calibration_module_loads_as_the_fitted_model(tmp_path: Path) -> None:
+    truth = _truth()
+    provenance = {"gpu": "NVIDIA H200", "sm_count": H200_SMS, "l2_bytes": 50 * 2**20, "date": "2026-12-02",
+                  "torch": "2.11.0+cu130", "cuda": "13.0", "reps": 15, "rotation": 4, "shapes": 38, "timings": 2}
+    timings = [tune_gemm.Timing(1, 4096, 4096, sorted(BUILT)[0], 4, 12.5),
+               tune_gemm.Timing(4096, 4096, 4096, sorted(BUILT)[1], 1, 201.0)]
+    tune_gemm.save(tmp_path / "timings.json", timings, provenance)
+    assert tune_gemm.load(tmp_path / "timings.json") == (timings, provenance)
+    path = tmp_path / "calibration.py"
+    path.write_text(tune_gemm.render(provenance, truth.machine, dict(truth._tiles)))
+    spec = importlib.util.spec_from_file_location("calibration_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.PROVENANCE == provenance
+    loaded = _gemm_model.calibrated_model(module)
+    for m, n, k in ALL_SHAPES[::11]:
+        assert loaded.choose(m, n, k, H200_SMS, BUILT) == truth.choose(m, n, k, H200_SMS, BUILT)
+
+
+def test_a_calibration_naming_unknown_machine_fields_is_refused() -> None:
+    calibration = types.ModuleType("bad_calibration")
+    calibration.MACHINE = {"launch_us": 3.0, "warp_speed": 9.0}  # type: ignore[attr-defined]
+    calibration.TILES = {}  # type: ignore[attr-defined]
+    with pytest.raises(BadArgumentError, match=r"^bad_calibration.MACHINE: expected fields of MachineCosts "
+                                               r"\[.*\], got \['warp_speed'\]"):
+        _gemm_model.calibrated_model(calibration)
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import functools
 import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
+from types import ModuleType
 from typing import Final
 
 from cubinstore.errors import BadArgumentError
@@ -270,16 +271,16 @@ class Model:
         return kernel_id, splits
 
 
-def calibrated_model() -> Model:
-    """The model with `_gemm_calibration`'s constants over the defaults."""
+def calibrated_model(calibration: ModuleType = _calibration) -> Model:
+    """The model with a calibration module's constants (MACHINE, TILES) over the defaults."""
     known = {f.name for f in fields(MachineCosts)}
-    unknown = sorted(set(_calibration.MACHINE) - known)
+    unknown = sorted(set(calibration.MACHINE) - known)
     if unknown:
         raise BadArgumentError(
-            f"_gemm_calibration.MACHINE: expected fields of MachineCosts {sorted(known)}, got {unknown}"
+            f"{calibration.__name__}.MACHINE: expected fields of MachineCosts {sorted(known)}, got {unknown}"
         )
-    machine = replace(DEFAULT_MACHINE, **_calibration.MACHINE)
-    tiles = {kid: TileCosts(kblock_us=kb, unit_us=unit) for kid, (kb, unit) in _calibration.TILES.items()}
+    machine = replace(DEFAULT_MACHINE, **calibration.MACHINE)
+    tiles = {kid: TileCosts(kblock_us=kb, unit_us=unit) for kid, (kb, unit) in calibration.TILES.items()}
     return Model(machine, tiles)
 
 
