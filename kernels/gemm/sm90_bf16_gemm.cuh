@@ -66,7 +66,8 @@ struct Config {
   static constexpr int kStages = STAGES_;
   static constexpr int kClusterM = CLUSTER_M_;
 
-  static constexpr int kConsumers = 2;
+  // BM = 64 (small-M problems): one consumer warpgroup, so no padded rows are multiplied.
+  static constexpr int kConsumers = BM_ == 64 ? 1 : 2;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kWgRows = kBM / kConsumers;  // rows of the tile per consumer
   static constexpr int kMmaM = kWgRows / 64;        // m64 wgmma rows per consumer
@@ -83,7 +84,7 @@ struct Config {
   // Must match the formula in README.md and cubinstore/ops/gemm.py.
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + 16;
 
-  static_assert(kBM == 128 || kBM == 256, "BM must be 128 or 256");
+  static_assert(kBM == 64 || kBM == 128 || kBM == 256, "BM must be 64, 128 or 256");
   static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
   static_assert(kBK == 64 || kBK == 128, "BK must be 64 or 128");
   static_assert(kClusterM == 1 || kClusterM == 2, "CLUSTER_M must be 1 or 2");
@@ -202,7 +203,8 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
 
   if (wg == 0) {
     // Producer: one thread issues all loads; the rest of the warpgroup idles.
-    sm90::regs_dealloc<40>();
+    // With one consumer (256 threads) the entry's own register cap already fits it.
+    if constexpr (C::kConsumers > 1) sm90::regs_dealloc<40>();
     if (tid == 0) {
       sm90::tma_prefetch_desc(&tma_a);
       sm90::tma_prefetch_desc(&tma_b);
@@ -239,7 +241,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       }
     }
   } else {
-    sm90::regs_alloc<232>();
+    if constexpr (C::kConsumers > 1) sm90::regs_alloc<232>();
     const int cw = wg - 1;  // consumer index: rows [cw * kWgRows, (cw + 1) * kWgRows) of the tile
     const int ct = cw * 128 + tid;
     const int warp = tid / 32;
