@@ -475,6 +475,8 @@ class PreparedLaunch:
                 self._config.hStream = drv.CUstream(stream)
                 self._stream = stream
             err, current = self._get_context()
+            if err != self._success:
+                _cuda.check((err,), "cuCtxGetCurrent for a prepared launch")
             before = 0 if current is None else int(current)
             if before != self._context:
                 _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(self._context)), "cuCtxSetCurrent for a prepared launch")

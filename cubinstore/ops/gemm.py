@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
+import cubinstore.ops as _package  # get_library; partly initialised while it imports this module
 from cubinstore.errors import BadArgumentError, KernelNotFoundError
 
 if TYPE_CHECKING:
@@ -462,8 +463,6 @@ def _through_op(torch: Any, a: Any, b: Any, out: Any) -> bool:
 
 def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> Any:
     """The eager implementation of `gemm_with` on real tensors (the torch op's too)."""
-    from cubinstore.ops import get_library
-
     try:
         key: tuple[Any, ...] | None = (
             a.dtype, a.device, a.shape, a.stride(), b.dtype, b.device, b.shape, b.stride(),
@@ -473,7 +472,7 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
         address_a, address_b = (a.data_ptr(), b.data_ptr()) if call is not None else (0, 0)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full checks word the error
         key, call, address_a, address_b = None, None, 0, 0
-    if call is None or (address_a | address_b) & 15 or call.library is not get_library():
+    if call is None or (address_a | address_b) & 15 or call.library is not _package.get_library():
         call = _prepare(key, a, b, out, kernel_id, splits)  # checks every operand
         if call is None:  # an empty problem: done
             return out if out is not None else _empty_result(a, b)
@@ -505,7 +504,6 @@ def _prepare(
     key: tuple[Any, ...] | None, a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None
 ) -> _Call | None:
     """Check the operands in full and build (or find) their signature's `_Call`; None for an empty problem."""
-    from cubinstore.ops import get_library
     from cubinstore.tensormap import encoder_2d_bf16
 
     a_op, b_op = _describe("a", a), _describe("b", b)
@@ -515,7 +513,7 @@ def _prepare(
         if out is not None and k == 0:
             out.zero_()
         return None
-    library = get_library()
+    library = _package.get_library()
     if key is not None:
         cached = _calls.get(key)
         if cached is not None and cached.library is library:  # only the alignment check sent us here
