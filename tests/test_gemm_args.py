@@ -174,6 +174,13 @@ def test_shared_memory_formula_matches_the_kernel() -> None:
     assert G.GemmConfig(128, 128, 128, 3, 2).smem_bytes == 1024 + 3 * 256 * 256 + 48 + 16
 
 
+def test_block_has_one_consumer_warpgroup_for_64_row_tiles_else_two() -> None:
+    # kernels/gemm/sm90_bf16_gemm.cuh: kThreads = 128 * (kConsumers + 1), kConsumers = BM == 64 ? 1 : 2
+    assert G.GemmConfig(64, 128, 64, 5, 1).threads == 256
+    assert G.GemmConfig(128, 128, 64, 5, 1).threads == 384
+    assert G.GemmConfig(256, 64, 64, 4, 2).threads == 384
+
+
 def test_cluster_halves_the_b_box() -> None:
     assert G.GemmConfig(128, 192, 64, 5, 1).box_b == (192, 64)
     assert G.GemmConfig(128, 192, 64, 5, 2).box_b == (96, 64)

@@ -52,7 +52,7 @@ ENTRY: Final = "gemm_bf16_tn"
 ENTRY_TYPES: Final = ("tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32")
 ARCH: Final = "sm_90a"
 
-_THREADS: Final = 384  # one producer and two consumer warpgroups
+_WARPGROUP: Final = 128  # threads
 _SWIZZLE_BYTES: Final = 128
 _SWIZZLE_ELEMS: Final = 64  # bf16 elements in one 128-byte swizzle row
 _MAX_SMEM: Final = 232448  # sm_90 opt-in limit per block (227 KiB)
@@ -73,8 +73,8 @@ class GemmConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.bm not in (128, 256):
-            problems.append(f"bm {self.bm} not in (128, 256)")
+        if self.bm not in (64, 128, 256):
+            problems.append(f"bm {self.bm} not in (64, 128, 256)")
         if self.bn not in (64, 128, 192, 256):
             problems.append(f"bn {self.bn} not in (64, 128, 192, 256)")
         if self.bk not in (64, 128):
@@ -119,6 +119,11 @@ class GemmConfig:
     def smem_bytes(self) -> int:
         """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, a flag."""
         return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.stages * 8 + 16
+
+    @property
+    def threads(self) -> int:
+        """Block size: one producer warpgroup and the consumers (one for BM = 64, else two)."""
+        return _WARPGROUP * ((1 if self.bm == 64 else 2) + 1)
 
     @property
     def box_a(self) -> tuple[int, int]:
@@ -530,7 +535,7 @@ def _prepare(
     prepared = kernel.prepare(
         ENTRY,
         grid=(launch.grid, 1, 1),
-        block=(_THREADS, 1, 1),
+        block=(cfg.threads, 1, 1),
         # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
         shared_mem=cfg.smem_bytes,
         args=(None, None, None, m, n, k, None, None, launch.splits),
