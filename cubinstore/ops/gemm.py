@@ -24,7 +24,7 @@ import cubinstore.ops as _package  # get_library; partly initialised while it im
 from cubinstore.errors import BadArgumentError, KernelNotFoundError
 
 if TYPE_CHECKING:
-    from cubinstore.launch import Kernel, Library
+    from cubinstore.launch import Kernel, Library, PreparedLaunch
 
 __all__ = [
     "ENTRY",
@@ -282,7 +282,7 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
 # packs five arguments and launches.
 
 _lock = threading.Lock()
-_kernels: dict[tuple[int, str, int], Kernel] = {}
+_kernels: dict[tuple[Library, str, int], Kernel] = {}  # the library itself: an id() may be reused
 _sm_counts: dict[int, int] = {}
 # Per (device, stream): split-K arrival counters. The kernel leaves them at zero, and
 # launches on one stream are ordered, so one buffer per stream is reused safely.
@@ -291,7 +291,7 @@ _SELECTION_CACHE: Final = 4096  # (library, device, M, N, K) entries
 _CALL_CACHE: Final = 1024  # problem signatures
 _MAP_CACHE: Final = 16  # addresses per operand and signature (the caching allocator recycles few)
 _selections: dict[tuple[Any, ...], tuple[str, int]] = {}
-_candidates: dict[int, tuple[Library, frozenset[str]]] = {}
+_candidates: dict[Library, frozenset[str]] = {}
 _calls: dict[tuple[Any, ...], _Call] = {}
 # Misses of each cache since start (a hit counts nothing): tests check repeats add none.
 _misses: dict[str, int] = {"selection": 0, "prepared": 0, "tensor_map": 0}
@@ -305,13 +305,8 @@ def cache_misses() -> dict[str, int]:
         return dict(_misses)
 
 
-def _count_miss(name: str) -> None:
-    with _lock:
-        _misses[name] += 1
-
-
 def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
-    key = (id(library), kernel_id, device)
+    key = (library, kernel_id, device)
     with _lock:
         kernel = _kernels.get(key)
     if kernel is None:
@@ -340,13 +335,12 @@ def sm_count(device: int) -> int:
 
 def candidates(library: Library) -> frozenset[str]:
     """The ids of the library's gemm kernels for sm_90a: what the selection may choose from (cached)."""
-    cached = _candidates.get(id(library))
-    if cached is not None and cached[0] is library:
-        return cached[1]
+    cached = _candidates.get(library)
+    if cached is not None:
+        return cached
     ids = frozenset(spec.id for spec in library.manifest.find(FAMILY) if spec.arch == ARCH)
     with _lock:
-        _candidates[id(library)] = (library, ids)
-    return ids
+        return _candidates.setdefault(library, ids)
 
 
 def select(library: Library, device: int, m: int, n: int, k: int) -> tuple[str, int]:
@@ -399,7 +393,7 @@ class _Call:
     torch_device: Any
     shape: tuple[int, int]  # of D
     plan: Plan
-    launch: Any  # cubinstore.launch.PreparedLaunch: (stream, tma_a, tma_b, d, workspace, counters)
+    launch: PreparedLaunch  # called as (stream, tma_a, tma_b, d, workspace, counters)
     maps_a: _TensorMaps
     maps_b: _TensorMaps
 
