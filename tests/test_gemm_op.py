@@ -78,6 +78,16 @@ def test_compile_fullgraph_puts_the_op_in_the_graph() -> None:
     assert "cubinstore.gemm.default" in recorder.targets() or "cubinstore.gemm" in recorder.targets()
 
 
+def test_one_dynamic_shape_graph_serves_every_m() -> None:
+    # The fake implementation's checks guard on symbolic sizes rather than specialising them.
+    recorder = GraphRecorder()
+    f = torch.compile(lambda a, b: ops.gemm(a, b) + 1, fullgraph=True, backend=recorder, dynamic=True)
+    with FakeTensorMode():
+        shapes = [tuple(f(fake_cuda(m, 64), fake_cuda(24, 64)).shape) for m in (4, 12, 100)]
+    assert shapes == [(4, 24), (12, 24), (100, 24)]
+    assert len(recorder.graphs) == 1
+
+
 def test_compile_fullgraph_with_out_puts_the_mutating_op_in_the_graph() -> None:
     recorder = GraphRecorder()
 
