@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import importlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,26 @@ def test_gemm_refuses_cpu_torch_tensors_before_any_cuda_call() -> None:
     a = torch.zeros(16, 16, dtype=torch.bfloat16)
     with pytest.raises(BadArgumentError, match=r"^gemm a: expected a CUDA tensor, got one on cpu$"):
         ops.gemm(a, a)
+
+
+def test_importing_cubinstore_ops_never_tries_to_import_torch() -> None:
+    # A finder that records every attempt, so the check holds whether torch is installed or not.
+    code = """
+import sys
+tried = []
+class Recorder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            tried.append(name)
+        return None
+sys.meta_path.insert(0, Recorder)
+import cubinstore, cubinstore.ops, cubinstore.ops.gemm, cubinstore.ops._gemm_op
+print(tried)
+"""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[-1] == "[]"
 
 
 def write_gemm_manifest(path: Path, cfg: G.GemmConfig, digest: str) -> Path:
