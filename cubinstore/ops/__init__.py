@@ -7,7 +7,9 @@
 Operators take their kernels from one process-wide `Library`, set once with
 `set_library` (a `Library`, or a manifest path opened with the default store), or
 opened on first use from `CUBINSTORE_MANIFEST` (a path or `sha256:<hex>`).
-Nothing touches CUDA until an operator runs.
+Nothing touches CUDA until an operator runs, and nothing here imports torch: with torch, an
+operator is also a torch custom op (`torch.ops.cubinstore.gemm`, registered on first use;
+see `_gemm_op.py`), which is what `torch.compile` puts in its graphs.
 """
 
 from __future__ import annotations
