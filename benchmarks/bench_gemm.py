@@ -1,7 +1,7 @@
 """Benchmark of cubinstore.ops.gemm against torch.mm on an H200/H100 (prints tables; not a test).
 
   # on the GPU host (torch, cuda-python; no Bazel): about 1-2 minutes of GPU time
-  PYTHONPATH=. python benchmarks/bench_gemm.py run --manifest <dir>/manifest.json
+  PYTHONPATH=. python benchmarks/bench_gemm.py [run] --manifest <dir>/manifest.json
 
   # anywhere with nvcc 13 and the CUTLASS headers, for a GPU host without Bazel: compile
   # every instantiation (GRID), recording nvcc's CPU seconds, into a directory with a manifest
@@ -468,6 +468,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--host-calls", type=int, default=2000)
     r.add_argument("--instantiations", action="store_true",
                    help="also time every instantiation at 4096^3 with its load time from the local store")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("compile", "run", "-h", "--help"):
+        argv.insert(0, "run")  # the default command
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.command == "compile":

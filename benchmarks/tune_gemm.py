@@ -1,13 +1,14 @@
 """Calibrate the gemm selection model (cubinstore/ops/_gemm_model.py) on this GPU.
 
-    # on the H200 (about 2-3 minutes of GPU time; --dry-run prints the plan without a GPU):
+    # on the H200 (about a minute of GPU time; --dry-run prints the plan without a GPU);
+    # writes cubinstore/ops/_gemm_calibration.py (--write elsewhere, --no-write to print it)
     PYTHONPATH=. python benchmarks/tune_gemm.py --calibrate --manifest bazel-bin/kernels/manifest.json \\
-        --measurements gemm_measurements.json --write cubinstore/ops/_gemm_calibration.py
+        --measurements gemm_measurements.json
     # anywhere, from saved measurements (CPU only):
-    python benchmarks/tune_gemm.py --refit gemm_measurements.json --write cubinstore/ops/_gemm_calibration.py
+    python benchmarks/tune_gemm.py --refit gemm_measurements.json
 
 `--calibrate` times every `gemm` instantiation of the manifest with a few K-splits (1, and
-2, 4, 8 and the model's own pick where the units stay within two waves) on each tuning
+2, 3, 4, 6, 8, 16 and the model's own pick where the units stay within two waves) on each tuning
 shape of `gemm_shapes.TUNING`, through `cubinstore.ops.gemm_with`; each result is checked
 against a float32 torch reference first (NaN-poisoned output, relative error < 1e-2).
 Timing is bench_gemm's (CUDA events, median, inputs rotated over 4x the L2). The fit
@@ -43,12 +44,15 @@ from cubinstore.ops import _gemm_model  # noqa: E402
 from cubinstore.ops._gemm_model import MachineCosts, Model, TileCosts  # noqa: E402
 
 ROOT = bench.ROOT
+CALIBRATION = ROOT / "cubinstore" / "ops" / "_gemm_calibration.py"
 SPLIT_TRIES = (2, 3, 4, 6, 8, 16)
 MAX_SPLIT_WAVES = 2  # split tries whose units exceed this many waves are not timed
 # Machine constants the fit moves (l2_bytes is the device's, read from torch).
 FITTED_MACHINE = ("launch_us", "hbm_bytes_per_us", "fetch_latency_us", "split_unit_us", "partial_bytes_per_us",
                   "overlap_loss")
 FACTORS = (0.5, 0.7, 0.85, 0.93, 0.97, 1.03, 1.07, 1.15, 1.4, 2.0)
+# Physical bounds the search keeps to: overlap_loss is a fraction.
+BOUNDS = {"overlap_loss": (0.0, 1.0)}
 SCHEMA = "cubinstore-gemm-measurements-v1"
 
 TEMPLATE = '''"""Calibration of the gemm selection model (cubinstore/ops/_gemm_model.py).
@@ -220,7 +224,10 @@ def _fit_machine(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Se
     for _ in range(3):
         for name in FITTED_MACHINE:
             base = getattr(machine, name)
+            low, high = BOUNDS.get(name, (0.0, math.inf))
             for factor in FACTORS:
+                if not low <= base * factor <= high:
+                    continue
                 trial = dataclasses.replace(machine, **{name: base * factor})
                 err = _log_error(Model(trial, tiles), timings, sm_count)
                 if err < best:
@@ -241,8 +248,11 @@ def fit(timings: Sequence[Timing], sm_count: int, l2_bytes: float,
 # -- reporting ------------------------------------------------------------------------------------
 
 
-def report(model: Model, timings: Sequence[Timing], sm_count: int) -> None:
-    """Residuals per instantiation; per shape the measured best against the model's pick."""
+def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
+    """Residuals per instantiation; per shape the measured best against the model's pick.
+
+    Returns the geometric mean over shapes of (measured time of the pick / measured best).
+    """
     errors: dict[str, list[float]] = defaultdict(list)
     for t in timings:
         predicted = model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits)
@@ -268,6 +278,7 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int) -> None:
     geo = math.exp(sum(map(math.log, regrets)) / len(regrets))
     print(f"model picks the measured best on {agree} of {len(regrets)} shapes; its picks are "
           f"{geo - 1:.1%} slower in geometric mean, {max(regrets) - 1:.1%} at worst")
+    return geo
 
 
 def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, TileCosts]) -> str:
@@ -285,20 +296,25 @@ def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, T
                                                          "shapes", "timings")})
 
 
-def calibrate(timings: list[Timing], provenance: dict[str, Any], write: Path | None) -> None:
+def calibrate(timings: list[Timing], provenance: dict[str, Any], write: Path | None, force: bool) -> int:
     sms, l2 = int(provenance["sm_count"]), float(provenance["l2_bytes"])
     print(f"\ndefaults (specifications and the 2026-11-29 table), log error {_log_error(Model(), timings, sms):.2f}:")
-    report(Model(dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=l2)), timings, sms)
+    before = report(Model(dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=l2)), timings, sms)
     machine, tiles = fit(timings, sms, l2)
     model = Model(machine, tiles)
     print(f"\nfitted, log error {_log_error(model, timings, sms):.2f}: {machine}")
-    report(model, timings, sms)
+    after = report(model, timings, sms)
     text = render(provenance, machine, tiles)
+    if after > before and not force:
+        print(f"the fitted picks ({after - 1:.1%} slower than the measured best) are worse than the defaults' "
+              f"({before - 1:.1%}): not written (--force writes it anyway)")
+        return 1
     if write:
         bench.write_atomic(write, text.encode())
         print(f"wrote {write}")
     else:
         print(text)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -310,7 +326,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
     parser.add_argument("--home", type=Path, default=None, help="local store root (default: a fresh temp dir)")
     parser.add_argument("--measurements", type=Path, default=None, help="save the timings here (JSON)")
-    parser.add_argument("--write", type=Path, default=None, help="write the calibration module here")
+    parser.add_argument("--write", type=Path, default=CALIBRATION, help=f"write the calibration module here "
+                        f"(default: {CALIBRATION.relative_to(ROOT)})")
+    parser.add_argument("--no-write", dest="write", action="store_const", const=None, help="print it instead")
+    parser.add_argument("--force", action="store_true", help="write even a fit whose picks are worse than the defaults'")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sm-count", type=int, default=132, help="--dry-run: the GPU's SMs")
@@ -318,12 +337,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         dry_run(args)
     elif args.refit:
-        calibrate(*load(args.refit), args.write)
+        sys.exit(calibrate(*load(args.refit), args.write, args.force))
     else:
         timings, provenance = measure(args)
         if args.measurements:
             save(args.measurements, timings, provenance)
-        calibrate(timings, provenance, args.write)
+        sys.exit(calibrate(timings, provenance, args.write, args.force))
 
 
 def dry_run(args: argparse.Namespace) -> None:
