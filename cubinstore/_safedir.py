@@ -110,6 +110,14 @@ class StoreRoot:
             if fd is not None:
                 os.close(fd)
 
+    def session_dir(self, *parts: str) -> int | None:
+        """The session's descriptor of ``root/parts...`` if this session opened it already, else None (opens nothing)."""
+        session = self._session
+        if session is None:
+            return None
+        with self._held_lock:
+            return session.get(parts)
+
     def begin_session(self) -> None:
         """Until ``end_session``, ``dir`` keeps each directory it opens (checked, as for a write).
 
@@ -355,6 +363,24 @@ def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644
         raise
     if durable and sync_dir:
         fsync_fd(dir_fd, directory)
+
+
+def write_temp_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644) -> str:
+    """A new temp file beside ``name`` in ``dir_fd`` holding ``data``, neither synced nor renamed: its name.
+
+    For writes made durable together and renamed later (``LocalStore.batch(grouped=True)``).
+    """
+    fd, tmp = new_temp(dir_fd, name, directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), mode)
+    except BaseException as exc:
+        unlink_quiet(dir_fd, tmp, directory / tmp)
+        if isinstance(exc, OSError):
+            raise StoreError(f"cannot write {directory / name}: {exc.strerror or exc}") from exc
+        raise
+    return tmp
 
 
 def atomic_write_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644,

@@ -1,11 +1,15 @@
 """Commands at scale: linear work in the number of blobs, kept-alive connections, parallel
-downloads that still fetch each blob once, and one fsync per shard directory per batch."""
+downloads that still fetch each blob once, one sync per group of blobs and one fsync per shard
+directory per batch."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import random
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -202,16 +206,125 @@ def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]
     return synced, filesystems
 
 
-def test_prefetch_fsyncs_each_blob_and_each_shard_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Durable before visible: a power loss mid-prefetch never leaves a short entry at a final path.
+def _record_commits(monkeypatch: pytest.MonkeyPatch, *, syncfs: bool = True) -> list[tuple[str, str]]:
+    """Events of a grouped batch in order: ("temp", entry), ("sync", ""), ("fsync", ""), ("rename", entry)."""
+    from cubinstore import _local
+
+    events: list[tuple[str, str]] = []
+    real_temp, real_replace, real_fsync = _local.write_temp_at, os.replace, os.fsync
+
+    def write_temp_at(dir_fd: int, name: str, *args: object, **kwargs: object) -> str:
+        tmp = real_temp(dir_fd, name, *args, **kwargs)
+        events.append(("temp", name))
+        return tmp
+
+    def replace(src: str, dst: str, **kwargs: object) -> None:
+        real_replace(src, dst, **kwargs)
+        events.append(("rename", os.path.basename(dst)))
+
+    def fsync(fd: int) -> None:
+        events.append(("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "fsync", ""))
+        real_fsync(fd)
+
+    def sync_filesystem(path: Path) -> bool:
+        events.append(("sync", ""))
+        return syncfs and real_fs(path)
+
+    real_fs = _local.sync_filesystem
+    monkeypatch.setattr(_local, "write_temp_at", write_temp_at)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(_local, "sync_filesystem", sync_filesystem)
+    return events
+
+
+def _durable_before_visible(events: list[tuple[str, str]], kind: str) -> None:
+    """Each entry's rename comes after a flush (``kind``) that followed its temp file's write."""
+    written: dict[str, int] = {}
+    last_flush = -1
+    for i, (what, name) in enumerate(events):
+        if what == "temp":
+            written[name] = i
+        elif what == kind:
+            last_flush = i
+        elif what == "rename" and name in written:
+            assert written[name] < last_flush, f"{name} renamed before a {kind} after its write"
+
+
+def test_prefetch_makes_each_blob_durable_before_visible_with_one_sync_per_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A power loss mid-prefetch never leaves a short entry at a final path; one sync per group.
+    from cubinstore._local import GROUP_MAX
+
     manifest, blobs = release(tmp_path / "src", 600)
     local = LocalStore(tmp_path / "home")
     store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
-    synced, filesystems = _count_syncs(monkeypatch)
+    events = _record_commits(monkeypatch)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
-    assert filesystems == []
-    assert synced.count("file") == 600 and synced.count("dir") == len({h[:2] for h in blobs}) < 600
+    _durable_before_visible(events, "sync")
+    renamed = [name for what, name in events if what == "rename"]
+    assert sorted(renamed) == sorted(blobs)  # each entry renamed once, from its own temp file
+    syncs = sum(1 for what, _ in events if what == "sync")
+    # ceil(600 / GROUP_MAX) full groups, and more only when a group grew old (a slow host).
+    assert -(-600 // GROUP_MAX) <= syncs < 600 // 4
+    assert sum(1 for what, _ in events if what == "fsync") == 0
+    assert sum(1 for what, _ in events if what == "dir") == len({h[:2] for h in blobs})
     assert verify_store(local).ok == 600
+    assert list(local.cas_dir.rglob(".tmp.*")) == []
+
+
+def test_prefetch_without_syncfs_fsyncs_each_blob_before_its_rename(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    manifest, blobs = release(tmp_path / "src", 300)
+    local = LocalStore(tmp_path / "home")
+    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    events = _record_commits(monkeypatch, syncfs=False)
+    assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
+    assert sum(1 for what, _ in events if what == "fsync") == 300
+    # Each rename after the fsync of its own temp: the fsyncs of a group all come before its renames.
+    _durable_before_visible(events, "fsync")
+    assert verify_store(local).ok == 300
+
+
+def test_a_waiter_in_another_process_gets_a_blob_held_in_a_pending_group(tmp_path: Path) -> None:
+    # The entry's lock is held until its group is renamed into place: the waiter finds it, no second fetch.
+    manifest, blobs = release(tmp_path / "src", 3)
+    first = sorted(blobs)[0]
+    local = LocalStore(tmp_path / "home", lock_timeout=30.0)
+    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    waiter = textwrap.dedent(f"""
+        import sys
+        from cubinstore import Digest, Store
+        from cubinstore.store import LocalStore, MemoryStore
+        from cubinstore._layer import Layer
+
+        class Never(Layer):  # a second fetch would come here and fail
+            name = "a source that must not be asked"
+            def read(self, digest, size):
+                raise SystemExit("fetched twice")
+
+        import time
+        real_sleep = time.sleep
+        def sleep(seconds):  # the lock's poll: tell the parent once that we wait for its group
+            global real_sleep
+            if real_sleep is not None:
+                print("waiting", flush=True)
+                time.sleep, real_sleep = real_sleep, None
+            return time.sleep(seconds)
+        time.sleep = sleep
+        store = Store([LocalStore({str(local.root)!r}, lock_timeout=30.0), Never()])
+        assert len(store.get(Digest({first!r}), {len(blobs[first])})) == {len(blobs[first])}
+        print("got it", flush=True)
+    """)
+    with local.batch(grouped=True):
+        store.get(Digest(first), len(blobs[first]))
+        assert not local.path_for(Digest(first)).exists()  # pending: written, not yet visible
+        proc = subprocess.Popen([sys.executable, "-c", waiter], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert proc.stdout is not None and proc.stdout.readline() == "waiting\n"  # blocked on the pending entry's lock
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out == "got it\n", err
+    assert verify_store(local).ok == 1
 
 
 def test_a_batch_that_syncs_each_blob_fsyncs_each_shard_directory_once(tmp_path: Path,
@@ -298,7 +411,8 @@ def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -
     proc.wait(timeout=60)
     local = LocalStore(home)
     report = verify_store(local)
-    assert report.corrupt == [] and 140 < report.ok < 400  # what reached a final path is whole
+    # What reached a final path is whole; the blobs of the group not yet committed are temp files.
+    assert report.corrupt == [] and report.ok < 400
     store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []  # the rest is fetched again
     assert verify_store(local).ok == 400

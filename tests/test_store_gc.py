@@ -9,9 +9,11 @@ import pytest
 
 from cubinstore import Digest, LockTimeoutError, Manifest, Store
 from cubinstore._bundle import pack, unpack
-from cubinstore._lock import file_lock
+from cubinstore._lock import RANGE_LOCKS, file_lock
 from cubinstore._maint import gc, pin
 from cubinstore.store import DiskCacheStore, LocalStore
+
+from _blobs import disk_cache_with
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -86,27 +88,36 @@ def test_unpack_with_pin_is_atomic_against_a_concurrent_gc(make_release, tmp_pat
     assert set(release.blobs) <= present(target)  # pinned: a later gc keeps them too
 
 
-def test_gc_removes_lock_files_of_absent_entries_but_not_held_ones(make_release, tmp_path: Path) -> None:
-    release = make_release(n=5, size=3000)
-    cache = tmp_path / "disk_cache"
-    for hex_, data in release.blobs.items():
-        path = cache / "cas" / hex_[:2] / hex_
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+@pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
+def test_fills_create_no_lock_file_per_blob(make_release, tmp_path: Path) -> None:
+    release = make_release(n=40, size=3000)
+    cache = disk_cache_with(tmp_path / "disk_cache", [(Digest(h), d) for h, d in release.blobs.items()])
     local = LocalStore(tmp_path / "home")
-    store = Store([local, DiskCacheStore(cache)])
+    store = Store([local, cache])
     for hex_, data in release.blobs.items():
-        store.get(Digest(hex_), len(data))  # a fill takes the per-digest lock
-    locks = sorted(p for p in local.lock_dir.rglob("*.lock"))
-    assert len(locks) == len(release.blobs)
-    held = locks[0]
-    with file_lock(held, 5.0):  # a live process still holds this one
-        gc(LocalStore(local.root), 0)
-        assert present(local) == set()
+        store.get(Digest(hex_), len(data))  # each fill takes its digest's lock
+    shards = {hex_[:2] for hex_ in release.blobs}
+    # One permanent lock file per shard used (a byte-range lock per digest), none per blob.
+    assert sorted(p.name for p in local.lock_dir.iterdir()) == sorted(f"{s}.lock" for s in shards)
+    gc(LocalStore(local.root), 10**9)
+    assert sorted(p.name for p in local.lock_dir.iterdir()) == sorted(f"{s}.lock" for s in shards)
+
+
+@pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
+def test_gc_removes_per_digest_lock_files_older_versions_left_but_not_held_ones(make_release, tmp_path: Path) -> None:
+    release = make_release(n=5, size=3000)
+    local = LocalStore(tmp_path / "home")
+    fill(local, release.blobs)
+    legacy = []
+    for hex_ in release.blobs:  # as an older version's fill left them
+        path = local.lock_dir / hex_[:2] / f"{hex_}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        legacy.append(path)
+    held = sorted(legacy)[0]
+    with file_lock(held, 5.0):  # an older version's process still holds this one
+        assert gc(LocalStore(local.root), 10**9).locks_removed == len(legacy) - 1
         assert sorted(local.lock_dir.rglob("*.lock")) == [held]
-    kept = sorted(release.blobs)[1]
-    local.write(Digest(kept), release.blobs[kept])
-    gc(LocalStore(local.root), 10**9)  # nothing to evict: only locks of absent entries go
+    gc(LocalStore(local.root), 10**9)
     assert sorted(local.lock_dir.rglob("*.lock")) == []
-    # A lock removed under a waiter is re-created: the next fill still works and locks.
-    assert store.get(Digest(kept), len(release.blobs[kept])) == release.blobs[kept]
+    assert present(local) == set(release.blobs)  # only lock files went

@@ -8,13 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from _blobs import disk_cache_with, random_blob
 
-from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store, StoreError
+from cubinstore import BadArgumentError, Digest, IntegrityError, LockTimeoutError, MissingBlobError, Store, StoreError
+from cubinstore._lock import RANGE_LOCKS
 from cubinstore._maint import verify_store
 from cubinstore.store import LocalStore, MemoryStore
 
@@ -306,3 +308,85 @@ def test_stats_are_counted_and_persisted(tmp_path: Path) -> None:
     assert store.stats.hits == 1 and store.stats.misses == 1 and store.stats.bytes_fetched == len(data)
     persisted = local.read_stats()
     assert persisted == {"hits": 1, "misses": 1, "bytes_fetched": len(data), "verification_failures": 0}
+
+
+# -- the per-digest fill lock: a byte of one lock file per shard --------------------------------
+
+def same_shard_digests(n: int) -> list[Digest]:
+    """``n`` digests that share a shard (and so a lock file), at distinct lock offsets."""
+    by_shard: dict[str, list[Digest]] = {}
+    for i in range(100_000):
+        d = Digest.of(i.to_bytes(4, "little"))
+        group = by_shard.setdefault(d.hex[:2], [])
+        group.append(d)
+        if len(group) == n:
+            return group
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
+def test_the_lock_of_a_digest_excludes_threads_but_not_other_digests_of_its_shard(tmp_path: Path) -> None:
+    a, b = same_shard_digests(2)
+    local = LocalStore(tmp_path / "home", lock_timeout=0.2)
+    outcome: list[object] = []
+
+    def take(digest: Digest) -> None:
+        try:
+            with local.lock(digest):
+                outcome.append("locked")
+        except LockTimeoutError as exc:
+            outcome.append(exc)
+
+    with local.lock(a):
+        for digest in (a, b):
+            t = threading.Thread(target=take, args=(digest,))
+            t.start()
+            t.join(30)
+    assert isinstance(outcome[0], LockTimeoutError) and str(outcome[0]).startswith("timed out after 0.2s waiting for lock")
+    assert outcome[1] == "locked"  # same file, another byte
+    take(a)  # released with the `with`
+    assert outcome[2] == "locked"
+    assert [p.name for p in local.lock_dir.iterdir()] == [f"{a.hex[:2]}.lock"]
+
+
+_LOCK_HOLDER = textwrap.dedent("""
+    import sys, time
+    from cubinstore import Digest
+    from cubinstore.store import LocalStore
+    with LocalStore(sys.argv[1]).lock(Digest(sys.argv[2])):
+        print("locked", flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
+def test_the_lock_held_by_a_killed_process_is_released(tmp_path: Path) -> None:
+    digest, _ = blob()
+    root = tmp_path / "home"
+    child = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(root), digest.hex], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "locked\n"  # the child holds it now
+        with pytest.raises(LockTimeoutError):
+            with LocalStore(root, lock_timeout=0.2).lock(digest):
+                pass
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    with LocalStore(root, lock_timeout=5.0).lock(digest):  # the kernel dropped the dead process's lock
+        pass
+
+
+@pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
+def test_a_symlinked_lock_file_is_not_followed(tmp_path: Path) -> None:
+    digest, data = blob()
+    local = LocalStore(tmp_path / "home")
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    local.lock_dir.mkdir(parents=True)
+    (local.lock_dir / f"{digest.hex[:2]}.lock").symlink_to(target)
+    with pytest.raises(StoreError, match=rf"^cannot open lock file {local.lock_dir / digest.hex[:2]}\.lock: "):
+        with local.lock(digest):
+            pass
+    source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])
+    assert Store([local, source]).get(digest, len(data)) == data  # fetched, unlocked, as for a read-only store
