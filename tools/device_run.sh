@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On a GPU host without Bazel, from the repository root, with .device/ carried there
+# (tools/stage_device.sh makes it): run the named steps, in order, writing logs to $OUT
+# (default .device/out). Steps:
+#   tests       every GPU test (pytest -m gpu over tests/test_*gpu*.py)
+#   runtime     benchmarks/bench_runtime.py (import time, per-kernel loads, 1 vs 8 processes)
+#   calibrate   benchmarks/tune_gemm.py --calibrate (writes cubinstore/ops/_gemm_calibration.py; copied to $OUT)
+#   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay)
+#   tgemm       benchmarks/bench_tgemm.py
+# e.g. tools/device_run.sh tests runtime gemm
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-.device/out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export CUBINSTORE_TEST_MANIFEST="$PWD/.device/kernels/manifest.json"
+export CUBINSTORE_CUTLASS_INCLUDE="$PWD/.device/cutlass_include"
+if [[ ! -f "$CUBINSTORE_TEST_MANIFEST" ]]; then
+  echo "device_run: no $CUBINSTORE_TEST_MANIFEST: run tools/stage_device.sh on the build host and carry .device" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
+"$PY" -c "import torch; print('torch', torch.__version__)" >> "$OUT/gpu.txt" 2>&1 || true
+
+status=0
+step() {  # step NAME COMMAND...: run one step, its output to $OUT/NAME.log and a summary line here
+  local name="$1"; shift
+  local started=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - started)) s; last lines:"
+  tail -n 25 "$OUT/$name.log"
+  [[ $rc -eq 0 ]] || status=1
+}
+
+for what in "$@"; do
+  case "$what" in
+    tests) step tests "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_*gpu*.py ;;
+    runtime) step runtime "$PY" benchmarks/bench_runtime.py --manifest "$CUBINSTORE_TEST_MANIFEST" --json "$OUT/runtime.json" ;;
+    calibrate)
+      step calibrate "$PY" benchmarks/tune_gemm.py --calibrate --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/gemm_measurements.json"
+      cp cubinstore/ops/_gemm_calibration.py "$OUT/" 2>/dev/null || true ;;
+    gemm) step gemm "$PY" benchmarks/bench_gemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    tgemm) step tgemm "$PY" benchmarks/bench_tgemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, tgemm)" >&2; exit 2 ;;
+  esac
+done
+exit $status
