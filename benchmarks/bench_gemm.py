@@ -46,7 +46,7 @@ SOURCE = "kernels/gemm/sm90_bf16_gemm.cu"
 
 log = logging.getLogger("bench_gemm")
 
-# The instantiation grid; mirrors the Starlark in kernels/gemm/README.md, for
+# The instantiation grid; mirrors kernels/gemm/BUILD.bazel (tests/test_gemm_model.py checks), for
 # building without Bazel. Each row: (bm, bn, bk, stages, cluster).
 GRID: tuple[tuple[int, int, int, int, int], ...] = tuple(
     [(128, 256, 64, s, c) for s in (3, 4) for c in (1, 2)]
@@ -54,6 +54,7 @@ GRID: tuple[tuple[int, int, int, int, int], ...] = tuple(
     + [(128, 64, 64, 8, c) for c in (1, 2)]
     + [(256, bn, 64, 4, c) for bn in (64, 128) for c in (1, 2)]
     + [(128, 128, 128, 3, c) for c in (1, 2)]
+    + [(64, 128, 64, 8, 1), (64, 256, 64, 5, 1)]
 )
 
 # (M, N, K) of the LLM projections the issue names; 4096^3 first.
