@@ -102,8 +102,10 @@ def acquire(path: Path, target: str | Path, dir_fd: int | None, timeout: float, 
     ``offset`` None locks the whole file (``flock``); else byte ``offset`` of it, which needs
     ``RANGE_LOCKS``. Such a lock belongs to this open of the file, so threads that each call
     this exclude each other too, and two keys at one offset only wait for each other. It goes
-    when the descriptor closes, also when the process dies. ``on_wait`` runs once, before the
-    first wait, when the lock is held elsewhere. Polls with backoff until ``timeout``.
+    when the descriptor closes, also when the process dies. ``on_wait`` runs before each wait
+    while the lock is held elsewhere (a grouped batch commits there what it staged meanwhile:
+    two processes each waiting for an entry the other holds must not wait for ever). Polls with
+    backoff until ``timeout``.
     """
     if offset is None:
         try_lock = _try_lock
@@ -135,7 +137,6 @@ def acquire(path: Path, target: str | Path, dir_fd: int | None, timeout: float, 
         os.close(fd)
         if on_wait is not None:
             on_wait()
-            on_wait = None
         if time.monotonic() >= deadline:
             raise LockTimeoutError(
                 f"timed out after {timeout:g}s waiting for lock {path}{' (' + what + ')' if what else ''} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,64 @@ def test_threads_of_one_process_share_one_download(nginx, make_release, tmp_path
         t.join(60)
     assert errors == [] and results == [data] * 8
     assert nginx.requests("GET", hex_) == 1
+
+
+def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    # Two prefetches (two LocalStores of one root: their range locks exclude each other like two
+    # processes'). Each stages one entry whose fetching thread then ends, and each has a thread
+    # already waiting for the other's entry: only a waiter that commits its own group on every
+    # poll (not only on its first) lets both go on.
+    import types
+
+    from _blobs import random_blob
+
+    from cubinstore import _lock
+    from cubinstore._layer import Layer
+
+    (a, data_a), (b, data_b) = random_blob(3000, 1), random_blob(3000, 2)
+    blobs = {a: data_a, b: data_b}
+    gates = {a: threading.Event(), b: threading.Event()}
+    started = {a: threading.Event(), b: threading.Event()}
+
+    class Gated(Layer):
+        name = "gated source"
+
+        def read(self, digest: Digest, size: int | None) -> bytes | None:
+            started[digest].set()
+            assert gates[digest].wait(30)
+            return blobs[digest]
+
+    waiting: dict[str, threading.Event] = {"t1b": threading.Event(), "t2b": threading.Event()}
+
+    def sleep(seconds: float) -> None:  # the lock's poll: record who waits
+        event = waiting.get(threading.current_thread().name)
+        if event is not None:
+            event.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr(_lock, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+    s1, s2 = LocalStore(tmp_path, lock_timeout=20.0), LocalStore(tmp_path, lock_timeout=20.0)
+    st1, st2 = Store([s1, Gated()], strict=True), Store([s2, Gated()], strict=True)
+    errors: list[BaseException] = []
+
+    def run(store: Store, digest: Digest) -> None:
+        try:
+            assert store.get(digest, len(blobs[digest])) == blobs[digest]
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    with s1.batch(grouped=True), s2.batch(grouped=True):
+        t1a = threading.Thread(target=run, args=(st1, a), name="t1a")  # s1 fetches a
+        t2a = threading.Thread(target=run, args=(st2, b), name="t2a")  # s2 fetches b
+        t1a.start(), t2a.start()
+        assert started[a].wait(30) and started[b].wait(30)  # both hold their locks, fetching
+        t1b = threading.Thread(target=run, args=(st1, b), name="t1b")  # s1 wants b
+        t2b = threading.Thread(target=run, args=(st2, a), name="t2b")  # s2 wants a
+        t1b.start(), t2b.start()
+        assert waiting["t1b"].wait(30) and waiting["t2b"].wait(30)  # both wait; each group is empty
+        gates[a].set(), gates[b].set()  # a and b are staged, pending, their fetching threads end
+        for t in (t1a, t2a, t1b, t2b):
+            t.join(60)
+        assert errors == []
+    assert verify_store(LocalStore(tmp_path)).ok == 2
