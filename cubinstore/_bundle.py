@@ -39,6 +39,7 @@ _MAX_TOTAL = 16 * 1024 * 1024 * 1024
 _CHUNK = 1 << 20
 _MAX_READ = _CHUNK + 512  # one chunk of member data (or one 512-byte header) per read
 
+_ZEROS = bytes(tarfile.BLOCKSIZE)
 Progress = Callable[[int, int, int], None]  # (done, total, bytes so far)
 
 
@@ -82,22 +83,24 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
     out = Path(out)
     blobs = manifest.blobs
     store = without_memory(store)  # each blob is read once: caching its bytes would only copy them
-    with atomic_file(out) as f:
+    local = store.local
+    with atomic_file(out) as f, local.session() if local is not None else nullcontext():  # each shard opened once
         written = 0
 
         def member(name: str, data: bytes) -> None:
             nonlocal written
-            f.write(_ustar_header(name, len(data)))
-            f.write(data)
             pad = -len(data) % tarfile.BLOCKSIZE
-            if pad:
-                f.write(bytes(pad))
+            f.write(b"".join((_ustar_header(name, len(data)), data, _ZEROS[:pad])))  # one write a member
             written += tarfile.BLOCKSIZE + len(data) + pad
 
         member(MANIFEST_NAME, manifest.raw)
         done_bytes = 0
         for i, (digest, size) in enumerate(blobs):
-            data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
+            # A whole local entry in one read and one hash; anything else through get (which
+            # quarantines a bad entry and fetches from the other layers).
+            data = store.get_local(digest, size)
+            if data is None:
+                data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
             member(f"cas/{digest.hex}", data)
             done_bytes += len(data)
             if progress:

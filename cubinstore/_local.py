@@ -15,7 +15,7 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,10 +316,12 @@ class LocalStore(Layer):
     def read_entry(self, digest: Digest, limit: int, *, touch: bool = False) -> bytes | None:
         """At most ``limit + 1`` bytes of the CAS entry (unverified); None if absent. Links: ``NotRegularFile``."""
         hex_ = digest.hex
-        shard = self._fs.session_dir("v1", "cas", hex_[:2])
-        if shard is not None:
-            # A batch holds each shard it wrote to: a miss (prefetch's check before and under the
-            # lock) opens one name, not two.
+        if self._fs.in_session:
+            # A batch or session holds each shard it used: a read (pack) or a miss (prefetch's
+            # check before and under the lock) opens one name, not two.
+            shard = self._fs.session_read_dir("v1", "cas", hex_[:2])
+            if shard is None:
+                return None
             return read_at(shard, hex_, limit, path=f"{self.cas_dir}/{hex_[:2]}/{hex_}", touch=touch)
         cas = self._fs.held_dir("v1", "cas")  # a hit opens two names, not a walk from the root
         # The path only names the file in messages: a string, not two Path joins per hit.
@@ -620,7 +622,7 @@ class LocalStore(Layer):
                     counts[key] = value
         return counts
 
-    def add_stats(self, delta: dict[str, int]) -> None:
+    def add_stats(self, delta: Mapping[str, int]) -> None:
         """Add to the counters: in memory now, in stats.json with the next flush. Never fails."""
         if not any(delta.values()):
             return
@@ -678,7 +680,7 @@ class _PendingStats:
         self._by_root: dict[Path, tuple[LocalStore, dict[str, int], list[float]]] = {}
         self._registered = False
 
-    def add(self, local: LocalStore, delta: dict[str, int]) -> bool:
+    def add(self, local: LocalStore, delta: Mapping[str, int]) -> bool:
         """Record ``delta``; True when the root's batch is due for a flush."""
         with self._lock:
             item = self._by_root.get(local.root)

@@ -57,6 +57,7 @@ class StoreRoot:
         self._held: dict[tuple[str, ...], int] = {}
         self._held_lock = threading.Lock()
         self._session: dict[tuple[str, ...], int] | None = None
+        self._session_reads: dict[tuple[str, ...], int] = {}
         self._session_depth = 0
 
     def held_dir(self, *parts: str, refresh: bool = False) -> int | None:
@@ -110,13 +111,36 @@ class StoreRoot:
             if fd is not None:
                 os.close(fd)
 
-    def session_dir(self, *parts: str) -> int | None:
-        """The session's descriptor of ``root/parts...`` if this session opened it already, else None (opens nothing)."""
+    @property
+    def in_session(self) -> bool:
+        return self._session is not None
+
+    def session_read_dir(self, *parts: str) -> int | None:
+        """In a session, a descriptor of ``root/parts...`` for reads, opened once (unchecked, like
+        ``held_dir``) and kept until the session ends; None outside a session or if absent.
+
+        A pack reads thousands of entries of 256 shards: one open per shard, not per entry.
+        """
         session = self._session
         if session is None:
             return None
         with self._held_lock:
-            return session.get(parts)
+            fd = session.get(parts)
+            if fd is None:
+                fd = self._session_reads.get(parts)
+        if fd is not None:
+            return fd
+        fd = self._open(parts, create=False, check=False)
+        if fd is None:
+            return None
+        with self._held_lock:
+            if self._session is not session:  # the session ended meanwhile
+                os.close(fd)
+                return None
+            held = self._session_reads.setdefault(parts, fd)
+        if held != fd:
+            os.close(fd)
+        return held
 
     def begin_session(self) -> None:
         """Until ``end_session``, ``dir`` keeps each directory it opens (checked, as for a write).
@@ -137,7 +161,8 @@ class StoreRoot:
             if self._session_depth > 0 or self._session is None:
                 return
             session, self._session = self._session, None
-        for fd in session.values():
+            reads, self._session_reads = self._session_reads, {}
+        for fd in [*session.values(), *reads.values()]:
             os.close(fd)
 
     def _open(self, parts: tuple[str, ...], *, create: bool, check: bool) -> int | None:
@@ -267,11 +292,14 @@ def read_fd(fd: int, limit: int, *, path: Path | str, touch: bool = False) -> by
         chunks: list[bytes] = []
         total = 0
         while total <= limit:
-            chunk = os.read(fd, min(_CHUNK, limit + 1 - total))
-            if not chunk:
-                break
+            want = min(_CHUNK, limit + 1 - total)
+            chunk = os.read(fd, want)
             chunks.append(chunk)
             total += len(chunk)
+            if len(chunk) < want:
+                # A regular file reads short only at its end (or where it is being cut short,
+                # which the caller's size and sha256 check sees): no second read to find EOF.
+                break
         # An hour of resolution is plenty for gc's LRU order, and most hits then write nothing.
         if touch and time.time() - st.st_mtime >= TOUCH_AFTER:
             try:

@@ -14,17 +14,23 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from cubinstore import _env
-from cubinstore._bundle import pack, unpack
 from cubinstore._digest import Digest
 from cubinstore._files import open_regular, verify
 from cubinstore._layer import Layer
 from cubinstore._maint import gc, pin, pinned, unpin, verify_store
 from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest, parse_arch
-from cubinstore.store import DirectorySource, DiskCacheStore, HttpStore, LocalStore, Store
+from cubinstore.store import DirectorySource, DiskCacheStore, LocalStore, Store
+
+if TYPE_CHECKING:
+    from cubinstore._http import HttpStore
+
+# Imported by the commands that need them, so that a process running another one never pays
+# for them: _bundle (tarfile) by pack and unpack, _http (http.client, email) by publish and
+# remotes, _jitcli and _trustcli (the release-signing code) by their own commands and --help.
 
 __all__ = ["main"]
 
@@ -252,6 +258,8 @@ def _cmd_unpin(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from cubinstore._bundle import pack
+
     store = Store.from_env(extra_remotes=args.remote or ())
     manifest = _load_manifest(args.manifest, store)
     progress = _Progress("pack")
@@ -264,6 +272,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpack(args: argparse.Namespace) -> int:
+    from cubinstore._bundle import unpack
+
     local = _local()
     expect = Digest.parse(args.expect) if args.expect else None
     progress = _Progress("unpack")
@@ -295,6 +305,8 @@ def _publish_sources(args: argparse.Namespace) -> list[Layer]:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
+    from cubinstore._http import HttpStore
+
     remote = HttpStore(args.to)
     sources = Store(_publish_sources(args), backfill=False)
     channel = None
@@ -400,7 +412,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _parser() -> _Parser:
+_CORE_COMMANDS = frozenset({"prefetch", "ls", "verify", "gc", "pin", "unpin", "pack", "unpack", "publish", "stats"})
+
+
+def _parser(*, extras: bool = True) -> _Parser:
+    """The argument parser; ``extras=False`` leaves out the JIT's and the signer's commands (and their imports)."""
     parser = _Parser(prog="cubinstore", description="Content-addressed store of compiled CUDA kernels.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -456,6 +472,8 @@ def _parser() -> _Parser:
     p = sub.add_parser("stats", help="hits, misses, bytes fetched and verification failures of the local store")
     p.set_defaults(func=_cmd_stats)
 
+    if not extras:
+        return parser
     # warmset export|prefetch|list and explain: the JIT's commands, defined beside their logic.
     from cubinstore import _jitcli
 
@@ -470,9 +488,11 @@ def _parser() -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
-    parser = _parser()
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    parser = _parser(extras=command not in _CORE_COMMANDS)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(args_list)
     except _UsageError as exc:
         _err(str(exc))
         return EXIT_USAGE

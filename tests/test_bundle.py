@@ -66,6 +66,33 @@ def test_pack_is_deterministic(packed, tmp_path: Path) -> None:
     assert names[0] == "manifest.json" and all(n.startswith("cas/") for n in names[1:]) and len(names) == 5
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate", "symlink"])
+def test_pack_never_bundles_a_bad_local_entry_it_quarantines_and_refetches_it(packed, make_release, tmp_path: Path,
+                                                                              damage: str) -> None:
+    from _blobs import disk_cache_with
+
+    release, manifest, out = packed
+    local = LocalStore(tmp_path / "source")
+    digest, size = manifest.blobs[1]
+    path = local.path_for(digest)
+    good = path.read_bytes()
+    path.unlink()
+    if damage == "flip":
+        path.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
+    elif damage == "truncate":
+        path.write_bytes(good[:-1])
+    else:
+        (tmp_path / "elsewhere").write_bytes(good)
+        path.symlink_to(tmp_path / "elsewhere")
+    cache = disk_cache_with(tmp_path / "disk_cache", [(digest, good)])
+    again = tmp_path / "again.tar"
+    pack(manifest, Store([local, cache]), again)
+    assert again.read_bytes() == out.read_bytes()  # the good bytes, from the other layer
+    assert local.path_for(digest).read_bytes() == good  # and the local entry replaced by them
+    if damage != "symlink":
+        assert len(list(local.quarantine_dir.iterdir())) == 1
+
+
 def test_pack_of_an_incomplete_store_fails_without_leaving_a_bundle(make_release, tmp_path: Path) -> None:
     release = make_release(n=2)
     out = tmp_path / "out.tar"
