@@ -6,8 +6,8 @@
 
 Nothing touches CUDA until the first `Library.kernel` call. A module is loaded (`_loader.py`)
 from the exact in-memory bytes the store verified, once per (digest, device).
-Each entry's parameter layout is checked against the CUBIN's
-(`cuFuncGetParamInfo`) before it can be launched.
+Each entry's parameter layout is checked against the CUBIN's (`cuFuncGetParamInfo`)
+at its first launch or prepare, before anything is launched.
 
 The driver is used through `cuda.bindings` alone: the launch needs
 `cuLaunchKernelEx` with a packed `kernelParams` array (cuda.core's argument
@@ -125,12 +125,9 @@ class Library:
                 if key is not None:
                     self._selected[key] = spec
         module = load(spec, ordinal, cc, self.store)
-        functions: dict[str, _Function] = {}
-        for symbol in spec.entries:
-            fn = module.functions[symbol]
-            check_function_layout(spec, symbol, fn, ordinal)
-            functions[symbol] = fn
-        return Kernel(spec, ordinal, functions, module.load_seconds)
+        # Each entry's parameter layout is checked at its first launch or prepare (Kernel._function):
+        # a load asks the driver nothing per parameter, and an entry never launched is never checked.
+        return Kernel(spec, ordinal, module.functions, module.load_seconds)
 
 
     def _missing_point(self, family: str, params: dict[str, str | int], cc: tuple[int, int], jit: bool | None) -> KernelSpec:
@@ -224,7 +221,20 @@ class Kernel:
         self._spec = spec
         self._device = device
         self._functions = dict(functions)
+        self._checked: set[str] = set()  # entries whose layout matched the CUBIN's (see _function)
         self.load_seconds = load_seconds
+
+    def _function(self, symbol: str) -> _Function:
+        """The entry's function, its parameter layout checked against the CUBIN's once before first use.
+
+        Raises `ParamLayoutError` (before anything is launched) when the manifest's declared types
+        or offsets are not what the compiler laid out.
+        """
+        fn = self._functions[symbol]
+        if symbol not in self._checked:
+            check_function_layout(self._spec, symbol, fn, self._device)
+            self._checked.add(symbol)
+        return fn
 
     @property
     def spec(self) -> KernelSpec:
@@ -268,7 +278,7 @@ class Kernel:
         spec = self._spec
         name = f"{spec.id!r} entry {entry!r}"
         info = spec.entry(entry)
-        fn = self._functions[info.symbol]
+        fn = self._function(info.symbol)
         grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, args, grid, block, shared_mem, cluster)
         drv = _cuda.driver()
         with _cuda.on_device(self._device):
@@ -307,7 +317,7 @@ class Kernel:
         spec = self._spec
         name = f"{spec.id!r} entry {entry!r}"
         info = spec.entry(entry)
-        fn = self._functions[info.symbol]
+        fn = self._function(info.symbol)
         grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, args, grid, block, shared_mem, cluster)
         buffer = ArgBuffer(spec.id, info.name, info.types, args, device=self._device,
                            pointer_device=_cuda.pointer_device)

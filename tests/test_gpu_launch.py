@@ -336,15 +336,17 @@ def _with_entries(spec: KernelSpec, types: list[str]) -> Manifest:
 def test_parameter_type_mismatch_is_caught_before_any_launch(manifest: Manifest, store: Store, torch: Any, hopper: None) -> None:
     spec = manifest.by_id("axpy/f64/vec4/sm_90a")
     y = torch.ones(1024, dtype=torch.float64, device="cuda:0")
-    wrong = launch.open(_with_entries(spec, ["i32", "f32", "ptr", "ptr"]), store)
-    with pytest.raises(ParamLayoutError, match=(
-        r"^kernel 'axpy/f64/vec4/sm_90a' entry 'axpy_f64' parameter 1: manifest declares f32 "
-        r"\(4 bytes at offset 4\), the CUBIN's function has 8 bytes at offset 8$"
-    )):
-        wrong.kernel(spec.id)
-    short = launch.open(_with_entries(spec, ["i32", "f64", "ptr"]), store)
+    # Loading asks nothing per parameter; the entry's first launch or prepare checks its layout.
+    wrong = launch.open(_with_entries(spec, ["i32", "f32", "ptr", "ptr"]), store).kernel(spec.id)
+    for _ in range(2):  # a failed check is not remembered as passed
+        with pytest.raises(ParamLayoutError, match=(
+            r"^kernel 'axpy/f64/vec4/sm_90a' entry 'axpy_f64' parameter 1: manifest declares f32 "
+            r"\(4 bytes at offset 4\), the CUBIN's function has 8 bytes at offset 8$"
+        )):
+            wrong.launch("axpy_f64", grid=4, block=256, args=(1024, 2.0, y, y))
+    short = launch.open(_with_entries(spec, ["i32", "f64", "ptr"]), store).kernel(spec.id)
     with pytest.raises(ParamLayoutError, match=r"^kernel 'axpy/f64/vec4/sm_90a' entry 'axpy_f64': manifest declares 3 parameters \(i32, f64, ptr\), the CUBIN's function takes 4$"):
-        short.kernel(spec.id)
+        short.prepare("axpy_f64", args=(1024, 2.0, None), grid=4, block=256)
     assert torch.equal(y, torch.ones_like(y))
 
 
