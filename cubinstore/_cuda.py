@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import threading
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from cubinstore._log import get_logger
 from cubinstore.errors import CudaError
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _lock = threading.Lock()
 _driver: ModuleType | None = None

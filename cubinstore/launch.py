@@ -18,7 +18,6 @@ fetch + verify + load (measured on an H200 host: benchmarks/startup.py).
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -29,6 +28,7 @@ from cubinstore import _abi, _cuda
 from cubinstore._args import ArgBuffer, pack_args
 from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
 from cubinstore._digest import Digest, show
+from cubinstore._log import get_logger
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Kernel", "Library", "PreparedLaunch", "is_loaded", "loaded_module_count", "open"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _PORTABLE_CLUSTER: Final = 8
 

@@ -23,13 +23,13 @@ are recognised by their type's module and name.
 
 from __future__ import annotations
 
-import logging
 import operator
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError
 
 __all__ = [
@@ -46,7 +46,7 @@ __all__ = [
     "from_tensor",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 TENSORMAP_BYTES: Final = 128
 #: Swizzle widths the encoder accepts, in bytes (0 = no swizzle).

@@ -13,7 +13,6 @@ in ``kernels/gemm/README.md``; ``GemmConfig`` computes it.
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 import threading
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import cubinstore.ops as _package  # get_library; partly initialised while it imports this module
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, KernelNotFoundError
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ __all__ = [
     "sm_count",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 FAMILY: Final = "gemm"
 ENTRY: Final = "gemm_bf16_tn"
