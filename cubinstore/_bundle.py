@@ -40,6 +40,15 @@ _CHUNK = 1 << 20
 _MAX_READ = _CHUNK + 512  # one chunk of member data (or one 512-byte header) per read
 
 _ZEROS = bytes(tarfile.BLOCKSIZE)
+# The fields of _member's USTAR header that do not depend on the member: mode, uid, gid; mtime;
+# after the checksum: type, no link name, magic and version, no user, group or device numbers.
+_MODE_IDS = b"0000444\0" b"0000000\0" b"0000000\0"
+_MTIME = b"00000000000\0"
+_AFTER_CHECKSUM = (tarfile.REGTYPE + bytes(100) + tarfile.POSIX_MAGIC + bytes(64) + bytes(16)).ljust(
+    tarfile.BLOCKSIZE - 156, b"\0")
+_FIXED_SUM = sum(_MODE_IDS) + sum(_MTIME) + sum(b" " * 8) + sum(_AFTER_CHECKSUM)
+_WRITEBACK_EVERY = 8 << 20
+_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 Progress = Callable[[int, int, int], None]  # (done, total, bytes so far)
 
 
@@ -64,11 +73,13 @@ def _ustar_header(name: str, size: int) -> bytes:
     raw_name = name.encode("ascii")
     if len(raw_name) > 100 or size >= 8**11:
         return _member(name, size).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
-    head = b"".join([
-        raw_name.ljust(100, b"\0"), b"0000444\0", b"0000000\0", b"0000000\0", b"%011o\0" % size, b"00000000000\0",
-        b"        ", tarfile.REGTYPE, bytes(100), tarfile.POSIX_MAGIC, bytes(64), bytes(16),  # no device numbers
-    ]).ljust(tarfile.BLOCKSIZE, b"\0")
-    return head[:148] + b"%06o\0" % sum(head) + head[155:]
+    size_field = b"%011o\0" % size
+    # The checksum is the sum of the header's bytes (its own field as spaces): the fixed fields'
+    # share is summed once, so a member sums only its name and size.
+    checksum = _FIXED_SUM + sum(raw_name) + sum(size_field)
+    return b"".join([
+        raw_name.ljust(100, b"\0"), _MODE_IDS, size_field, _MTIME, b"%06o\0 " % checksum, _AFTER_CHECKSUM,
+    ])
 
 
 def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | None = None) -> int:
@@ -84,14 +95,26 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
     blobs = manifest.blobs
     store = without_memory(store)  # each blob is read once: caching its bytes would only copy them
     local = store.local
-    with atomic_file(out) as f, local.session() if local is not None else nullcontext():  # each shard opened once
+    with atomic_file(out, buffering=1 << 20) as f, local.session() if local is not None else nullcontext():  # each shard opened once
         written = 0
 
+        started = 0  # the disk has been asked to write the bundle up to here
+
         def member(name: str, data: bytes) -> None:
-            nonlocal written
+            nonlocal written, started
             pad = -len(data) % tarfile.BLOCKSIZE
             f.write(b"".join((_ustar_header(name, len(data)), data, _ZEROS[:pad])))  # one write a member
             written += tarfile.BLOCKSIZE + len(data) + pad
+            if written - started >= _WRITEBACK_EVERY and _FADV_DONTNEED is not None:
+                # Start writing what is written so far (asynchronously, as the pages are not
+                # needed again here): the fsync before the rename then waits for the last few
+                # MiB, not for the whole bundle.
+                f.flush()
+                try:
+                    os.posix_fadvise(f.fileno(), started, written - started, _FADV_DONTNEED)
+                except OSError:
+                    pass  # only a hint
+                started = written
 
         member(MANIFEST_NAME, manifest.raw)
         done_bytes = 0

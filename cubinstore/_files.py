@@ -93,11 +93,11 @@ def atomic_write(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = 
 
 
 @contextmanager
-def atomic_file(path: Path, *, mode: int = 0o644, durable: bool = True) -> Iterator[BinaryIO]:
+def atomic_file(path: Path, *, mode: int = 0o644, durable: bool = True, buffering: int = -1) -> Iterator[BinaryIO]:
     """Stream into a temp file beside ``path``; on a clean exit fsync and rename it to ``path``.
 
     Any exception removes the temp file; an ``OSError`` becomes a ``StoreError`` naming
-    ``path``. ``durable=False`` skips the fsyncs (still atomic).
+    ``path``. ``durable=False`` skips the fsyncs (still atomic). ``buffering``: as ``open``'s.
     """
     directory = path.parent
     try:
@@ -109,7 +109,7 @@ def atomic_file(path: Path, *, mode: int = 0o644, durable: bool = True) -> Itera
         raise StoreError(f"cannot create a temp file in {directory}: {exc.strerror or exc}") from exc
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb", buffering=buffering) as f:
             yield f
             f.flush()
             if durable:

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -202,8 +203,11 @@ class LocalStore(Layer):
                     if fd is not None:
                         fsync_fd(fd, self.v1.joinpath(*parts))
             if errors:
-                raise StoreError(f"cannot store {len(errors)} blob{'s' if len(errors) > 1 else ''} in {self.root}: "
-                                 + "; ".join(errors[:3]) + ("; ..." if len(errors) > 3 else ""))
+                failure = StoreError(f"cannot store {len(errors)} blob{'s' if len(errors) > 1 else ''} in {self.root}: "
+                                     + "; ".join(errors[:3]) + ("; ..." if len(errors) > 3 else ""))
+                if sys.exc_info()[1] is None:
+                    raise failure
+                _log.warning("%s", failure)  # the body's own error goes on
 
     def _stage_in_group(self, digest: Digest, data: bytes) -> None:
         hex_ = digest.hex

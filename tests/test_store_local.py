@@ -179,6 +179,30 @@ def test_rename_failure_removes_temp_and_keeps_old_entries(tmp_path: Path) -> No
     assert Store([local]).get(d1, len(b1)) == b1
 
 
+def test_a_failed_rename_in_a_grouped_batch_is_an_error_when_it_ends_and_leaves_no_temp(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path)
+    (d1, b1), (d2, b2) = blob(seed=1), blob(seed=2)
+    local.path_for(d2).mkdir(parents=True)  # rename onto a directory fails (EISDIR)
+    with pytest.raises(StoreError, match=rf"^cannot store 1 blob in {tmp_path}: {d2} at {local.path_for(d2)}: Is a directory"):
+        with local.batch(grouped=True):
+            local.write(d1, b1)
+            local.write(d2, b2)
+            assert not local.path_for(d1).exists()  # pending until the group commits
+    assert temps(local) == []
+    assert Store([local]).get(d1, len(b1)) == b1  # the rest of the group is in place
+
+
+def test_an_error_in_a_grouped_batch_body_is_not_replaced_by_a_failed_rename(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path)
+    d2, b2 = blob(seed=2)
+    local.path_for(d2).mkdir(parents=True)
+    with pytest.raises(KeyboardInterrupt):
+        with local.batch(grouped=True):
+            local.write(d2, b2)
+            raise KeyboardInterrupt
+    assert temps(local) == []
+
+
 def test_cache_write_failure_serves_verified_bytes_unless_strict(tmp_path: Path) -> None:
     local = LocalStore(tmp_path)
     digest, data = blob()
