@@ -9,8 +9,8 @@ bytes), serves the CAS from nginx on loopback, and times:
 
   open        Manifest.from_path (best of 3, in process) and the first open in a fresh process
   lookup      Manifest.select(family, cc, **params), mean of 20,000 random points (warm)
-  prefetch    `cubinstore prefetch` with CUBINSTORE_FETCH_JOBS=1 and the default, beside the floor:
-              a plain urllib loop that GETs and writes the same blobs (no hash, no fsync)
+  prefetch    `cubinstore prefetch` with CUBINSTORE_FETCH_JOBS=1, --jobs-small and --jobs, beside the
+              floor: a plain urllib loop that GETs and writes the same blobs (no hash, no fsync)
   ls, verify  `cubinstore ls M`, `verify M` (the closure), `verify` (the whole store)
   pack        `cubinstore pack M out.tar` beside `tar -cf` of the same CAS files
   unpack      `cubinstore unpack out.tar --expect D` into an empty store
@@ -18,7 +18,9 @@ bytes), serves the CAS from nginx on loopback, and times:
   manifest    the CubinManifest action (tools/manifest_tool.py) over the N CUBINs (needs a real CUBIN)
 
 Commands run as real CLI processes (their interpreter start, about 0.1 s, is included).
-Wall-clock seconds on whatever host runs it: compare rows of one run, not runs of two hosts.
+Wall-clock seconds on whatever host runs it: compare rows of one run, not runs of two hosts;
+the CPU columns (user + system of the process) and each row's load average say how much of a
+wall time was the host's load.
 ``--plots DIR`` writes cost-vs-N PNGs (matplotlib); ``--json`` all numbers.
 """
 
@@ -29,6 +31,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -112,14 +115,38 @@ class Nginx:
         self.proc.wait(timeout=10)
 
 
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+#: CPU seconds (user + system) of the last cli() or run() child: a loaded host stretches wall time
+#: by 2-3x, CPU time much less.
+LAST_CPU = [0.0]
+
+
+def run(cmd: list[str], **kwargs: Any) -> float:
+    """Wall seconds of one child process (its CPU seconds in LAST_CPU)."""
+    c, t = _children_cpu(), time.perf_counter()
+    subprocess.run(cmd, check=True, **kwargs)
+    LAST_CPU[0] = _children_cpu() - c
+    return time.perf_counter() - t
+
+
 def cli(args: list[str], home: Path, **env: str) -> float:
-    """Seconds one `cubinstore` command takes as a process (stdout discarded)."""
+    """Seconds one `cubinstore` command takes as a process (stdout discarded; CPU seconds in LAST_CPU)."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("CUBINSTORE_")}
     full.update(PYTHONPATH=str(ROOT), CUBINSTORE_HOME=str(home), **env)
-    t = time.perf_counter()
+    c, t = _children_cpu(), time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "cubinstore", *args], env=full, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, check=False)
     elapsed = time.perf_counter() - t
+    LAST_CPU[0] = _children_cpu() - c
     if done.returncode not in (0, 1):
         raise SystemExit(f"cubinstore {' '.join(args)} failed ({done.returncode}): {done.stderr[-800:]}")
     return elapsed
@@ -128,11 +155,12 @@ def cli(args: list[str], home: Path, **env: str) -> float:
 def urllib_floor(url: str, blobs: list[tuple[str, int]], out: Path) -> float:
     """A plain loop: GET each blob (a new connection each, as urllib does) and write it to a file."""
     out.mkdir(parents=True)
-    t = time.perf_counter()
+    c, t = _self_cpu(), time.perf_counter()
     for hex_, _size in blobs:
         with urllib.request.urlopen(f"{url}/cas/{hex_}", timeout=30) as resp:
             data = resp.read()
         (out / hex_).write_bytes(data)
+    LAST_CPU[0] = _self_cpu() - c
     return time.perf_counter() - t
 
 
@@ -173,9 +201,16 @@ def measure(n: int, opts: argparse.Namespace, base: Path, template: bytes, real:
         home = work / "home"
         if n <= opts.prefetch_max:
             row["urllib_floor_s"] = urllib_floor(server.url, blobs, work / "floor")
+            row["urllib_floor_cpu_s"] = LAST_CPU[0]
             row["prefetch_1_s"] = cli(["prefetch", str(path), "--remote", server.url], work / "home1",
                                       CUBINSTORE_FETCH_JOBS="1")
+            row["prefetch_1_cpu_s"] = LAST_CPU[0]
             shutil.rmtree(work / "home1")
+            if opts.jobs_small:
+                row["prefetch_small_jobs"] = opts.jobs_small
+                row["prefetch_small_s"] = cli(["prefetch", str(path), "--remote", server.url], work / "home4",
+                                              CUBINSTORE_FETCH_JOBS=str(opts.jobs_small))
+                shutil.rmtree(work / "home4")
             row["prefetch_jobs"] = opts.jobs
             row["prefetch_par_s"] = cli(["prefetch", str(path), "--remote", server.url], home,
                                         CUBINSTORE_FETCH_JOBS=str(opts.jobs))
@@ -194,9 +229,9 @@ def measure(n: int, opts: argparse.Namespace, base: Path, template: bytes, real:
     row["verify_store_s"] = cli(["verify"], home)
     bundle = work / "release.tar"
     row["pack_s"] = cli(["pack", str(path), str(bundle)], home, CUBINSTORE_OFFLINE="1")
-    t = time.perf_counter()
-    subprocess.run(["tar", "-cf", str(work / "plain.tar"), "-C", str(home / "v1"), "cas"], check=True)
-    row["tar_s"] = time.perf_counter() - t
+    row["pack_cpu_s"] = LAST_CPU[0]
+    row["tar_s"] = run(["tar", "-cf", str(work / "plain.tar"), "-C", str(home / "v1"), "cas"])
+    row["tar_cpu_s"] = LAST_CPU[0]
     row["unpack_s"] = cli(["unpack", str(bundle), "--expect", str(manifest.digest)], work / "home2")
     total = sum(s for _, s in blobs)
     row["gc_s"] = cli(["gc", "--max-bytes", str(total // 2)], home)
@@ -210,6 +245,7 @@ def measure(n: int, opts: argparse.Namespace, base: Path, template: bytes, real:
         row["manifest_action_s"] = time.perf_counter() - t if done.returncode == 0 else None
         if done.returncode != 0:
             print(f"manifest action failed at {n}: {done.stderr[-500:]}", file=sys.stderr)
+    row["load_avg"] = os.getloadavg()[0]  # the host's load as this N finished
     if not opts.keep:
         shutil.rmtree(work, ignore_errors=True)
     return row
@@ -218,9 +254,12 @@ def measure(n: int, opts: argparse.Namespace, base: Path, template: bytes, real:
 COLUMNS = [
     ("n", "N", "{:,}"), ("open_s", "open s", "{:.3f}"), ("open_cpu_s", "open CPU s", "{:.3f}"), ("open_fresh_process_s", "open new proc s", "{:.3f}"),
     ("lookup_us", "lookup us", "{:.1f}"), ("urllib_floor_s", "urllib floor s", "{:.2f}"),
-    ("prefetch_1_s", "prefetch j=1 s", "{:.2f}"), ("prefetch_par_s", "prefetch j=J s", "{:.2f}"),
+    ("urllib_floor_cpu_s", "floor CPU s", "{:.2f}"), ("prefetch_1_s", "prefetch j=1 s", "{:.2f}"),
+    ("prefetch_1_cpu_s", "prefetch j=1 CPU s", "{:.2f}"), ("prefetch_small_s", "prefetch j=j s", "{:.2f}"),
+    ("prefetch_par_s", "prefetch j=J s", "{:.2f}"),
     ("ls_s", "ls s", "{:.2f}"), ("verify_manifest_s", "verify M s", "{:.2f}"), ("verify_store_s", "verify s", "{:.2f}"),
-    ("pack_s", "pack s", "{:.2f}"), ("tar_s", "tar s", "{:.2f}"), ("unpack_s", "unpack s", "{:.2f}"),
+    ("pack_s", "pack s", "{:.2f}"), ("pack_cpu_s", "pack CPU s", "{:.2f}"), ("tar_s", "tar s", "{:.2f}"),
+    ("tar_cpu_s", "tar CPU s", "{:.2f}"), ("unpack_s", "unpack s", "{:.2f}"),
     ("gc_s", "gc s", "{:.2f}"), ("manifest_action_s", "manifest action s", "{:.2f}"),
 ]
 
@@ -235,9 +274,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         ratios = []
         if row.get("prefetch_1_s") and row.get("urllib_floor_s"):
-            ratios.append(f"prefetch j=1 / floor {row['prefetch_1_s'] / row['urllib_floor_s']:.2f}x, "
+            small = (f"j={row['prefetch_small_jobs']} / floor {row['prefetch_small_s'] / row['urllib_floor_s']:.2f}x, "
+                     if row.get("prefetch_small_s") else "")
+            ratios.append(f"prefetch j=1 / floor {row['prefetch_1_s'] / row['urllib_floor_s']:.2f}x "
+                          f"(CPU {row['prefetch_1_cpu_s'] / row['urllib_floor_cpu_s']:.2f}x), {small}"
                           f"j={row['prefetch_jobs']} / floor {row['prefetch_par_s'] / row['urllib_floor_s']:.2f}x")
         ratios.append(f"pack / tar {row['pack_s'] / row['tar_s']:.1f}x")
+        ratios.append(f"load average {row['load_avg']:.1f}")
         print(f"N={row['n']:,}: manifest {row['manifest_mb']:.1f} MB; " + "; ".join(ratios))
 
 
@@ -254,7 +297,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
                                                                ("open_fresh_process_s", "open, fresh process (s)")],
                                   [("lookup_us", "lookup (us)")]),
         "scale_prefetch.png": ("Prefetch from loopback nginx", [("urllib_floor_s", "urllib loop floor"), ("prefetch_1_s", "prefetch, 1 job"),
-                                                                ("prefetch_par_s", "prefetch, parallel")], []),
+                                                                ("prefetch_small_s", "prefetch, few jobs"),
+                                                                ("prefetch_par_s", "prefetch, default jobs")], []),
         "scale_commands.png": ("CLI commands", [("ls_s", "ls"), ("verify_manifest_s", "verify MANIFEST"), ("verify_store_s", "verify"),
                                                 ("pack_s", "pack"), ("tar_s", "tar (reference)"), ("unpack_s", "unpack"),
                                                 ("gc_s", "gc"), ("manifest_action_s", "manifest action")], []),
@@ -294,6 +338,7 @@ def main() -> None:
     parser.add_argument("--prefetch-max", type=int, default=23000, help="skip the prefetch rows above this N")
     parser.add_argument("--action-max", type=int, default=23000, help="skip the manifest action above this N")
     parser.add_argument("--jobs", type=int, default=16, help="CUBINSTORE_FETCH_JOBS of the parallel prefetch row")
+    parser.add_argument("--jobs-small", type=int, default=4, help="a second parallel row with this many jobs (0: none)")
     parser.add_argument("--pad", type=int, default=0, help="bytes added to each synthetic CUBIN")
     parser.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     parser.add_argument("--json", type=Path, help="write every number here")
