@@ -2,9 +2,10 @@
 
 The toolkit is looked for, in this order:
   1. `$CUDA_PATH`, 2. `$CUDA_HOME`, 3. `/usr/local/cuda`, 4. the toolkit of `nvcc` on `$PATH`.
-The first candidate holding both `bin/nvcc` and `nvvm/bin/cicc` wins. Every file nvcc reads
-to make a CUBIN is symlinked into the repository and declared as an input, so Bazel keys
-actions on the files' content: the toolkit's install path never reaches an action.
+The first candidate holding both `bin/nvcc` and `nvvm/bin/cicc` wins. What nvcc -cubin runs
+(header_sets.bzl's COMPILER_FILES) and the include tree are symlinked into the repository and
+declared as inputs, so Bazel keys actions on the files' content: the toolkit's install path
+never reaches an action. Which headers a compile declares is header_sets.bzl's business.
 
 The host compiler nvcc preprocesses with (`$CUBINSTORE_HOST_CC`, default `gcc`, a command
 name looked up on the actions' fixed PATH `/usr/bin:/bin`) is not an input; its identity
@@ -17,18 +18,9 @@ binutils' `c++filt`, a command name on the actions' PATH), whose identity is wri
 `demangler.id` the same way.
 """
 
-ACTION_PATH = "/usr/bin:/bin"
+load("//third_party/cuda:header_sets.bzl", "COMPILER_DIRS", "COMPILER_FILES")
 
-_TOOL_FILES = [
-    "bin/nvcc",
-    "bin/nvcc.profile",
-    "bin/cudafe++",
-    "bin/ptxas",
-    "bin/fatbinary",
-    "bin/bin2c",
-    "bin/nvlink",
-    "nvvm/bin/cicc",
-]
+ACTION_PATH = "/usr/bin:/bin"
 
 def _run(rctx, argv):
     """Runs one external command; fails with the command, exit code and output."""
@@ -137,10 +129,9 @@ def _cuda_toolkit_impl(rctx):
     toolkit = _detect_toolkit(rctx)
     host = _detect_host_compiler(rctx)
     demangler = _detect_demangler(rctx, toolkit)
-    for f in _TOOL_FILES:
+    for f in COMPILER_FILES + COMPILER_DIRS:
         if rctx.path(toolkit.root + "/" + f).exists:
             rctx.symlink(toolkit.root + "/" + f, f)
-    rctx.symlink(toolkit.root + "/nvvm/libdevice", "nvvm/libdevice")
     rctx.symlink(toolkit.root + "/include", "include")
     rctx.file("host_compiler.id", _host_identity(rctx, host))
     rctx.file("demangler.id", demangler.identity)

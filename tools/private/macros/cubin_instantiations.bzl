@@ -83,6 +83,7 @@ def cubin_instantiations(
         copts = [],
         launch = {},
         family = None,
+        toolkit_headers = None,
         jit = False,
         visibility = None):
     """Expands an instantiation matrix into one cuda_cubin per (grid point, arch).
@@ -116,6 +117,9 @@ def cubin_instantiations(
         arithmetic over placeholders; `grid` items may also use `args[i]`, `sm_count`,
         `cdiv`, `min` and `max`, evaluated at launch.
       family: family name in the manifest; defaults to `name`.
+      toolkit_headers: the toolkit's optional header sets the sources include (cuda_cubin's
+        attribute: 'libcudacxx', 'cub', 'thrust', or [] for the core headers alone); None
+        (default): the whole include tree.
       jit: also write the family's JIT template (target `<name>_jit`, a cubin_jit_template of
         the same sources, defines, copts and entries), which the manifest embeds, so the
         runtime can compile points the grid lacks. Entries must then be symbols.
@@ -156,6 +160,7 @@ def cubin_instantiations(
                 copts = [_fill(c, params) for c in copts],
                 entries = point_entries,
                 launch_json = _launch_for(launch, entries, params),
+                **({} if toolkit_headers == None else {"toolkit_headers": toolkit_headers})
             )
             instances.append(":" + target)
     jit_template = None

@@ -1,11 +1,24 @@
 """cuda_cubin: one kernel instantiation compiled by nvcc to one .cubin."""
 
 load("@local_cuda//:defs.bzl", "HOST_CC")
+load("//third_party/cuda:header_sets.bzl", "ALL", "TOOLKIT_HEADER_SETS", "resolve_header_sets")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "merge_flags", "module_anchor")
 
 # Actions see a fixed environment: nothing from the shell that runs Bazel.
 ACTION_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+
+def _toolkit_inputs(ctx):
+    """The toolkit's files this compile declares, a list of depsets.
+
+    The compiler, the core headers, and the header sets `toolkit_headers` names.
+    """
+    wanted = resolve_header_sets(ctx.label, ctx.attr.toolkit_headers)
+    sets = {t.label.name[len("headers_"):]: t for t in ctx.attr._toolkit_header_sets}
+    return [ctx.attr._toolkit_compiler[DefaultInfo].files, ctx.attr._toolkit_core_headers[DefaultInfo].files] + [
+        sets[name][DefaultInfo].files
+        for name in wanted
+    ]
 
 def _cuda_cubin_impl(ctx):
     check_arch(ctx.label, ctx.attr.arch)
@@ -15,6 +28,7 @@ def _cuda_cubin_impl(ctx):
     src = ctx.files.srcs[0]
     cubin = ctx.actions.declare_file(ctx.label.name + ".cubin")
     headers = depset(ctx.files.hdrs, transitive = [d[CudaHeadersInfo].headers for d in ctx.attr.deps])
+    toolkit = _toolkit_inputs(ctx)
     includes = depset(transitive = [d[CudaHeadersInfo].includes for d in ctx.attr.deps])
 
     # The workspace-relative path (a generated TU's too, without bazel-out/<config>/bin)
@@ -46,7 +60,7 @@ def _cuda_cubin_impl(ctx):
         arguments = [args],
         inputs = depset(
             [src, anchor, ctx.file._host_compiler_id],
-            transitive = [headers, ctx.attr._toolkit[DefaultInfo].files],
+            transitive = [headers] + toolkit,
         ),
         outputs = [cubin],
         env = ACTION_ENV,
@@ -83,7 +97,17 @@ cuda_cubin = rule(
         "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
         "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
         "_nvcc": attr.label(default = "@local_cuda//:bin/nvcc", executable = True, allow_single_file = True, cfg = "exec"),
-        "_toolkit": attr.label(default = "@local_cuda//:compiler_files"),
+        "toolkit_headers": attr.string_list(
+            default = [ALL],
+            doc = "The toolkit's optional header sets the source may include, besides the core headers every compile gets " +
+                  "(cuda_runtime.h and the toolkit's own headers): " +
+                  ", ".join(["'{}' ({})".format(n, s.doc) for n, s in TOOLKIT_HEADER_SETS.items()]) +
+                  "; a set brings the sets it includes. '{}' (the default): the whole include tree. ".format(ALL) +
+                  "Fewer files make the sandbox cheaper; a header outside the sets is missing in the sandbox and fails the compile.",
+        ),
+        "_toolkit_compiler": attr.label(default = "@local_cuda//:compiler"),
+        "_toolkit_core_headers": attr.label(default = "@local_cuda//:headers_core"),
+        "_toolkit_header_sets": attr.label_list(default = ["@local_cuda//:headers_" + n for n in TOOLKIT_HEADER_SETS]),
         "_host_compiler_id": attr.label(default = "@local_cuda//:host_compiler.id", allow_single_file = True),
     },
 )
