@@ -255,8 +255,13 @@ class LocalStore(Layer):
                         except OSError as exc:
                             unlink_quiet(dir_fd, tmp, where / tmp)
                             errors.append(f"sha256:{hex_} at {where / hex_}: {exc.strerror or exc}")
-            except (OSError, StoreError) as exc:  # the sync failed: nothing of the group is renamed
-                errors.append(f"{len(group)} entries not made durable: {getattr(exc, 'strerror', None) or exc}")
+            except (OSError, StoreError) as exc:  # the sync failed: nothing more of the group is renamed
+                reason = getattr(exc, "strerror", None) or exc
+                errors.extend(f"sha256:{hex_}: not made durable: {reason}" for hex_ in group)
+                for hex_, (shard, tmp, _) in group.items():
+                    with self._fs.dir("v1", "cas", shard) as dir_fd:
+                        if dir_fd is not None:
+                            unlink_quiet(dir_fd, tmp, self.cas_dir / shard / tmp)  # gone already once renamed
             finally:
                 with self._batch_lock:  # a lock handed over from here on finds its entry renamed (or given up)
                     self._committing = {}

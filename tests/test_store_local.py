@@ -192,6 +192,30 @@ def test_a_failed_rename_in_a_grouped_batch_is_an_error_when_it_ends_and_leaves_
     assert Store([local]).get(d1, len(b1)) == b1  # the rest of the group is in place
 
 
+def test_a_grouped_batch_whose_sync_fails_renames_nothing_and_leaves_no_temp(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from cubinstore import _local
+
+    local = LocalStore(tmp_path)
+    (d1, b1), (d2, b2) = blob(seed=1), blob(seed=2)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if not os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(_local, "sync_filesystem", lambda path: False)  # no syncfs: an fsync of each temp
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(StoreError, match=rf"^cannot store 2 blobs in {tmp_path}: sha256:[0-9a-f]{{64}}: not made durable: Input/output error; "):
+        with local.batch(grouped=True):
+            local.write(d1, b1)
+            local.write(d2, b2)
+    assert temps(local) == [] and not local.path_for(d1).exists() and not local.path_for(d2).exists()
+
+
 def test_an_error_in_a_grouped_batch_body_is_not_replaced_by_a_failed_rename(tmp_path: Path) -> None:
     local = LocalStore(tmp_path)
     d2, b2 = blob(seed=2)
