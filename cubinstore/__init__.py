@@ -9,7 +9,6 @@ Nothing here imports CUDA; the GPU side loads lazily.
 from __future__ import annotations
 
 import importlib
-import logging
 
 from cubinstore._digest import Digest
 from cubinstore.errors import (
@@ -71,9 +70,9 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-# A library logs, the application decides what is shown: without this, Python's last-resort
-# handler prints our warnings to stderr when the application configured no logging.
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# A library logs, the application decides what is shown: every module that logs gets its logger
+# from cubinstore._log, which gives the "cubinstore" logger a NullHandler first (so `import
+# cubinstore` itself does not import logging).
 
 __all__ = [
     "BadArgumentError",

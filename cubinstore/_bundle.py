@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import logging
 import os
 import re
 import tarfile
@@ -22,6 +21,7 @@ from typing import BinaryIO
 from cubinstore._digest import Digest, show
 from cubinstore._files import atomic_file, open_regular
 from cubinstore._local import LocalStore
+from cubinstore._log import get_logger
 from cubinstore._maint import pin as pin_manifest
 from cubinstore._maint import pins_lock
 from cubinstore.errors import BundleError, ManifestError, StoreError
@@ -30,7 +30,7 @@ from cubinstore.store import Store
 
 __all__ = ["MANIFEST_NAME", "pack", "unpack"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 _BLOB_RE = re.compile(r"cas/([0-9a-f]{64})", re.ASCII)

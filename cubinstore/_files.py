@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import stat
 from collections.abc import Iterator
@@ -12,12 +11,13 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._digest import Digest
+from cubinstore._log import get_logger
 from cubinstore._safedir import NotRegularFile, read_at
 from cubinstore.errors import BadArgumentError, CubinstoreError, IntegrityError, StoreError
 
 __all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 
 def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None:

@@ -12,7 +12,6 @@ import base64
 import functools
 import http.client
 import io
-import logging
 import os
 import random
 import re
@@ -26,11 +25,12 @@ from urllib.parse import unquote, urlsplit
 from cubinstore import _env
 from cubinstore._digest import Digest, show
 from cubinstore._layer import Layer, limit_for
+from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
 
 __all__ = ["HttpStore", "redact"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 _RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _PUT_OK = frozenset({200, 201, 204})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import logging
 import os
 import re
 import stat
@@ -27,6 +26,7 @@ from cubinstore._digest import Digest
 from cubinstore._files import verify
 from cubinstore._layer import Layer, limit_for
 from cubinstore._lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
+from cubinstore._log import get_logger
 from cubinstore._safedir import (
     TEMP_PREFIX,
     NotRegularFile,
@@ -45,7 +45,7 @@ from cubinstore.errors import CubinstoreError, StoreError
 
 __all__ = ["Entry", "LocalStore", "STAT_KEYS"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 _HEX_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _SHARD_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)

@@ -4,7 +4,6 @@ shared file (Linux open-file-description locks), so that many keys need no file 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import struct
 import sys
@@ -13,11 +12,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from cubinstore._log import get_logger
 from cubinstore.errors import LockTimeoutError, StoreError
 
 __all__ = ["RANGE_LOCKS", "acquire", "file_lock", "range_lock", "remove_if_unheld"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 if sys.platform == "win32":  # pragma: no cover - exercised only on Windows
     import msvcrt

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -12,12 +11,13 @@ from pathlib import Path
 from cubinstore._digest import Digest
 from cubinstore._files import NotRegularFile, verify
 from cubinstore._local import Entry, LocalStore
+from cubinstore._log import get_logger
 from cubinstore.errors import CubinstoreError, IntegrityError, StoreError
 from cubinstore.manifest import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
 
 __all__ = ["GcResult", "VerifyReport", "gc", "pin", "pinned", "pins_lock", "unpin", "verify_store"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 _PIN_RE = re.compile(r"([0-9a-f]{64})\.json", re.ASCII)
 

@@ -8,7 +8,6 @@ stored, so memory stays at about ``jobs`` blobs whatever the closure's size.
 from __future__ import annotations
 
 import itertools
-import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ from contextlib import nullcontext
 from typing import TypeVar
 
 from cubinstore._digest import Digest
+from cubinstore._log import get_logger
 from cubinstore._memory import MemoryStore
 from cubinstore.errors import CubinstoreError
 from cubinstore.store import Store
@@ -24,7 +24,7 @@ __all__ = ["fetch_blobs", "run_each", "without_memory"]
 
 T = TypeVar("T")
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 
 def without_memory(store: Store) -> Store:

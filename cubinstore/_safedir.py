@@ -16,7 +16,6 @@ such check: every byte read is verified by digest.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import stat
 import sys
@@ -27,11 +26,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+from cubinstore._log import get_logger
 from cubinstore.errors import StoreError, UnsafeStoreError
 
 __all__ = ["DIR_MODE", "StoreRoot", "atomic_file_at", "atomic_write_at", "fsync_fd", "read_at", "read_below"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 DIR_MODE = 0o755  # explicit: mkdir's default 0o777 under umask 002 would make a group-writable store
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -20,6 +20,7 @@ from cubinstore import _env
 from cubinstore._digest import Digest
 from cubinstore._files import open_regular, verify
 from cubinstore._layer import Layer
+from cubinstore._log import get_logger
 from cubinstore._maint import gc, pin, pinned, unpin, verify_store
 from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest, parse_arch
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1

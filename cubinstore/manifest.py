@@ -12,7 +12,6 @@ import functools
 import gc
 import itertools
 import json
-import logging
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from cubinstore import _abi
 from cubinstore._abi import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Arch, LaunchGeometry, dumps_canonical, kernel_id
 from cubinstore._digest import EMPTY_SHA256_HEX, Digest, show
+from cubinstore._log import get_logger
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -49,7 +49,7 @@ __all__ = [
     "parse_arch",
 ]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 
 SCHEMA = "cubinstore/manifest/v2"
 SCHEMA_V1 = "cubinstore/manifest/v1"

@@ -22,6 +22,7 @@ from cubinstore._digest import Digest, show
 from cubinstore._files import verify
 from cubinstore._layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore._local import LocalStore
+from cubinstore._log import get_logger
 from cubinstore._safedir import NotRegularFile
 from cubinstore._memory import MemoryStore
 from cubinstore._sources import DirectorySource, DiskCacheStore
@@ -51,7 +52,7 @@ __all__ = [
     "UNSIZED_LIMIT",
 ]
 
-_log = logging.getLogger(__name__)
+_log = get_logger(__name__)
 _ONE_HIT = MappingProxyType({"hits": 1})
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -51,3 +52,15 @@ def test_opening_a_manifest_imports_no_http_tensor_maps_or_bundles(make_release)
     loaded = modules_after(f"import cubinstore\nassert len(cubinstore.open({str(release.path)!r}).manifest.kernels) == 2")
     assert "cubinstore.launch" in loaded
     assert not {"cubinstore._http", "ssl", "cubinstore.tensormap", "tarfile", "cryptography"} & loaded
+
+
+def test_import_cubinstore_adds_only_its_errors_and_digest() -> None:
+    # -S: no site (its own imports would hide ours); what `import cubinstore` adds to a bare
+    # interpreter, printed without importing anything more.
+    code = "import sys\nbefore = set(sys.modules)\nimport cubinstore\nprint(sorted(set(sys.modules) - before))"
+    out = subprocess.run([sys.executable, "-S", "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60, check=True)
+    added = set(ast.literal_eval(out.stdout.splitlines()[-1]))
+    assert {m for m in added if m.startswith("cubinstore")} == {"cubinstore", "cubinstore._digest", "cubinstore.errors"}
+    # logging (and traceback, re, threading with it), dataclasses, hashlib and typing come with first use.
+    assert not {"logging", "re", "dataclasses", "hashlib", "typing", "threading", "traceback"} & added
