@@ -106,6 +106,10 @@ class LocalStore(Layer):
         self._committing: dict[str, list] = {}
         self._commit_lock = threading.Lock()
         self._group_errors: list[str] = []
+        # While a grouped batch is open, a thread commits a group GROUP_SECONDS old even when
+        # nothing more is staged and no thread of ours waits: a process waiting for one of its
+        # entries' locks must not wait until our batch ends.
+        self._group_timer: tuple[threading.Thread, threading.Event] | None = None
 
     @property
     def name(self) -> str:
@@ -163,7 +167,9 @@ class LocalStore(Layer):
         ``sync_each``, for one flush per group instead of one per file. The digest's lock
         (``lock``) is held until its entry is renamed, so other processes still download it
         once; before this process waits for a lock held elsewhere it commits its group, so two
-        processes never wait for each other's groups. A failed rename is a ``StoreError`` when
+        processes never wait for each other's groups, and a timer thread commits a group
+        ``GROUP_SECONDS`` old, so a process waiting for one of its entries waits about that long
+        even while this one stages nothing more. A failed rename is a ``StoreError`` when
         the body ends; a kill leaves the uncommitted group as temp files (``gc`` removes them).
         """
         with self._batch_lock:
@@ -172,12 +178,19 @@ class LocalStore(Layer):
                 self._batch_lazy += 1
             if grouped:
                 self._grouped += 1
+                if self._group_timer is None:
+                    stop = threading.Event()  # one per timer: a later batch's timer never reuses it
+                    thread = threading.Thread(target=self._commit_when_due, args=(stop,), daemon=True,
+                                              name=f"cubinstore-group-commit {self.root}")
+                    self._group_timer = (thread, stop)
+                    thread.start()
         self._fs.begin_session()  # each directory walked and checked once for the whole batch
         try:
             yield
         finally:
             try:
                 if grouped:
+                    self._stop_group_timer()
                     self._commit_group()
             finally:
                 self._fs.end_session()
@@ -224,6 +237,28 @@ class LocalStore(Layer):
             due = len(self._group) >= GROUP_MAX or now - self._group_since >= GROUP_SECONDS
         if due:
             self._commit_group()
+
+    def _stop_group_timer(self) -> None:
+        """Stop the group timer when the last open grouped batch ends (its own final commit follows)."""
+        with self._batch_lock:
+            if self._grouped != 1 or self._group_timer is None:
+                return
+            thread, stop = self._group_timer
+            self._group_timer = None
+        stop.set()
+        thread.join()  # its commit, if one was running, is over: its errors are in _group_errors
+
+    def _commit_when_due(self, stop: threading.Event) -> None:
+        """The group timer: commit the pending group once its oldest entry is GROUP_SECONDS old."""
+        while not stop.wait(GROUP_SECONDS / 4):
+            with self._batch_lock:
+                due = bool(self._group) and time.monotonic() - self._group_since >= GROUP_SECONDS
+            if due:
+                try:
+                    self._commit_group()
+                except Exception as exc:  # noqa: BLE001 - reported when the batch ends, as a commit's own errors are
+                    with self._batch_lock:
+                        self._group_errors.append(f"group commit in {self.root} failed: {exc}")
 
     def _commit_group(self) -> None:
         """Make the pending group durable (one sync), rename its entries into place, release their locks."""

@@ -72,6 +72,39 @@ def test_threads_of_one_process_share_one_download(nginx, make_release, tmp_path
     assert nginx.requests("GET", hex_) == 1
 
 
+def test_an_entry_pending_in_an_idle_grouped_batch_is_committed_for_a_process_that_waits_for_it(
+        tmp_path: Path) -> None:
+    # A prefetch staged an entry (its lock held until the rename) and then stages nothing more
+    # and waits for nothing: another process waiting for that lock must get the entry from the
+    # group timer's commit, not wait until the prefetch ends (nor download it again).
+    from _blobs import random_blob
+
+    from cubinstore._layer import Layer
+    from cubinstore._local import GROUP_SECONDS
+
+    digest, data = random_blob(3000, 7)
+
+    class Source(Layer):
+        name = "source"
+
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def read(self, d: Digest, size: int | None) -> bytes | None:
+            self.reads += 1
+            return data
+
+    first, second = Source(), Source()
+    s1, s2 = LocalStore(tmp_path, lock_timeout=30.0), LocalStore(tmp_path, lock_timeout=30.0)
+    with s1.batch(grouped=True):
+        assert Store([s1, first], strict=True).get(digest, len(data)) == data  # staged, pending
+        started = time.monotonic()
+        assert Store([s2, second]).get(digest, len(data)) == data  # waits for s1's lock, then hits
+        waited = time.monotonic() - started
+    assert first.reads == 1 and second.reads == 0
+    assert waited < GROUP_SECONDS + 10  # the timer's commit, far inside the 30 s lock timeout
+
+
 def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish(tmp_path: Path,
                                                                                  monkeypatch) -> None:
     # Two prefetches (two LocalStores of one root: their range locks exclude each other like two
