@@ -321,7 +321,12 @@ def fsync_fd(fd: int, what: Path) -> None:
 
 def sync_filesystem(path: Path) -> bool:
     """Flush every dirty page and directory entry of the filesystem holding ``path`` (one
-    ``syncfs``; ``os.sync`` where there is none). False if neither could run."""
+    ``syncfs``; ``os.sync`` where there is none). False if neither could run.
+
+    A ``syncfs`` that fails (a writeback error: since Linux 5.8 it reports them) raises
+    ``StoreError`` naming the path and the error: the caller must not take the bytes as durable
+    (``os.sync`` cannot stand in for it, since it reports nothing).
+    """
     try:
         fd = os.open(path, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
@@ -332,8 +337,14 @@ def sync_filesystem(path: Path) -> bool:
             import ctypes  # only a batch of writes needs it
 
             libc = ctypes.CDLL(None, use_errno=True)
-            if getattr(libc, "syncfs", None) is not None and libc.syncfs(fd) == 0:
-                return True
+            syncfs = getattr(libc, "syncfs", None)
+            if syncfs is not None:
+                if syncfs(fd) == 0:
+                    return True
+                err = ctypes.get_errno()
+                if err not in (errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise StoreError(f"cannot make the writes under {path} durable: syncfs failed: "
+                                     f"{os.strerror(err)} (errno {err})")
         if hasattr(os, "sync"):
             os.sync()
             return True
