@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -205,11 +207,24 @@ class Nginx:
         return f"http://127.0.0.1:{self.port}{'/slow' if slow else ''}/{uuid.uuid4().hex}"
 
     def requests(self, method: str, path_part: str) -> int:
-        """How many requests ``method`` had a URI containing ``path_part``."""
+        """How many requests ``method`` had a URI containing ``path_part``.
+
+        nginx logs a request when it finishes it, which can be just after the client has read the
+        response: first a marker request is sent and its log line awaited. One worker handles
+        requests in order, so every earlier request's line is written by then.
+        """
+        marker = f"/__log_marker__/{uuid.uuid4().hex}"
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}{marker}", timeout=10).close()
+        except urllib.error.HTTPError:
+            pass  # a 404, logged like any request
+        deadline = time.monotonic() + 10
+        while marker not in self.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
         count = 0
         for line in self.log.read_text().splitlines():
             fields = line.split()
-            if len(fields) >= 2 and fields[0] == method and path_part in fields[1]:
+            if len(fields) >= 2 and fields[0] == method and path_part in fields[1] and "/__log_marker__/" not in fields[1]:
                 count += 1
         return count
 
