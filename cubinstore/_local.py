@@ -15,7 +15,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,15 +270,7 @@ class LocalStore(Layer):
                 return
             errors: list[str] = []
             try:
-                if not sync_filesystem(self.root):
-                    for hex_, (shard, tmp, _) in group.items():
-                        with self._fs.dir("v1", "cas", shard, check=True) as dir_fd:
-                            if dir_fd is not None:
-                                fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
-                                try:
-                                    os.fsync(fd)
-                                finally:
-                                    os.close(fd)
+                self._make_durable((("cas", shard), tmp) for shard, tmp, _ in group.values())
                 for hex_, (shard, tmp, _) in group.items():
                     with self._fs.dir("v1", "cas", shard, check=True) as dir_fd:
                         where = self.cas_dir / shard
@@ -615,10 +607,16 @@ class LocalStore(Layer):
 
     def sync_staged(self, staged: list[tuple[str, Digest]]) -> None:
         """Make staged files durable: one filesystem sync, else an fsync of each."""
-        if not staged or sync_filesystem(self.root):
+        if staged:
+            self._make_durable((("staging", digest.hex[:2]), name) for name, digest in staged)
+
+    def _make_durable(self, files: Iterable[tuple[tuple[str, ...], str]]) -> None:
+        """Make the files ``v1/<parts>/<name>`` durable: one filesystem sync, else an fsync of each
+        (a directory that vanished is skipped: its files are gone)."""
+        if sync_filesystem(self.root):
             return
-        for name, digest in staged:
-            with self._fs.dir("v1", "staging", digest.hex[:2], check=True) as dir_fd:
+        for parts, name in files:
+            with self._fs.dir("v1", *parts, check=True) as dir_fd:
                 if dir_fd is None:
                     continue
                 fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
