@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,3 +49,17 @@ def family_library(family: str, tmp_path_factory: pytest.TempPathFactory) -> lau
     # backed by the build tree the manifest sits in (bazel-bin/kernels).
     home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
     return launch.open(manifest, Store([LocalStore(home), DirectorySource(path.parent)]))
+
+
+def gemm_operands(torch: Any, m: int, n: int, k: int) -> tuple[Any, Any]:
+    """Fresh random bf16 A (M x K) and B (N x K) on GPU 0: no fixed seed, the kernel must be right on any data."""
+    a = torch.randn(m, k, device="cuda:0").to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda:0").to(torch.bfloat16)
+    return a, b
+
+
+def gemm_rel_error(torch: Any, d: Any, a: Any, b: Any) -> float:
+    """||D - A B^T|| / ||A B^T|| against a float32 reference of the same bf16 inputs, once the GPU is done."""
+    torch.cuda.synchronize()
+    ref = a.float() @ b.float().T
+    return float((d.float() - ref).norm() / ref.norm())

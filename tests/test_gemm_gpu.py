@@ -18,7 +18,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
-from _gpu import family_ids, family_library
+from _gpu import family_ids, family_library, gemm_operands, gemm_rel_error
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
@@ -45,20 +45,12 @@ def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch
     ops.set_library(None)
 
 
-def _inputs(torch: Any, m: int, n: int, k: int) -> tuple[Any, Any]:
-    # Fresh inputs per run (no fixed seed): the kernel must be right on any data.
-    a = torch.randn(m, k, device="cuda:0").to(torch.bfloat16)
-    b = torch.randn(n, k, device="cuda:0").to(torch.bfloat16)
-    return a, b
-
-
 def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
     torch.cuda.synchronize()
     assert d.shape == (a.shape[0], b.shape[0]) and d.dtype == torch.bfloat16
     unwritten = int(torch.isnan(d).sum())
     assert unwritten == 0, f"{what}: {unwritten} of {d.numel()} output elements not written (still NaN)"
-    ref = a.float() @ b.float().T  # float32 reference of the same bf16 inputs
-    rel = float((d.float() - ref).norm() / ref.norm())
+    rel = gemm_rel_error(torch, d, a, b)
     assert rel < MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
 
 
@@ -68,7 +60,7 @@ def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
 def test_every_instantiation_matches_float32_reference(
     lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, k: int, splits: int
 ) -> None:
-    a, b = _inputs(torch, m, n, k)
+    a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
     G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
     _check(torch, d, a, b, f"{kernel_id} splits={splits} at {m}x{n}x{k}")
@@ -76,7 +68,7 @@ def test_every_instantiation_matches_float32_reference(
 
 @pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
 def test_tuned_gemm_matches_float32_reference(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
-    a, b = _inputs(torch, m, n, k)
+    a, b = gemm_operands(torch, m, n, k)
     d = ops.gemm(a, b)
     _check(torch, d, a, b, f"ops.gemm (selected: {G.select(lib, 0, m, n, k)}) at {m}x{n}x{k}")
 
@@ -86,7 +78,7 @@ def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library
     # first reset every arrival counter.
     kernel_id = lib.manifest.find(G.FAMILY)[0].id
     for _ in range(3):
-        a, b = _inputs(torch, 200, 1000, 4096)
+        a, b = gemm_operands(torch, 200, 1000, 4096)
         d = torch.full((200, 1000), float("nan"), dtype=torch.bfloat16, device="cuda:0")
         G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=8)
         _check(torch, d, a, b, f"{kernel_id} splits=8, repeated")
@@ -96,7 +88,7 @@ def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library
 
 def test_padded_row_strides_are_read_through_the_tensor_map(lib: launch.Library, torch: Any) -> None:
     m, n, k = 300, 500, 1000
-    a_store, b_store = _inputs(torch, m, n, k + 64)
+    a_store, b_store = gemm_operands(torch, m, n, k + 64)
     a, b = a_store[:, 8 : k + 8], b_store[:, :k]  # row stride k + 64; a starts 16 bytes in
     assert not a.is_contiguous()
     d = ops.gemm(a, b)
@@ -104,7 +96,7 @@ def test_padded_row_strides_are_read_through_the_tensor_map(lib: launch.Library,
 
 
 def test_runs_on_the_current_torch_stream(lib: launch.Library, torch: Any) -> None:
-    a, b = _inputs(torch, 512, 512, 512)
+    a, b = gemm_operands(torch, 512, 512, 512)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         d = torch.full((512, 512), float("nan"), dtype=torch.bfloat16, device="cuda:0")

@@ -17,7 +17,7 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore import launch
 from cubinstore.ops._timing import host_us_per_call
-from _gpu import family_library
+from _gpu import family_library, gemm_operands, gemm_rel_error
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
@@ -41,15 +41,10 @@ def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch
     ops.set_library(None)
 
 
-def _inputs(torch: Any, m: int, n: int, k: int) -> tuple[Any, Any]:
-    return (torch.randn(m, k, device="cuda:0").to(torch.bfloat16), torch.randn(n, k, device="cuda:0").to(torch.bfloat16))
-
-
 def _rel_error(torch: Any, d: Any, a: Any, b: Any) -> float:
     torch.cuda.synchronize()
     assert not torch.isnan(d).any(), "output elements left unwritten (still NaN)"
-    ref = a.float() @ b.float().T
-    return float((d.float() - ref).norm() / ref.norm())
+    return gemm_rel_error(torch, d, a, b)
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -59,25 +54,25 @@ def test_compiled_fullgraph_matches_eager(lib: launch.Library, torch: Any, backe
         return ops.gemm(a, b).float() * 2.0  # exact in fp32, so compiled and eager agree bit for bit
 
     compiled = torch.compile(f, fullgraph=True, backend=backend, dynamic=False)
-    a, b = _inputs(torch, m, n, k)
+    a, b = gemm_operands(torch, m, n, k)
     eager = f(a, b)
     got = compiled(a, b)
     torch.cuda.synchronize()
     assert torch.equal(got, eager), f"{backend} at {m}x{n}x{k}: compiled differs from eager"
-    a2, b2 = _inputs(torch, m, n, k)  # the compiled function again, on new values
+    a2, b2 = gemm_operands(torch, m, n, k)  # the compiled function again, on new values
     assert torch.equal(compiled(a2, b2), f(a2, b2))
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
-def test_captured_graph_replays_with_new_inputs(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
-    a, b = _inputs(torch, m, n, k)
+def test_captured_graph_replays_with_newgemm_operands(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
+    a, b = gemm_operands(torch, m, n, k)
     ops.gemm(a, b)  # warm: load, select, prepare outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         d = ops.gemm(a, b)
     for _ in range(3):
-        new_a, new_b = _inputs(torch, m, n, k)
+        new_a, new_b = gemm_operands(torch, m, n, k)
         a.copy_(new_a)
         b.copy_(new_b)
         d.fill_(float("nan"))
@@ -91,7 +86,7 @@ def test_two_graphs_on_one_capture_stream_each_zero_their_split_k_counters(lib: 
     # must not depend on anything the first one's capture left behind.
     m, n, k = 1, 4096, 4096
     kernel_id = G.select(lib, 0, m, n, k)[0]
-    inputs = [_inputs(torch, m, n, k) for _ in range(2)]
+    inputs = [gemm_operands(torch, m, n, k) for _ in range(2)]
     graphs, outs = [], []
     for a, b in inputs:
         G.gemm_with(a, b, kernel_id=kernel_id, splits=8)
@@ -109,7 +104,7 @@ def test_two_graphs_on_one_capture_stream_each_zero_their_split_k_counters(lib: 
 
 def test_recycled_addresses_get_correct_results_and_reuse_the_caches(lib: launch.Library, torch: Any) -> None:
     m, n, k = 64, 1024, 512
-    a, b = _inputs(torch, m, n, k)
+    a, b = gemm_operands(torch, m, n, k)
     ops.gemm(a, b, out=torch.empty(m, n, dtype=torch.bfloat16, device="cuda:0"))
     seen_a, seen_b = {a.data_ptr()}, {b.data_ptr()}  # already mapped
     del a, b
@@ -120,7 +115,7 @@ def test_recycled_addresses_get_correct_results_and_reuse_the_caches(lib: launch
     for i in range(turns):
         # Freed and reallocated each turn: the caching allocator hands back the same addresses
         # with new contents, so a map cached for an address must still be right.
-        a, b = _inputs(torch, m, n, k)
+        a, b = gemm_operands(torch, m, n, k)
         d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
         ops.gemm(a, b, out=d)
         new_a |= {a.data_ptr()} - seen_a
@@ -137,7 +132,7 @@ def test_recycled_addresses_get_correct_results_and_reuse_the_caches(lib: launch
 
 
 def test_repeat_calls_use_one_prepared_launch(lib: launch.Library, torch: Any) -> None:
-    a, b = _inputs(torch, 128, 4096, 4096)
+    a, b = gemm_operands(torch, 128, 4096, 4096)
     d = torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda:0")
     ops.gemm(a, b, out=d)
     before = G.cache_misses()
@@ -150,7 +145,7 @@ def test_repeat_calls_use_one_prepared_launch(lib: launch.Library, torch: Any) -
 
 
 def test_the_op_called_directly_matches_the_reference(lib: launch.Library, torch: Any) -> None:
-    a, b = _inputs(torch, 129, 257, 72)
+    a, b = gemm_operands(torch, 129, 257, 72)
     d = torch.ops.cubinstore.gemm(a, b)
     assert _rel_error(torch, d, a, b) < MAX_REL_ERROR
     out = torch.full((129, 257), float("nan"), dtype=torch.bfloat16, device="cuda:0")
@@ -160,7 +155,7 @@ def test_the_op_called_directly_matches_the_reference(lib: launch.Library, torch
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (128, 4096, 4096)], ids=str)
 def test_host_cost_per_call_is_at_most_twice_torch_mm(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
-    a, b = _inputs(torch, m, n, k)
+    a, b = gemm_operands(torch, m, n, k)
     d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda:0")
     ours = host_us_per_call(lambda: ops.gemm(a, b, out=d))
     theirs = host_us_per_call(lambda: torch.mm(a, b.T, out=d))
@@ -173,7 +168,7 @@ def test_threads_sharing_the_caches_get_their_own_results(lib: launch.Library, t
 
     shapes = [(64, 1024, 512), (64, 1024, 512), (1, 4096, 4096), (1, 4096, 4096)]
     for shape in shapes:
-        ops.gemm(*_inputs(torch, *shape))
+        ops.gemm(*gemm_operands(torch, *shape))
     torch.cuda.synchronize()
     errors: list[str] = []
 
@@ -182,7 +177,7 @@ def test_threads_sharing_the_caches_get_their_own_results(lib: launch.Library, t
             stream = torch.cuda.Stream()
             with torch.cuda.stream(stream):
                 for i in range(20):
-                    a, b = _inputs(torch, m, n, k)
+                    a, b = gemm_operands(torch, m, n, k)
                     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
                     ops.gemm(a, b, out=d)
                     stream.synchronize()
