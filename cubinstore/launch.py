@@ -287,11 +287,9 @@ class Kernel:
             handle = _stream_handle(stream, packed, self._device, name)
             config = _launch_config(drv, grid3, block3, shared_mem, cluster3, pdl)
             config.hStream = drv.CUstream(handle)
-            _cuda.check(
-                drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0),
-                f"cuLaunchKernelEx of kernel {name} on device {self._device} "
-                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3}, pdl {pdl})",
-            )
+            result = drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0)
+            if result[0] != drv.CUresult.CUDA_SUCCESS:  # the message is built only for a failure
+                _cuda.check(result, self._launch_what(name, grid3, block3, shared_mem, cluster3, pdl))
         # The driver copied the parameters during the call; `packed` may go now.
         del packed
 
@@ -325,9 +323,21 @@ class Kernel:
         with _cuda.on_device(self._device):
             self._set_function_limits(fn, info.name, shared_mem, cluster3)
         config = _launch_config(drv, grid3, block3, shared_mem, cluster3, pdl)
-        what = (f"cuLaunchKernelEx of kernel {name} on device {self._device} "
-                f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3}, pdl {pdl})")
+        what = self._launch_what(name, grid3, block3, shared_mem, cluster3, pdl)
         return PreparedLaunch(drv, fn.handle, _cuda.primary_context(self._device), config, buffer, what)
+
+    def _launch_what(
+        self,
+        name: str,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        cluster: tuple[int, int, int] | None,
+        pdl: bool,
+    ) -> str:
+        """What a failed cuLaunchKernelEx of this launch says it was."""
+        return (f"cuLaunchKernelEx of kernel {name} on device {self._device} "
+                f"(grid {grid}, block {block}, shared_mem {shared_mem}, cluster {cluster}, pdl {pdl})")
 
     def _geometry(
         self,
