@@ -527,13 +527,18 @@ def _tool_programs(root: Path) -> list[tuple[str, str, os.stat_result]]:
     return files
 
 
-def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+def _tool_files(root: Path, trees: Iterable[str]) -> list[tuple[str, str, os.stat_result]]:
+    """The toolkit's programs and every file of the `trees` present, by root-relative path."""
     files = _tool_programs(root)
-    for sub in TOOL_TREES:
+    for sub in trees:
         if (root / sub).is_dir():
             files.extend((f"{sub}/{rel}", path, st) for rel, path, st in _walk(root / sub, "CUDA toolkit"))
     files.sort(key=lambda t: t[0])
     return files
+
+
+def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+    return _tool_files(root, TOOL_TREES)
 
 
 def find_toolkit(*, local: LocalStore | None = None) -> Toolkit:
@@ -596,12 +601,7 @@ _core_cache: dict[str, ToolkitCore] = {}
 
 
 def _core_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
-    files = _tool_programs(root)
-    lib = root / "nvvm" / "libdevice"
-    if lib.is_dir():
-        files.extend((f"nvvm/libdevice/{rel}", path, st) for rel, path, st in _walk(lib, "CUDA toolkit"))
-    files.sort(key=lambda t: t[0])
-    return files
+    return _tool_files(root, ("nvvm/libdevice",))
 
 
 def toolkit_core(*, local: LocalStore | None = None) -> ToolkitCore:
