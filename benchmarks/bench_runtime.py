@@ -310,14 +310,15 @@ def main() -> None:
         print(f"\n## fresh loads on GPU 0 (compute capability {cc[0]}.{cc[1]}), {opts.samples} samples each (ms)\n")
         print("| kernel | bytes | raw p50 | raw p99 | read+sha256+load p50 | p99 | Library.kernel() p50 | p99 | ours/raw p50 | ours/raw p99 | layout check p50 |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
+        def load_row(label: str, size: object, r: dict[str, Any]) -> str:
+            return (f"| {label} | {size} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['peer_p50']:.3f} | {r['peer_p99']:.3f} "
+                    f"| {r['ours_p50']:.3f} | {r['ours_p99']:.3f} | {r['ours_p50'] / r['raw_p50']:.2f} "
+                    f"| {r['ours_p99'] / r['raw_p99']:.2f} | {r['layout_p50']:.3f} |")
+
         for r in loads:
-            print(f"| {r['id']} | {r['size']} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['peer_p50']:.3f} | {r['peer_p99']:.3f} "
-                  f"| {r['ours_p50']:.3f} | {r['ours_p99']:.3f} | {r['ours_p50'] / r['raw_p50']:.2f} | {r['ours_p99'] / r['raw_p99']:.2f} "
-                  f"| {r['layout_p50']:.3f} |")
+            print(load_row(r["id"], r["size"], r))
         agg = {k: statistics.median(r[k] for r in loads) for k in loads[0] if k.endswith(("p50", "p99"))}
-        print(f"| all (median of rows) | | {agg['raw_p50']:.3f} | {agg['raw_p99']:.3f} | {agg['peer_p50']:.3f} | {agg['peer_p99']:.3f} "
-              f"| {agg['ours_p50']:.3f} | {agg['ours_p99']:.3f} | {agg['ours_p50'] / agg['raw_p50']:.2f} | {agg['ours_p99'] / agg['raw_p99']:.2f} "
-              f"| {agg['layout_p50']:.3f} |")
+        print(load_row("all (median of rows)", "", agg))
         conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs, specs)
         results["concurrent"] = conc
         print("\n## load phase (every runnable kernel, fresh processes started together, one local store)\n")
