@@ -75,12 +75,6 @@ def target_name(cfg: Any) -> str:
 # -- compile ---------------------------------------------------------------------------------------
 
 
-def cutlass_include() -> Path:
-    import cutlass_library  # nvidia-cutlass ships the headers inside its Python package
-
-    return Path(cutlass_library.__file__).resolve().parent / "source" / "include"
-
-
 def compile_grid(out: Path, nvcc: str, include: Path) -> None:
     from cubinstore.manifest import Manifest
 
@@ -458,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     c = sub.add_parser("compile", help="compile every instantiation and write a manifest")
     c.add_argument("--out", type=Path, default=ROOT / ".device" / "gemm")
     c.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
-    c.add_argument("--include", type=Path, default=None, help="CUTLASS include dir (default: nvidia-cutlass's)")
+    c.add_argument("--include", type=Path, default=None,
+                   help="CUTLASS include dir (default: $CUBINSTORE_CUTLASS_INCLUDE, else nvidia-cutlass's)")
     r = sub.add_parser("run", help="time on the GPU")
     r.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
     r.add_argument("--home", type=Path, default=None, help="local store root (default: a fresh temp dir)")
@@ -475,7 +470,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.command == "compile":
-        compile_grid(args.out, args.nvcc, args.include or cutlass_include())
+        from cubinstore._jitfamily import cutlass_include
+        from cubinstore.errors import BadArgumentError
+
+        try:
+            include = args.include or cutlass_include()
+        except BadArgumentError as exc:
+            raise SystemExit(f"compile: {exc}") from None
+        compile_grid(args.out, args.nvcc, include)
     else:
         sys.exit(run(args))
 

@@ -118,9 +118,13 @@ def render(point: Point) -> str:
 
 
 def compile_grid(out: Path, nvcc: str) -> None:
-    import cutlass_library  # nvidia-cutlass ships the headers inside its Python package
+    from cubinstore._jitfamily import cutlass_include
+    from cubinstore.errors import BadArgumentError
 
-    include = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    try:
+        include = cutlass_include()
+    except BadArgumentError as exc:
+        raise SystemExit(f"--compile: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
     for row in GRID:
         point = Point(*row)

@@ -198,10 +198,18 @@ def main() -> None:
     parser.add_argument("--kernel", action="append", help="kernel id for the cold-start table (repeatable)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
-    parser.add_argument("--cutlass-include", default=os.environ.get("CUBINSTORE_CUTLASS_INCLUDE"),
-                        help="directory holding cute/ and cutlass/ (for the transpose compile)")
+    parser.add_argument("--cutlass-include",
+                        help="directory holding cute/ and cutlass/ for the transpose compile (default: the JIT's)")
     parser.add_argument("--json", help="also write all numbers here")
     opts = parser.parse_args()
+    if opts.cutlass_include is None:
+        from cubinstore._jitfamily import cutlass_include
+        from cubinstore.errors import BadArgumentError
+
+        try:
+            opts.cutlass_include = str(cutlass_include())
+        except BadArgumentError as exc:  # only the nvcc column needs them
+            print(f"note: {exc}", file=sys.stderr)
 
     from cubinstore import _cuda
     from cubinstore.manifest import Manifest

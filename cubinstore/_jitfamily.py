@@ -169,28 +169,37 @@ def _materialize(store: Store, template: FamilyTemplate) -> Path:
     return final
 
 
+def _has_cutlass_headers(root: Path) -> bool:
+    return (root / "cute" / "tensor.hpp").is_file() and (root / "cutlass" / "version.h").is_file()
+
+
 def cutlass_include() -> Path:
-    """The CUTLASS/CuTe include root, found like ``third_party/cutlass``: $CUBINSTORE_CUTLASS_INCLUDE,
-    then the ``nvidia-cutlass`` wheel this Python sees."""
-    tried = []
+    """The CUTLASS/CuTe include root, in ``third_party/cutlass/cutlass_headers.bzl``'s order (Starlark
+    cannot import this): $CUBINSTORE_CUTLASS_INCLUDE, which must hold the headers, else the
+    ``nvidia-cutlass`` wheel this Python sees. The one Python lookup (tests, benchmarks and
+    tools/stage_device.sh call it); ``BadArgumentError`` names what was tried."""
     configured = _env.cutlass_include()
     if configured is not None:
-        if (configured / "cute").is_dir():
+        if _has_cutlass_headers(configured):
             return configured
-        tried.append(f"{configured} from $CUBINSTORE_CUTLASS_INCLUDE (no cute/)")
-    else:
-        tried.append("$CUBINSTORE_CUTLASS_INCLUDE (unset)")
+        raise BadArgumentError(
+            f"$CUBINSTORE_CUTLASS_INCLUDE={str(configured)!r} holds no cute/tensor.hpp and cutlass/version.h"
+        )
+    tried = ["$CUBINSTORE_CUTLASS_INCLUDE (unset)"]
     import importlib.util
 
     spec = importlib.util.find_spec("cutlass_library")
     if spec is not None and spec.submodule_search_locations:
         candidate = Path(next(iter(spec.submodule_search_locations))) / "source" / "include"
-        if (candidate / "cute").is_dir():
+        if _has_cutlass_headers(candidate):
             return candidate
-        tried.append(f"{candidate} (the cutlass_library wheel, no cute/)")
+        tried.append(f"{candidate} (the nvidia-cutlass wheel, no cute/tensor.hpp and cutlass/version.h)")
     else:
-        tried.append("the nvidia-cutlass wheel (cutlass_library not importable)")
-    raise BadArgumentError(f"no CUTLASS include root for the JIT. Tried: {'; '.join(tried)}")
+        tried.append("the nvidia-cutlass wheel (cutlass_library not installed)")
+    raise BadArgumentError(
+        f"CUTLASS headers not found. Tried, in order: {'; '.join(tried)}. "
+        "Install nvidia-cutlass==4.2.0.0 or set CUBINSTORE_CUTLASS_INCLUDE."
+    )
 
 
 def _fill(text: str, params: Mapping[str, str | int]) -> str:

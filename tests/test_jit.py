@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,13 +19,12 @@ from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy_w
 
 from cubinstore import jit  # noqa: E402
 from cubinstore._digest import Digest  # noqa: E402
+from cubinstore._jitfamily import cutlass_include  # noqa: E402
 from cubinstore._jitindex import JitIndex  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
-CUTE_INCLUDE = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages" / \
-    "cutlass_library" / "source" / "include"
 
 
 def _store(home: Path) -> Store:
@@ -108,23 +106,25 @@ def test_key_parts_hold_no_path_user_or_host(env: SimpleNamespace) -> None:
     assert all(p.startswith("xxh3:") for p in env.first.key.parts.includes)
 
 
-def _cute_copy(dest: Path) -> Path:
-    shutil.copytree(CUTE_INCLUDE, dest, symlinks=False)
+def _cute_copy(include: Path, dest: Path) -> Path:
+    shutil.copytree(include, dest, symlinks=False)
     return dest
 
 
 @pytest.fixture(scope="module")
 def cute(env: SimpleNamespace) -> SimpleNamespace:
-    if not (CUTE_INCLUDE / "cute").is_dir():
-        pytest.skip(f"no CuTe headers at {CUTE_INCLUDE} (the nvidia-cutlass wheel)")
-    copied = _cute_copy(env.base / "cute-copy" / "include")
+    try:
+        include = cutlass_include()
+    except BadArgumentError as exc:
+        pytest.skip(str(exc))
+    copied = _cute_copy(include, env.base / "cute-copy" / "include")
     linked = env.base / "cute-links" / "include"
     linked.mkdir(parents=True)
-    for item in CUTE_INCLUDE.iterdir():
+    for item in include.iterdir():
         (linked / item.name).symlink_to(item)
     whole = env.base / "cute-whole-link"
-    whole.symlink_to(CUTE_INCLUDE)
-    return SimpleNamespace(copied=copied, linked=linked, whole=whole)
+    whole.symlink_to(include)
+    return SimpleNamespace(include=include, copied=copied, linked=linked, whole=whole)
 
 
 def _key(env: SimpleNamespace, include: Path, **kw) -> jit.JitKey:
@@ -132,12 +132,12 @@ def _key(env: SimpleNamespace, include: Path, **kw) -> jit.JitKey:
 
 
 def test_symlinked_and_copied_cute_trees_give_one_key(env: SimpleNamespace, cute: SimpleNamespace) -> None:
-    keys = {_key(env, p).hex for p in (cute.copied, cute.linked, cute.whole, CUTE_INCLUDE)}
+    keys = {_key(env, p).hex for p in (cute.copied, cute.linked, cute.whole, cute.include)}
     assert len(keys) == 1
 
 
 def test_one_changed_bundled_cute_header_changes_the_key(env: SimpleNamespace, cute: SimpleNamespace) -> None:
-    changed = _cute_copy(env.base / "cute-changed" / "include")
+    changed = _cute_copy(cute.include, env.base / "cute-changed" / "include")
     with open(changed / "cute" / "layout.hpp", "a") as f:
         f.write("\n// patched\n")
     assert _key(env, changed).hex != _key(env, cute.copied).hex

@@ -19,12 +19,12 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy  # noqa: E402
 
 from cubinstore import _jitdirect, _jitkey, jit  # noqa: E402
+from cubinstore._jitfamily import cutlass_include  # noqa: E402
 from cubinstore._jitindex import JitIndex  # noqa: E402
+from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
-CUTE_INCLUDE = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages" / \
-    "cutlass_library" / "source" / "include"
 
 # A child that must find its kernel without listing or hashing any tree: every walk raises.
 _NO_WALK = """
@@ -365,9 +365,10 @@ def test_the_direct_key_holds_no_path(lib: SimpleNamespace) -> None:
 @pytest.mark.parametrize("which", ["cutlass", "toolkit_include", "symlinked"])
 def test_a_shape_lists_the_files_the_full_key_lists(lib: SimpleNamespace, which: str) -> None:
     if which == "cutlass":
-        if not (CUTE_INCLUDE / "cute").is_dir():
-            pytest.skip(f"no CuTe headers at {CUTE_INCLUDE}")
-        root = str(CUTE_INCLUDE)
+        try:
+            root = str(cutlass_include())
+        except BadArgumentError as exc:
+            pytest.skip(str(exc))
     elif which == "toolkit_include":
         root = os.path.realpath(_jitkey.locate_toolkit()[0] / "include")
     else:

@@ -10,11 +10,16 @@ if [[ ! -f bazel-bin/kernels/manifest.json ]]; then
   echo "stage_device: no bazel-bin/kernels/manifest.json: run 'npx bazelisk build //kernels:all' first" >&2
   exit 1
 fi
-cutlass_include="$(.venv/bin/python -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')"
-if [[ ! -d "$cutlass_include/cute" ]]; then
-  echo "stage_device: no CuTe headers under $cutlass_include (is nvidia-cutlass installed in .venv?)" >&2
-  exit 1
-fi
+# The headers the JIT would use: cubinstore/_jitfamily.py's cutlass_include() is the one lookup.
+cutlass_include="$(.venv/bin/python -c '
+import sys
+from cubinstore._jitfamily import cutlass_include
+from cubinstore.errors import BadArgumentError
+try:
+    print(cutlass_include())
+except BadArgumentError as exc:
+    sys.exit(f"stage_device: {exc}")
+')"
 
 rm -rf .device
 mkdir -p .device/kernels
