@@ -63,6 +63,20 @@ def test_compiled_fullgraph_matches_eager(lib: launch.Library, torch: Any, backe
     assert torch.equal(compiled(a2, b2), f(a2, b2))
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8, 16])
+def test_split_k_gives_the_same_bits_whichever_split_arrives_last(lib: launch.Library, torch: Any, splits: int) -> None:
+    # The last CTA of a tile to arrive sums the partials; the order the splits finish in varies
+    # from launch to launch, so the sum must not follow it (compiled and eager must agree bit for bit).
+    m, n, k = 1, 4096, 4096
+    a, b = gemm_operands(torch, m, n, k)
+    kernel_id = G.select(lib, 0, m, n, k)[0]
+    first = G.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
+    for i in range(50):
+        again = G.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
+        assert torch.equal(again, first), f"{kernel_id} splits={splits}: launch {i + 1} differs from the first"
+    assert _rel_error(torch, first, a, b) < MAX_REL_ERROR
+
+
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
 def test_captured_graph_replays_with_newgemm_operands(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
     a, b = gemm_operands(torch, m, n, k)
@@ -136,7 +150,10 @@ def test_repeat_calls_use_one_prepared_launch(lib: launch.Library, torch: Any) -
     d = torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda:0")
     ops.gemm(a, b, out=d)
     before = G.cache_misses()
-    call = next(c for key, c in G._calls.items() if key[2] == a.shape and key[6] == b.shape and key[8] is not None)
+    # This signature's entry: with `out`, and neither instantiation nor split forced (earlier tests
+    # may have left entries of the same shapes that force them).
+    call = next(c for key, c in G._calls.items()
+                if key[2] == a.shape and key[6] == b.shape and key[8] is not None and key[9:] == (None, None))
     launches = call.launch.calls
     for _ in range(50):
         ops.gemm(a, b, out=d)

@@ -7,6 +7,7 @@
 #   calibrate   benchmarks/tune_gemm.py --calibrate (writes cubinstore/ops/_gemm_calibration.py; copied to $OUT)
 #   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay)
 #   tgemm       benchmarks/bench_tgemm.py
+#   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
 # e.g. tools/device_run.sh tests runtime gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,8 @@ for what in "$@"; do
       cp cubinstore/ops/_gemm_calibration.py "$OUT/" 2>/dev/null || true ;;
     gemm) step gemm "$PY" benchmarks/bench_gemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     tgemm) step tgemm "$PY" benchmarks/bench_tgemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, tgemm)" >&2; exit 2 ;;
+    occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, tgemm, occupancy)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -13,8 +13,8 @@
 // The grid is persistent: cluster c processes work units c, c + clusters, ...
 // A work unit is (tile row, tile column, K split); with splits > 1 the CTAs
 // of one tile write fp32 partials to `workspace`, and the last of them to
-// arrive (counted in `counters`, which it resets to zero) sums them and
-// writes D. See kernels/gemm/README.md for the launch contract.
+// arrive (counted in `counters`, which it resets to zero) sums them, in split
+// order so the result does not depend on which arrived last, and writes D. See kernels/gemm/README.md for the launch contract.
 #pragma once
 
 #include <cuda.h>
@@ -317,13 +317,16 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
         sm90::named_barrier_sync(1, kConsumerThreads);
         if (*last_flag == 0) continue;
         __threadfence();
+        // Sum every split's partial, its own re-read too, in split order: whichever CTA
+        // arrives last, D gets the same bits (the partial it wrote is still in L2).
+#pragma unroll
+        for (int r = 0; r < C::kAcc; ++r) acc[r] = 0.0f;
         for (int s = 0; s < splits; ++s) {
-          if (s == split) continue;
-          const float4* other = reinterpret_cast<const float4*>(
+          const float4* part = reinterpret_cast<const float4*>(
               workspace + (static_cast<size_t>(tile) * splits + s) * (C::kBM * C::kBN));
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
-            const float4 v = __ldcg(other + r * kConsumerThreads + ct);
+            const float4 v = __ldcg(part + r * kConsumerThreads + ct);
             acc[4 * r] += v.x;
             acc[4 * r + 1] += v.y;
             acc[4 * r + 2] += v.z;

@@ -1,0 +1,72 @@
+"""How many clusters of each gemm instantiation the GPU holds at once (prints a table; not a test).
+
+`ops.gemm` launches a persistent grid of min(units, SMs / cluster) clusters. If the driver
+cannot make all of them co-resident (clusters must fit inside one GPC, and a GPC with an odd
+number of free SMs strands one), the last clusters wait for a second wave and the instantiation
+runs at a fraction of its twin's speed. This asks the driver (`cuOccupancyMaxActiveClusters`)
+for every gemm instantiation of a manifest, beside the grid that `ops.gemm.plan` launches.
+
+  PYTHONPATH=. python benchmarks/gemm_occupancy.py --manifest bazel-bin/kernels/manifest.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run from a checkout without installing cubinstore
+
+import cubinstore  # noqa: E402
+from cubinstore import _cuda  # noqa: E402
+from cubinstore.launch import _launch_config  # noqa: E402
+from cubinstore.manifest import Manifest  # noqa: E402
+from cubinstore.store import DirectorySource, LocalStore, Store  # noqa: E402
+import cubinstore.ops.gemm  # noqa: E402
+
+gemm = sys.modules["cubinstore.ops.gemm"]  # the module: cubinstore.ops.gemm the attribute is the function
+
+SHAPE = (8192, 8192, 8192)  # enough tiles that every instantiation fills the GPU
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--manifest", required=True)
+    parser.add_argument("--device", type=int, default=0)
+    args = parser.parse_args()
+
+    manifest = Path(args.manifest)
+    home = tempfile.mkdtemp(prefix="gemm-occupancy-")
+    # The blobs come from the directory the manifest sits in (as after a local build).
+    lib = cubinstore.open(Manifest.from_path(manifest), Store([LocalStore(home), DirectorySource(manifest.parent)]))
+    drv = _cuda.driver()
+    sms = _cuda.sm_count(args.device)
+    ids = sorted(spec.id for spec in lib.manifest.kernels if spec.id.startswith("gemm/"))
+    print(f"device {args.device}: {sms} SMs; grid for {SHAPE[0]}x{SHAPE[1]}x{SHAPE[2]}, splits 1")
+    print(f"{'instantiation':44} {'cluster':>7} {'smem KiB':>8} {'grid CTAs':>9} {'max clusters':>12} "
+          f"{'co-resident CTAs':>16} {'waves':>5}")
+    for kernel_id in ids:
+        launch = gemm.plan(*SHAPE, sms, kernel_id, 1)
+        cfg = launch.config
+        kernel = lib.kernel(kernel_id, device=args.device)
+        # prepare raises the function's shared-memory limit, which the occupancy query needs.
+        kernel.prepare(gemm.ENTRY, grid=(launch.grid, 1, 1), block=(cfg.threads, 1, 1), shared_mem=cfg.smem_bytes,
+                       args=(None, None, None, 1, 1, 1, None, None, 1))
+        fn = kernel._function(gemm.ENTRY)
+        # The cluster shape is compiled in (__cluster_dims__), so the query leaves it unset.
+        config = _launch_config(drv, (launch.grid, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes, None, False)
+        with _cuda.on_device(args.device):  # the query needs a current context
+            clusters = _cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
+                                   f"cuOccupancyMaxActiveClusters for {kernel_id}")
+        resident = clusters * cfg.cluster
+        waves = -(-launch.grid // resident) if resident else float("inf")
+        print(f"{kernel_id:44} {cfg.cluster:>7} {cfg.smem_bytes / 1024:>8.1f} {launch.grid:>9} {clusters:>12} "
+              f"{resident:>16} {waves:>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
