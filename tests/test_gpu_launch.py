@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -117,7 +119,8 @@ class _TorchLikeStream:
     cuda_stream = 0xDEF
 
 
-def test_stream_handles_of_each_kind() -> None:
+def test_stream_handles_of_each_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # an earlier test may have imported it
     packed = _Packed()
     assert launch._stream_handle(None, packed, 0, "k") == 0  # no torch or CuPy argument: legacy default stream
     assert launch._stream_handle(0x1234, packed, 0, "k") == 0x1234
@@ -126,6 +129,20 @@ def test_stream_handles_of_each_kind() -> None:
     for bad, message in [(True, "got bool"), (-1, r"expected a handle in \[0, 2\*\*64\), got -1"), ("s", "expected a handle int")]:
         with pytest.raises(BadArgumentError, match=r"^kernel k stream: .*" + message):
             launch._stream_handle(bad, packed, 0, "k")
+
+
+def test_with_torch_in_the_process_no_stream_is_torchs_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for torch in sys.modules: the real one would initialise CUDA, and there may be no GPU.
+    asked: list[int] = []
+
+    def current_stream(device: int) -> _TorchLikeStream:
+        asked.append(device)
+        return _TorchLikeStream()
+
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(current_stream=current_stream)))
+    assert launch._stream_handle(None, _Packed(), 3, "k") == 0xDEF  # no tensor argument: still torch's stream
+    assert launch._stream_handle(0x1234, _Packed(), 3, "k") == 0x1234  # an explicit stream wins
+    assert asked == [3]
 
 
 @pytest.fixture(scope="module")
