@@ -3,8 +3,9 @@
 `ops.gemm` launches a persistent grid of min(units, SMs / cluster) clusters. If the driver
 cannot make all of them co-resident (clusters must fit inside one GPC, and a GPC with an odd
 number of free SMs strands one), the last clusters wait for a second wave and the instantiation
-runs at a fraction of its twin's speed. This asks the driver (`cuOccupancyMaxActiveClusters`)
-for every gemm instantiation of a manifest, beside the grid that `ops.gemm.plan` launches.
+runs at a fraction of its twin's speed. This asks the driver (`cuOccupancyMaxActiveClusters`,
+or blocks per SM x SMs for cluster 1) for every gemm instantiation of a manifest, beside the grid
+that `ops.gemm.plan` launches. On the H200 (2026-12-02) all 66 clusters of 2 fit in one wave.
 
   PYTHONPATH=. python benchmarks/gemm_occupancy.py --manifest bazel-bin/kernels/manifest.json
 """
@@ -58,9 +59,15 @@ def main() -> int:
         fn = kernel._function(gemm.ENTRY)
         # The cluster shape is compiled in (__cluster_dims__), so the query leaves it unset.
         config = _launch_config(drv, (launch.grid, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes, None, False)
-        with _cuda.on_device(args.device):  # the query needs a current context
-            clusters = _cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
-                                   f"cuOccupancyMaxActiveClusters for {kernel_id}")
+        with _cuda.on_device(args.device):  # the queries need a current context
+            if cfg.cluster > 1:
+                clusters = _cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
+                                       f"cuOccupancyMaxActiveClusters for {kernel_id}")
+            else:  # not a cluster launch: the driver counts no clusters, so count blocks per SM
+                per_sm = _cuda.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    drv.CUfunction(fn.handle), cfg.threads, cfg.smem_bytes),
+                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor for {kernel_id}")
+                clusters = per_sm * sms
         resident = clusters * cfg.cluster
         waves = -(-launch.grid // resident) if resident else float("inf")
         print(f"{kernel_id:44} {cfg.cluster:>7} {cfg.smem_bytes / 1024:>8.1f} {launch.grid:>9} {clusters:>12} "
