@@ -43,6 +43,11 @@ def test_valid_operands_give_m_n_k() -> None:
     assert G.check_operands(op("a", (1, 8)), op("b", (1, 8)), op("out", (1, 1))) == (1, 1, 8)
 
 
+def test_an_out_view_at_any_element_is_accepted_when_n_is_odd() -> None:
+    # With N odd the kernel stores D one element at a time: 2-byte alignment is enough.
+    assert G.check_operands(op("a", (4, 8)), op("b", (3, 8)), op("out", (4, 3), address=0x7F0000000002)) == (4, 3, 8)
+
+
 def test_padded_row_stride_is_accepted() -> None:
     assert G.check_operands(op("a", (64, 1000), (1064, 1)), op("b", (64, 1000)), None) == (64, 64, 1000)
 
@@ -68,6 +73,8 @@ def test_padded_row_stride_is_accepted() -> None:
      r"^gemm out: expected shape \(64, 32\), got \(32, 64\)$"),
     (op("a", (64, 64)), op("b", (32, 64)), op("out", (64, 32), (1, 64)),
      r"^gemm out: expected a contiguous row-major tensor, got strides \(1, 64\)$"),
+    (op("a", (64, 64)), op("b", (32, 64)), op("out", (64, 32), address=0x7F0000000002),
+     r"^gemm out: expected a 4-byte aligned data pointer when N \(32\) is even, got 0x7f0000000002$"),
     (op("a", (64, 64)), op("b", (32, 64)), op("out", (64, 32), dtype="float32"),
      r"^gemm out: expected dtype bfloat16, got float32$"),
     (op("a", (64, 64), device="cpu"), op("b", (64, 64)), None,

@@ -16,6 +16,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
+from cubinstore.errors import BadArgumentError
 from cubinstore.ops._timing import host_us_per_call
 from _gpu import family_library, gemm_operands, gemm_rel_error
 
@@ -209,3 +210,20 @@ def test_threads_sharing_the_caches_get_their_own_results(lib: launch.Library, t
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_an_out_view_that_starts_mid_word_is_refused_before_any_launch(lib: launch.Library, torch: Any) -> None:
+    # N even: D is stored 4 bytes at a time, so a view one element into a buffer would fault
+    # on the GPU (and poison the context). Refused on the first call of the signature and on a
+    # cache hit after a good call alike; the context stays usable.
+    m, n, k = 64, 256, 128
+    a, b = gemm_operands(torch, m, n, k)
+    buf = torch.empty(m * n + 2, dtype=torch.bfloat16, device="cuda:0")
+    bad = buf[1:1 + m * n].view(m, n)
+    with pytest.raises(BadArgumentError, match=r"^gemm out: expected a 4-byte aligned data pointer when N \(256\) is even"):
+        ops.gemm(a, b, out=bad)
+    good = buf[2:].view(m, n)  # 4-byte aligned: same signature (dtype, shape, strides, device)
+    ops.gemm(a, b, out=good)
+    with pytest.raises(BadArgumentError, match=r"^gemm out: expected a 4-byte aligned data pointer"):
+        ops.gemm(a, b, out=bad)
+    assert _rel_error(torch, good, a, b) < MAX_REL_ERROR

@@ -259,6 +259,12 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
             raise BadArgumentError(f"gemm out: expected shape ({m}, {n}), got {out.shape}")
         if (n > 1 and out.strides[1] != 1) or (m > 1 and out.strides[0] != n):
             raise BadArgumentError(f"gemm out: expected a contiguous row-major tensor, got strides {out.strides}")
+        # With N even the kernel stores D two elements (4 bytes) at a time; a view that starts
+        # mid-word would fault on the GPU and poison the context, so refuse it here.
+        if n % 2 == 0 and out.address % 4:
+            raise BadArgumentError(
+                f"gemm out: expected a 4-byte aligned data pointer when N ({n}) is even, got 0x{out.address:x}"
+            )
     if m and n and k:
         _check_layout(a, m, k)
         _check_layout(b, n, k)
@@ -469,9 +475,12 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
         )
         call = _calls.get(key)  # type: ignore[arg-type]
         address_a, address_b = (a.data_ptr(), b.data_ptr()) if call is not None else (0, 0)
+        # D's pairs of bf16 are stored as 4-byte words when N is even (see check_operands).
+        misaligned_d = call is not None and out is not None and out.data_ptr() & 3 and not call.shape[1] & 1
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full checks word the error
-        key, call, address_a, address_b = None, None, 0, 0
-    if call is None or (address_a | address_b) & 15 or call.library is not _package.get_library():
+        key, call, address_a, address_b, misaligned_d = None, None, 0, 0, False
+    if (call is None or (address_a | address_b) & 15 or misaligned_d
+            or call.library is not _package.get_library()):
         call = _prepare(key, a, b, out, kernel_id, splits)  # checks every operand
         if call is None:  # an empty problem: done
             return out if out is not None else _empty_result(a, b)
