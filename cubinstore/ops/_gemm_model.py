@@ -10,6 +10,14 @@ shape, and ``choose`` takes the fastest:
   ``kblock_us`` per K block it owns, plus, with split-K, the fp32 partial written and, on
   the last CTA to arrive, the other partials read back (``split_unit_us`` for the fence and
   counter, ``partial_bytes_per_us`` for the bytes);
+- **the feed of unaligned rows**: when K is not a multiple of 64, the rows of A and B are
+  not 128-byte aligned and each 128-byte box row TMA reads spans two L2 lines; an SM then
+  takes its operands at about half its usual rate, so a K block takes at least its CTA's
+  bytes (BM + BN / cluster rows: a cluster-2 CTA loads half of B and multicasts it) over
+  ``unaligned_feed_bytes_per_us``. On the H200 (2026-12-02) every instantiation drew
+  41-59 KB/us a CTA on the three tuning shapes with such K (cluster-1 points about 60-110
+  on aligned shapes), which is what makes cluster 2 up to 33% faster than its twin there
+  (6000x512x3000);
 - **the memory**: A, B and D (and a workspace larger than half the L2) cross HBM at
   ``hbm_bytes_per_us`` at best, and at most as fast as the grid keeps bytes in flight
   (each CTA has ``stages`` loads outstanding, each taking ``fetch_latency_us``): what makes
@@ -63,7 +71,8 @@ _SM_PEAK_FLOPS_PER_US: Final = _H200_BF16_DENSE_FLOPS_PER_US / _H200_SMS
 # tiles read fewer shared-memory bytes per flop. 0.765 makes 128x256 at 4096^3 take the
 # 195 us (704 TFLOP/s) measured on 2026-11-29; the others are ordered as the table's winners.
 _MMA_EFFICIENCY: Final = {32768: 0.765, 24576: 0.75, 16384: 0.70, 8192: 0.62}
-# L2 -> SM bytes a CTA can take per microsecond: bounds the small tiles' K blocks.
+# L2 -> SM bytes a CTA can take per microsecond: bounds the small tiles' K blocks (the 64-row
+# tiles, the only ones that reach it, took 100-110 KB/us on the H200, 2026-12-02).
 _SM_FEED_BYTES_PER_US: Final = 110e3
 # Fixed part of a unit (drain, counter bookkeeping) and its epilogue's store rate per SM.
 _UNIT_FIXED_US: Final = 0.5
@@ -72,8 +81,9 @@ _SM_STORE_BYTES_PER_US: Final = 100e3
 # with stages 3 in the 2026-11-29 table).
 _DEEP_RING: Final = 4
 _SHALLOW_RING_PENALTY: Final = 0.01
-# Cluster-2 points measured 25-50% slower than their cluster-1 twins (2026-11-29).
-_CLUSTER2_PENALTY: Final = 1.3
+# No cluster-2 penalty: since the fix of its stage release (2026-12-02) a cluster-2 point runs
+# as fast as its cluster-1 twin or faster (4096^3 128x256: 197.6 against 198.8 us); what it
+# saves, half of B's loads, is in the feed bytes.
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,9 @@ class MachineCosts:
     partial_bytes_per_us: float = 250e3  # one CTA's fp32 partials to and from L2
     l2_bytes: float = 50 * 2**20  # a workspace above half of it goes to HBM
     overlap_loss: float = 0.1  # fraction of the smaller of compute and memory time not hidden
+    # One CTA's L2 -> SM rate when K is not a multiple of 64: each 128-byte row it loads spans
+    # two L2 lines, so about half of _SM_FEED_BYTES_PER_US (the H200: 41-59 KB/us a CTA).
+    unaligned_feed_bytes_per_us: float = _SM_FEED_BYTES_PER_US / 2
 
 
 DEFAULT_MACHINE: Final = MachineCosts()
@@ -104,10 +117,9 @@ def default_tile_costs(config: _gemm.GemmConfig) -> TileCosts:
     """Costs of an instantiation from the H200's specifications (no measurement)."""
     flops = 2.0 * config.bm * config.bn * config.bk
     efficiency = _MMA_EFFICIENCY.get(config.bm * config.bn, min(_MMA_EFFICIENCY.values()))
-    feed_bytes = (config.bm + config.bn) * config.bk * 2
+    # A cluster-2 CTA loads its A rows and half of the B tile (the peer multicasts the rest).
+    feed_bytes = (config.bm + config.bn / config.cluster) * config.bk * 2
     kblock = max(flops / (_SM_PEAK_FLOPS_PER_US * efficiency), feed_bytes / _SM_FEED_BYTES_PER_US)
-    if config.cluster > 1:
-        kblock *= _CLUSTER2_PENALTY
     kblock *= 1 + _SHALLOW_RING_PENALTY * max(0, _DEEP_RING - config.stages)
     unit = _UNIT_FIXED_US + config.bm * config.bn * 2 / _SM_STORE_BYTES_PER_US
     return TileCosts(kblock_us=kblock, unit_us=unit)
@@ -116,6 +128,19 @@ def default_tile_costs(config: _gemm.GemmConfig) -> TileCosts:
 @functools.lru_cache(maxsize=256)
 def _config(kernel_id: str) -> _gemm.GemmConfig:
     return _gemm.GemmConfig.from_id(kernel_id)
+
+
+# plan() is pure; the fit (benchmarks/tune_gemm.py) estimates each timing hundreds of times.
+_plan: Final = functools.lru_cache(maxsize=8192)(_gemm.plan)
+
+
+def _unaligned_rows(k: int) -> bool:
+    """Whether rows of K bf16 (A's and B's, contiguous) start off the 128-byte lines TMA reads.
+
+    ops.gemm caches one choice per shape, so the model judges by K, the row stride of
+    contiguous operands; a padded row stride that is aligned although K is not goes unseen.
+    """
+    return (2 * k) % 128 != 0
 
 
 @dataclass(frozen=True)
@@ -128,6 +153,7 @@ class Estimate:
     grid: int  # CTAs
     waves: int  # units on the busiest cluster
     kblocks_per_unit: int
+    kblock_us: float  # one K block: the tile's kblock_us, or the unaligned rows' feed if slower
     split_us: float  # per unit: fence, counter, partials written and read back
     busiest_us: float  # the busiest cluster's work
     memory_us: float  # HBM traffic at the rate the grid can draw
@@ -178,7 +204,7 @@ class Model:
         (tests/test_gemm_model.py checks that they agree).
         """
         _check_shape(m, n, k, sm_count)
-        launch = _gemm.plan(m, n, k, sm_count, kernel_id, splits)
+        launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
         clusters = launch.grid // cfg.cluster
         partial = cfg.bm * cfg.bn * 4
@@ -191,15 +217,19 @@ class Model:
                 hbm += 2.0 * launch.workspace_floats * 4
         waves = -(-launch.units // clusters)
         kblocks_per_unit = -(-(-(-k // cfg.bk)) // launch.splits)
-        # Bytes a CTA keeps in flight (its A rows and its share of the B tile, `stages` deep)
-        # over the latency of a load: the bandwidth one CTA draws.
-        cta_rate = cfg.stages * (min(cfg.bm, m) + min(cfg.bn, n) / cfg.cluster) * cfg.bk * 2 / mc.fetch_latency_us
+        # The bytes a CTA loads a K block: its A rows and its share of the B tile.
+        feed_bytes = (min(cfg.bm, m) + min(cfg.bn, n) / cfg.cluster) * cfg.bk * 2
+        # `stages` of them in flight over the latency of a load: the bandwidth one CTA draws.
+        cta_rate = cfg.stages * feed_bytes / mc.fetch_latency_us
         memory = hbm / min(mc.hbm_bytes_per_us, launch.grid * cta_rate)
-        busiest = waves * (costs.unit_us + kblocks_per_unit * costs.kblock_us + split_us)
+        kblock_us = costs.kblock_us
+        if _unaligned_rows(k):
+            kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us)
+        busiest = waves * (costs.unit_us + kblocks_per_unit * kblock_us + split_us)
         # Loads and tensor-core work overlap, not perfectly.
         time = mc.launch_us + max(busiest, memory) + mc.overlap_loss * min(busiest, memory)
-        return Estimate(kernel_id, launch.splits, launch.units, launch.grid, waves, kblocks_per_unit, split_us,
-                        busiest, memory, time)
+        return Estimate(kernel_id, launch.splits, launch.units, launch.grid, waves, kblocks_per_unit, kblock_us,
+                        split_us, busiest, memory, time)
 
     def predict_us(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
         """Estimated kernel time of `kernel_id` with `splits` (clamped as plan() does)."""
@@ -223,9 +253,12 @@ class Model:
         partial_us = partial / mc.partial_bytes_per_us
         operand_bytes = 2.0 * (m * k + n * k + m * n)
         workspace_limit = mc.l2_bytes / 2
-        cta_rate = cfg.stages * (min(cfg.bm, m) + min(cfg.bn, n) / cluster) * cfg.bk * 2 / mc.fetch_latency_us
+        feed_bytes = (min(cfg.bm, m) + min(cfg.bn, n) / cluster) * cfg.bk * 2
+        cta_rate = cfg.stages * feed_bytes / mc.fetch_latency_us
         hbm_rate, launch_us, overlap_loss = mc.hbm_bytes_per_us, mc.launch_us, mc.overlap_loss
         unit_us, kblock_us = costs.unit_us, costs.kblock_us
+        if _unaligned_rows(k):
+            kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us)
         cap = _MAX_SPLIT_WAVES * slots
         out: list[tuple[float, str, int]] = []
         for splits in range(1, last + 1):
