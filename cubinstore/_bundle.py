@@ -15,6 +15,7 @@ import re
 import tarfile
 from collections.abc import Callable
 from contextlib import nullcontext
+from itertools import count, repeat
 from pathlib import Path
 from typing import BinaryIO
 
@@ -47,6 +48,9 @@ _MTIME = b"00000000000\0"
 _AFTER_CHECKSUM = (tarfile.REGTYPE + bytes(100) + tarfile.POSIX_MAGIC + bytes(64) + bytes(16)).ljust(
     tarfile.BLOCKSIZE - 156, b"\0")
 _FIXED_SUM = sum(_MODE_IDS) + sum(_MTIME) + sum(b" " * 8) + sum(_AFTER_CHECKSUM)
+_NAME_FILL = bytes(100 - 4 - 64)  # a blob member's name, cas/<64 hex>, is 68 of the field's 100 bytes
+_BLOB_FIXED_SUM = _FIXED_SUM + sum(b"cas/")
+_MAX_FAST_SIZE = 8**11  # sizes that fit the 11 octal digits of the size field
 _WRITEBACK_EVERY = 8 << 20
 _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None) if hasattr(os, "posix_fadvise") else None
 Progress = Callable[[int, int, int], None]  # (done, total, bytes so far)
@@ -85,53 +89,89 @@ def _ustar_header(name: str, size: int) -> bytes:
 def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | None = None) -> int:
     """Write a bundle of ``manifest`` and its closure (verified bytes from ``store``) to ``out``; returns its size.
 
-    Blobs are fetched one at a time and streamed into a temp file renamed at the end, so
-    memory stays at one blob and a failed pack leaves no partial bundle. The tar is what
-    ``tarfile`` writes (USTAR, fixed metadata): members, two zero blocks, records of 10 KiB.
+    Blobs are read one at a time and streamed into a temp file renamed at the end, so
+    memory stays at one blob plus a 1 MiB write buffer, and a failed pack leaves no partial
+    bundle. The tar is what ``tarfile`` writes (USTAR, fixed metadata): members, two zero
+    blocks, records of 10 KiB.
     """
     from cubinstore._prefetch import without_memory
 
     out = Path(out)
     blobs = manifest.blobs
+    total_blobs = len(blobs)
     store = without_memory(store)  # each blob is read once: caching its bytes would only copy them
     local = store.local
-    with atomic_file(out, buffering=1 << 20) as f, local.session() if local is not None else nullcontext():  # each shard opened once
-        written = 0
-
+    block = tarfile.BLOCKSIZE
+    pads = [_ZEROS[:i] for i in range(block)]
+    hits = 0
+    by_size: dict[int, tuple[bytes, int]] = {}
+    with atomic_file(out, buffering=0) as f, local.session() if local is not None else nullcontext():  # each shard opened once
+        fd = f.fileno()
+        parts: list[bytes] = []  # what is not yet written: at most _CHUNK bytes plus one member
+        pending = 0
+        written = 0  # bytes handed to the kernel
         started = 0  # the disk has been asked to write the bundle up to here
 
-        def member(name: str, data: bytes) -> None:
-            nonlocal written, started
-            pad = -len(data) % tarfile.BLOCKSIZE
-            f.write(b"".join((_ustar_header(name, len(data)), data, _ZEROS[:pad])))  # one write a member
-            written += tarfile.BLOCKSIZE + len(data) + pad
+        def flush() -> None:
+            nonlocal pending, written, started
+            buf = memoryview(b"".join(parts))
+            parts.clear()
+            while buf:
+                buf = buf[os.write(fd, buf):]
+            written += pending
+            pending = 0
             if written - started >= _WRITEBACK_EVERY and _FADV_DONTNEED is not None:
                 # Start writing what is written so far (asynchronously, as the pages are not
                 # needed again here): the fsync before the rename then waits for the last few
                 # MiB, not for the whole bundle.
-                f.flush()
                 try:
-                    os.posix_fadvise(f.fileno(), started, written - started, _FADV_DONTNEED)
+                    os.posix_fadvise(fd, started, written - started, _FADV_DONTNEED)
                 except OSError:
                     pass  # only a hint
                 started = written
 
-        member(MANIFEST_NAME, manifest.raw)
+        raw = manifest.raw
+        pad = -len(raw) % block
+        parts += (_ustar_header(MANIFEST_NAME, len(raw)), raw, pads[pad])
+        pending += block + len(raw) + pad
+        # A whole local entry in one read and one hash (LocalStore.read_verified_entries); anything
+        # else through get, which quarantines a bad entry and fetches from the other layers.
+        found = local.read_verified_entries(blobs) if local is not None else repeat(None)
         done_bytes = 0
-        for i, (digest, size) in enumerate(blobs):
-            # A whole local entry in one read and one hash; anything else through get (which
-            # quarantines a bad entry and fetches from the other layers).
-            data = store.get_local(digest, size)
-            if data is None:
-                data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
-            member(f"cas/{digest.hex}", data)
-            done_bytes += len(data)
-            if progress:
-                progress(i + 1, len(blobs), done_bytes)
-        end = 2 * tarfile.BLOCKSIZE
-        end += -(written + end) % tarfile.RECORDSIZE
-        f.write(bytes(end))
-        total = f.tell()
+        try:
+            for i, (digest, size), data in zip(count(1), blobs, found):
+                hex_ = digest.hex
+                if data is None:
+                    data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
+                else:
+                    hits += 1
+                sized = by_size.get(size)
+                if sized is None:  # the header's fields after the name, and their sum, once per size
+                    if size >= _MAX_FAST_SIZE:
+                        raise BundleError(f"blob {digest} has {size} bytes, more than a tar member holds")
+                    size_field = b"%011o\0" % size
+                    sized = by_size[size] = (_NAME_FILL + _MODE_IDS + size_field + _MTIME,
+                                             _BLOB_FIXED_SUM + sum(size_field))
+                # _ustar_header(f"cas/{hex_}", size), in pieces joined with the member's data
+                raw_name = hex_.encode("ascii")
+                pad = -size % block
+                parts += (b"cas/", raw_name, sized[0], b"%06o\0 " % (sized[1] + sum(raw_name)), _AFTER_CHECKSUM,
+                          data, pads[pad])
+                pending += block + size + pad
+                if pending >= _CHUNK:
+                    flush()
+                done_bytes += size
+                if progress:
+                    progress(i, total_blobs, done_bytes)
+        finally:
+            if hits and local is not None:
+                local.add_stats({"hits": hits})  # counted once, as get_local counted each
+        end = 2 * block
+        end += -(written + pending + end) % tarfile.RECORDSIZE
+        parts.append(bytes(end))
+        pending += end
+        flush()
+        total = written
     _log.debug("packed %s (%d blobs, %d bytes) into %s", manifest.digest, len(blobs), total, out)
     return total
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import random
 import tarfile
 from pathlib import Path
@@ -66,7 +67,7 @@ def test_pack_is_deterministic(packed, tmp_path: Path) -> None:
     assert names[0] == "manifest.json" and all(n.startswith("cas/") for n in names[1:]) and len(names) == 5
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "symlink"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "symlink", "fifo", "directory"])
 def test_pack_never_bundles_a_bad_local_entry_it_quarantines_and_refetches_it(packed, make_release, tmp_path: Path,
                                                                               damage: str) -> None:
     from _blobs import disk_cache_with
@@ -81,6 +82,12 @@ def test_pack_never_bundles_a_bad_local_entry_it_quarantines_and_refetches_it(pa
         path.write_bytes(good[:100] + bytes([good[100] ^ 1]) + good[101:])
     elif damage == "truncate":
         path.write_bytes(good[:-1])
+    elif damage == "extend":
+        path.write_bytes(good + b"\0")
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "directory":
+        path.mkdir()
     else:
         (tmp_path / "elsewhere").write_bytes(good)
         path.symlink_to(tmp_path / "elsewhere")
@@ -88,9 +95,30 @@ def test_pack_never_bundles_a_bad_local_entry_it_quarantines_and_refetches_it(pa
     again = tmp_path / "again.tar"
     pack(manifest, Store([local, cache]), again)
     assert again.read_bytes() == out.read_bytes()  # the good bytes, from the other layer
-    assert local.path_for(digest).read_bytes() == good  # and the local entry replaced by them
-    if damage != "symlink":
+    if damage != "directory":  # a directory in the way is left there (the write fails, the bytes are served)
+        assert local.path_for(digest).read_bytes() == good  # and the local entry replaced by them
+    if damage in ("flip", "truncate", "extend"):
         assert len(list(local.quarantine_dir.iterdir())) == 1
+
+
+def test_pack_counts_a_hit_per_local_blob_and_bumps_old_entries_for_gc(packed, tmp_path: Path) -> None:
+    from cubinstore._safedir import TOUCH_AFTER
+
+    _, manifest, out = packed
+    local = LocalStore(tmp_path / "source")
+    before = local.read_stats()["hits"]
+    old = local.path_for(manifest.blobs[0][0])
+    recent = local.path_for(manifest.blobs[1][0])
+    os.utime(old, (1e9, 1e9))
+    stamp = recent.stat().st_mtime - TOUCH_AFTER / 2
+    os.utime(recent, (stamp, stamp))
+    again = tmp_path / "again.tar"
+    pack(manifest, Store([local]), again)
+    local.flush_stats()
+    assert again.read_bytes() == out.read_bytes()
+    assert local.read_stats()["hits"] == before + len(manifest.blobs)
+    assert old.stat().st_mtime > 1e9 + TOUCH_AFTER  # gc's LRU clock moved
+    assert recent.stat().st_mtime == stamp  # a recent entry is not written to
 
 
 def test_pack_of_an_incomplete_store_fails_without_leaving_a_bundle(make_release, tmp_path: Path) -> None:

@@ -69,6 +69,19 @@ def test_pack_and_unpack_are_linear_in_the_closure(tmp_path: Path) -> None:
     assert_linear(work, 300)
 
 
+def test_pack_from_the_local_store_is_linear_in_the_closure(tmp_path: Path) -> None:
+    # The fast path (LocalStore.read_verified_entries): no per-blob lookup of anything that grows.
+    def work(n: int) -> int:
+        manifest, blobs = release(tmp_path / f"src{n}", n)
+        local = LocalStore(tmp_path / f"home{n}")
+        with local.batch():
+            for hex_, data in blobs.items():
+                local.write_verified(Digest(hex_), data)
+        bundle = tmp_path / f"b{n}.tar"
+        return count_work(lambda: pack(manifest, Store([local]), bundle))
+    assert_linear(work, 300)
+
+
 def test_verify_ls_and_gc_are_linear_in_the_store(tmp_path: Path) -> None:
     def work(n: int) -> int:
         manifest, blobs = release(tmp_path / f"src{n}", n)
