@@ -86,7 +86,10 @@ class Digest:
             )
         if not text.startswith(_PREFIX):
             raise BadArgumentError(f"invalid digest {show(text)}: expected the prefix 'sha256:'")
-        return cls(_check_hex(text[len(_PREFIX) :], text))
+        # Checked here once; the constructor would check the same hex again (a manifest parses thousands).
+        digest = object.__new__(cls)
+        object.__setattr__(digest, "hex", _check_hex(text[len(_PREFIX) :], text))
+        return digest
 
     @classmethod
     def of(cls, data: bytes | bytearray | memoryview) -> Digest:
