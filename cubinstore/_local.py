@@ -28,9 +28,7 @@ from cubinstore._layer import Layer, limit_for
 from cubinstore._lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
 from cubinstore._log import get_logger
 from cubinstore._safedir import (
-    READ_FLAGS,
     TEMP_PREFIX,
-    TOUCH_AFTER,
     NotRegularFile,
     StoreRoot,
     atomic_file_at,
@@ -382,48 +380,33 @@ class LocalStore(Layer):
 
     def read_verified_entries(self, blobs: Iterable[tuple[Digest, int]], *, touch: bool = True) -> Iterator[bytes | None]:
         """For each ``(digest, size)`` of ``blobs``, in order: the entry's bytes if it is a regular file
-        of exactly ``size`` bytes that hashes to ``digest``, else None (and nothing changed).
+        of exactly ``size`` bytes that hashes to ``digest``, else None.
 
-        A bulk reader's fast path (``pack``), inside a ``session``: per entry one open (no link
-        followed), one fstat, one read and one sha256, with no layering and no per-entry objects
-        besides the bytes. A None is the caller's to resolve through ``Store.get`` (which
-        quarantines a bad entry and refetches it). Not counted: the caller adds the hits.
+        A bulk reader's fast path (``pack``), inside a ``session``: per entry ``read_at`` below the
+        shard's held descriptor (one open that follows no link, one fstat, one read; gc's mtime
+        bump with ``touch``, as ``read`` does) and one sha256, with no layering. A None is the
+        caller's to resolve through ``Store.get`` (which quarantines a bad entry and refetches
+        it). Not counted: the caller adds the hits.
         """
         import hashlib
 
-        session_read_dir, sha256, fstat, open_, read, close = (
-            self._fs.session_read_dir, hashlib.sha256, os.fstat, os.open, os.read, os.close)
-        is_reg = stat.S_ISREG
+        sha256 = hashlib.sha256
         shards: dict[str, int] = {}
-        touch_before = time.time() - TOUCH_AFTER if touch else None
         for digest, size in blobs:
             hex_ = digest.hex
             shard = shards.get(hex_[:2])
             if shard is None:
-                shard = session_read_dir("v1", "cas", hex_[:2])
+                shard = self._fs.session_read_dir("v1", "cas", hex_[:2])
                 if shard is None:  # absent (or no session): a miss
                     yield None
                     continue
                 shards[hex_[:2]] = shard
             try:
-                fd = open_(hex_, READ_FLAGS, dir_fd=shard)
-            except OSError:  # absent, a link, unreadable: Store.get tells which
-                yield None
-                continue
-            try:
-                st = fstat(fd)
-                # One read of size + 1 bytes: a regular file reads short only at its end, so a
-                # longer entry shows as size + 1 bytes, a shorter one (or a short read) as fewer.
-                data = read(fd, size + 1) if is_reg(st.st_mode) and st.st_size == size else None
-                if data is not None and touch_before is not None and st.st_mtime <= touch_before:
-                    try:
-                        os.utime(fd)  # gc's LRU clock, as read_fd bumps it
-                    except OSError:
-                        pass
-            except OSError:
+                # read_at's rules (no link followed, regular files only, gc's mtime bump); at most
+                # size + 1 bytes, so a longer entry shows as such.
+                data = read_at(shard, hex_, size, path=f"{self.cas_dir}/{hex_[:2]}/{hex_}", touch=touch)
+            except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
                 data = None
-            finally:
-                close(fd)
             if data is not None and (len(data) != size or sha256(data).hexdigest() != hex_):
                 data = None
             yield data
