@@ -13,9 +13,9 @@ shape of `gemm_shapes.TUNING`, through `cubinstore.ops.gemm_with`; each result i
 against a float32 torch reference first (NaN-poisoned output, relative error < 1e-2).
 Timing is bench_gemm's (CUDA events, median, inputs rotated over 4x the L2). The fit
 (least squares, alternating): per instantiation `unit_us` and `kblock_us` on the timings
-whose estimate is compute bound (and not held to the feed of unaligned rows), then the machine's constants (launch, HBM rate, fetch
-latency, split-K costs, overlap, the feed of unaligned rows) by a coordinate search on the
-log error of all timings. It prints the residuals per instantiation and, per shape, the
+whose estimate is compute bound (and not held to the feed of unaligned rows), then the
+machine's constants (launch, HBM rate, fetch latency, split-K costs, overlap, the feed of
+unaligned rows) by a coordinate search on the log error of all timings. It prints the residuals per instantiation and, per shape, the
 measured best against the model's pick among the measured options, then the same judged
 out of sample (cross-validation: fitted on a random half of the shapes, picks judged on the
 other half, for a few halvings), and writes the calibration module.
@@ -275,7 +275,7 @@ def _pick(model: Model, mnk: tuple[int, int, int], measured: dict[tuple[str, int
 def _summary(regrets: Sequence[float], what: str) -> str:
     """How the picks compare with the measured best: how often the same, geometric mean, worst."""
     agree = sum(r == 1.0 for r in regrets)
-    geo = math.exp(sum(map(math.log, regrets)) / len(regrets))
+    geo = bench.geomean(regrets)
     return (f"picks the measured best on {agree} of {len(regrets)} {what}; its picks are {geo - 1:.1%} slower in "
             f"geometric mean, {max(regrets) - 1:.1%} at worst")
 
@@ -326,7 +326,7 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
         print(f"{f'{m}x{n}x{k}':>18s} {f'{best[0]} ({best[1]})':>52s} {f'{pick[0]} ({pick[1]})':>52s} "
               f"{regret - 1:7.1%}")
     print(f"model {_summary(regrets, 'shapes')}")
-    return math.exp(sum(map(math.log, regrets)) / len(regrets))
+    return bench.geomean(regrets)
 
 
 def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, TileCosts]) -> str:
