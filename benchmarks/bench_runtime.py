@@ -11,6 +11,10 @@ Prints, side by side in one run:
      check, load, layout check), each module unloaded again so every sample is a fresh load;
   4. the load phase (every runnable kernel through Library.kernel) of 1 process and of --procs
      processes started together on one local store.
+  2b. the host side of Library.kernel(), everything but the driver (no GPU needed; with no
+     manifest, synthetic ELF-headed blobs of the sm_90a CUBINs' sizes): read + sha256 (the peer
+     without its load) | Store.get | Library.kernel() with the driver's three calls stubbed
+     (select, fetch, verify, ELF check, module and Kernel objects), p50 / p99, side by side;
 Sections 3 and 4 need a CUDA device and are skipped with the reason when there is none.
 The package is byte-compiled first, as pip leaves an installed package: a checkout carried to a
 host that writes no `__pycache__` otherwise compiles the store's modules from source inside the
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import contextlib
 import hashlib
 import json
 import os
@@ -109,6 +114,104 @@ def reads(home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
         rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
                      (("raw", raw), ("sha", hashed), ("store", store)) for q, p in (("p50", 0.5), ("p99", 0.99))}})
     return rows
+
+
+# -- 2b. the host side of a fresh load ------------------------------------------------------------
+
+# Sizes of the sm_90a CUBINs (axpy, transpose, gemm, tgemm) when no manifest is at hand.
+SYNTHETIC_SIZES = (4608, 10872, 46984, 52960)
+
+
+def synthetic_release(work: Path, copies: int = 4) -> Path:
+    """A manifest over ELF-headed random blobs of real CUBIN sizes (the header says sm_90), files beside it."""
+    import random
+    import struct
+
+    from cubinstore.manifest import dumps_canonical
+
+    kernels = []
+    for i, size in enumerate(SYNTHETIC_SIZES * copies):
+        head = bytearray(64)
+        head[:9] = b"\x7fELF\x02\x01\x01\x00\x08"  # 64-bit, little-endian, CUDA ELF ABI v8
+        struct.pack_into("<H", head, 0x12, 190)  # EM_CUDA
+        struct.pack_into("<I", head, 0x30, 90 << 8)  # sm_90
+        data = bytes(head) + random.Random(i).randbytes(size - 64)
+        hex_ = hashlib.sha256(data).hexdigest()
+        (work / f"syn_{i}.cubin").write_bytes(data)  # found by content, as in bazel-bin
+        kernels.append({"id": f"syn/i{i}/sm_90a", "family": "syn", "params": {"i": i}, "arch": "sm_90a",
+                        "digest": f"sha256:{hex_}", "size": size, "target": f"//syn:syn_{i}",
+                        "entries": {"k": {"name": "k", "params": ["ptr"], "offsets": [0]}}})
+    path = work / "manifest.json"
+    path.write_bytes(dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": kernels}))
+    return path
+
+
+def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tuple[int, int], gpu: bool) -> list[dict[str, Any]]:
+    """Per CUBIN: read + sha256 | Store.get | Library.kernel() without the driver, fresh loads (ms)."""
+    from cubinstore import _cuda, _loader, launch
+    from cubinstore.manifest import arch_compatible
+    from cubinstore.store import LocalStore, Store
+
+    specs = [s for s in specs if arch_compatible(s.arch, cc)]
+    local = LocalStore(home)
+    store = Store([local])  # no memory layer: every sample reads and verifies, as a first load does
+    saved = (_cuda.on_device, _cuda.load_library, _cuda.library_function)
+    _cuda.on_device = lambda ordinal: contextlib.nullcontext()  # type: ignore[assignment]
+    _cuda.load_library = lambda data, what: 1  # type: ignore[assignment]
+    _cuda.library_function = lambda library, entry, what: 1  # type: ignore[assignment]
+    if not gpu:  # the device facts Library.kernel() caches per process, as a GPU would answer them
+        launch._device_count[:] = [1]
+        launch._capabilities[0] = cc
+    rows = []
+    try:
+        for spec in specs:
+            path = local.path_for(spec.digest)
+            peer, get, ours = [], [], []
+            for i in range(samples + 5):  # 5 warm-up rounds
+                t = time.perf_counter()
+                with open(path, "rb") as f:
+                    data = f.read()
+                ok = hashlib.sha256(data).hexdigest() == spec.digest.hex
+                a = time.perf_counter() - t
+                if not ok:
+                    raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
+                t = time.perf_counter()
+                store.get(spec.digest, spec.size, name=spec.id)
+                b = time.perf_counter() - t
+                with _loader._modules_lock:
+                    _loader._modules.clear()  # a fresh load, as in a new process
+                library = launch.Library(manifest, store)  # and its first selection, as section 3 does
+                t = time.perf_counter()
+                library.kernel(spec.id, device=0)
+                c = time.perf_counter() - t
+                if i >= 5:
+                    peer.append(a)
+                    get.append(b)
+                    ours.append(c)
+            rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
+                         (("peer", peer), ("get", get), ("ours", ours)) for q, p in (("p50", 0.5), ("p99", 0.99))}})
+    finally:
+        _cuda.on_device, _cuda.load_library, _cuda.library_function = saved  # type: ignore[assignment]
+        with _loader._modules_lock:
+            _loader._modules.clear()
+    return rows
+
+
+def print_host_loads(rows: list[dict[str, Any]], samples: int) -> None:
+    print(f"\n## the host side of a fresh load (driver stubbed), {len(rows)} CUBINs, {samples} samples each (ms)\n")
+    print("| kernel | bytes | read+sha256 p50 | p99 | Store.get p50 | p99 | Library.kernel() p50 | p99 "
+          "| get/peer p50 | kernel()/peer p50 | kernel()/peer p99 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def row(label: str, size: object, r: dict[str, Any]) -> str:
+        return (f"| {label} | {size} | {r['peer_p50']:.4f} | {r['peer_p99']:.4f} | {r['get_p50']:.4f} | {r['get_p99']:.4f} "
+                f"| {r['ours_p50']:.4f} | {r['ours_p99']:.4f} | {r['get_p50'] / r['peer_p50']:.2f} "
+                f"| {r['ours_p50'] / r['peer_p50']:.2f} | {r['ours_p99'] / r['peer_p99']:.2f} |")
+
+    for r in rows:
+        print(row(r["id"], r["size"], r))
+    agg = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith(("p50", "p99"))}
+    print(row("all (median of rows)", "", agg))
 
 
 # -- 3. fresh loads on the GPU --------------------------------------------------------------------
@@ -261,6 +364,16 @@ def concurrent(manifest_path: Path, home: Path, procs: int, specs: list[Any] | N
     return out
 
 
+def print_import_time(runs: int, results: dict[str, Any]) -> None:
+    imp = import_time(runs)
+    results["import"] = {k: v for k, v in imp.items() if k != "trace"}
+    print(f"\n## import cubinstore\nmedian {imp['median_ms']:.1f} ms, min {imp['min_ms']:.1f} ms over {runs} fresh "
+          f"interpreters; -X importtime cumulative for cubinstore: {imp['importtime_cumulative_us']} us\n")
+    print("| self us | cumulative us | module |\n|---|---|---|")
+    for self_us, cum, depth, name in imp["heaviest"]:
+        print(f"| {self_us} | {cum} | {'  ' * depth}{name} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", type=Path, default=Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", ROOT / "bazel-bin/kernels/manifest.json")))
@@ -268,19 +381,15 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=8)
     parser.add_argument("--import-runs", type=int, default=15)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--host-only", action="store_true", help="section 2b alone (the host side of a load)")
     opts = parser.parse_args()
     results: dict[str, Any] = {}
     # The children and the import timings must find .pyc files, as in an installed package.
     if not compileall.compile_dir(ROOT / "cubinstore", quiet=1):
         print("warning: could not byte-compile cubinstore/ (read-only checkout?): imports compile from source")
 
-    imp = import_time(opts.import_runs)
-    results["import"] = {k: v for k, v in imp.items() if k != "trace"}
-    print(f"\n## import cubinstore\nmedian {imp['median_ms']:.1f} ms, min {imp['min_ms']:.1f} ms over {opts.import_runs} fresh "
-          f"interpreters; -X importtime cumulative for cubinstore: {imp['importtime_cumulative_us']} us\n")
-    print("| self us | cumulative us | module |\n|---|---|---|")
-    for self_us, cum, depth, name in imp["heaviest"]:
-        print(f"| {self_us} | {cum} | {'  ' * depth}{name} |")
+    if not opts.host_only:
+        print_import_time(opts.import_runs, results)
 
     gpu_reason = None
     cc = None
@@ -297,18 +406,29 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="cubinstore-runtime-"))
     try:
-        if not opts.manifest.is_file():
-            print(f"\nno manifest at {opts.manifest} (build //kernels:all or pass --manifest): sections 2-4 skipped")
+        real = opts.manifest.is_file()
+        if real:
+            manifest_path = opts.manifest.resolve()
+        else:
+            print(f"\nno manifest at {opts.manifest} (build //kernels:all or pass --manifest): sections 2, 3 and 4 "
+                  "skipped; section 2b over synthetic blobs")
+            (work / "syn").mkdir()
+            manifest_path = synthetic_release(work / "syn")
+        manifest, specs = fill_store(manifest_path, work / "home", cc)
+        if real and not opts.host_only:
+            rows = reads(work / "home", specs, opts.samples)
+            results["reads"] = rows
+            print(f"\n## reads from the local store, {len(rows)} CUBINs, {opts.samples} samples each (ms)\n")
+            print("| kernel | bytes | raw p50 | raw p99 | read+sha256 p50 | p99 | Store.get p50 | p99 | get/raw p50 |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for r in rows:
+                print(f"| {r['id']} | {r['size']} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['sha_p50']:.3f} | {r['sha_p99']:.3f} "
+                      f"| {r['store_p50']:.3f} | {r['store_p99']:.3f} | {r['store_p50'] / r['raw_p50']:.2f} |")
+        host = host_loads(manifest, work / "home", specs, opts.samples, cc or (9, 0), gpu=gpu_reason is None)
+        results["host_loads"] = host
+        print_host_loads(host, opts.samples)
+        if not real or opts.host_only:
             return
-        manifest, specs = fill_store(opts.manifest.resolve(), work / "home", cc)
-        rows = reads(work / "home", specs, opts.samples)
-        results["reads"] = rows
-        print(f"\n## reads from the local store, {len(rows)} CUBINs, {opts.samples} samples each (ms)\n")
-        print("| kernel | bytes | raw p50 | raw p99 | read+sha256 p50 | p99 | Store.get p50 | p99 | get/raw p50 |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['id']} | {r['size']} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['sha_p50']:.3f} | {r['sha_p99']:.3f} "
-                  f"| {r['store_p50']:.3f} | {r['store_p99']:.3f} | {r['store_p50'] / r['raw_p50']:.2f} |")
         if gpu_reason is not None:
             print(f"\n## GPU sections skipped: {gpu_reason}")
             return

@@ -8,6 +8,7 @@ Every path below the root is reached through directory descriptors without follo
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from cubinstore._layer import Layer, limit_for
 from cubinstore._lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
 from cubinstore._log import get_logger
 from cubinstore._safedir import (
+    _DIR_FLAGS,
     TEMP_PREFIX,
     NotRegularFile,
     StoreRoot,
@@ -93,6 +96,12 @@ class LocalStore(Layer):
         self.stats_path = self.v1 / "stats.json"
         self.lock_timeout = _env.lock_timeout() if lock_timeout is None else lock_timeout
         self._fs = StoreRoot(self.root, allow_shared=_env.allow_shared_store() if allow_shared is None else allow_shared)
+        # The hit path's shard directories (``read_verified``), opened once each: at most 256
+        # descriptors, closed when this store is collected (no thread can be using one then).
+        self._shards: dict[str, int] = {}
+        self._shards_lock = threading.Lock()
+        self._cas_text = str(self.cas_dir)  # names entries in messages: no Path joins per hit
+        weakref.finalize(self, _close_all, self._shards)
         self._batch_lock = threading.Lock()
         self._batch_depth = 0
         self._batch_lazy = 0  # open batches that sync the filesystem at their end instead of each file
@@ -372,44 +381,71 @@ class LocalStore(Layer):
 
     def read(self, digest: Digest, size: int | None) -> bytes | None:
         try:
-            return self.read_entry(digest, limit_for(size), touch=True)
+            data = self.read_entry(digest, limit_for(size), touch=True)
         except NotRegularFile as exc:
             # Never follow a planted symlink; the next write replaces the link itself.
             _log.warning("ignoring %s: %s", self.path_for(digest), exc)
             return None
+        held = self._shards.get(digest.hex[:2])
+        if data is not None and held is not None:
+            # Found here, so read_verified may have missed it through a shard directory replaced
+            # since it was opened (or the entry was written meanwhile): check, once per such read.
+            self._hold_shard(digest.hex[:2], stale=held)
+        return data
 
-    def read_verified_entries(self, blobs: Iterable[tuple[Digest, int]], *, touch: bool = True) -> Iterator[bytes | None]:
-        """For each ``(digest, size)`` of ``blobs``, in order: the entry's bytes if it is a regular file
-        of exactly ``size`` bytes that hashes to ``digest``, else None.
+    def read_verified(self, digest: Digest, size: int) -> bytes | None:
+        """The entry's bytes if it is a regular file of exactly ``size`` bytes that hashes to ``digest``, else None.
 
-        A bulk reader's fast path (``pack``), inside a ``session``: per entry ``read_at`` below the
-        shard's held descriptor (one open that follows no link, one fstat, one read; gc's mtime
-        bump with ``touch``, as ``read`` does) and one sha256, with no layering. A None is the
-        caller's to resolve through ``Store.get`` (which quarantines a bad entry and refetches
-        it). Not counted: the caller adds the hits.
+        The hit path (``Store.get``, ``pack``): one open below the shard's held descriptor that
+        follows no link, one fstat, one read of at most ``size + 1`` bytes (``read_at``, with gc's
+        mtime bump at most hourly), one sha256. Raises nothing and changes nothing else: a None
+        (a miss, a link, bad bytes, an I/O error) is the caller's to resolve through the layered
+        ``Store.get``, which words the error, quarantines bad bytes and fetches. Not counted.
         """
-        import hashlib
-
-        sha256 = hashlib.sha256
-        shards: dict[str, int] = {}
-        for digest, size in blobs:
-            hex_ = digest.hex
-            shard = shards.get(hex_[:2])
+        hex_ = digest.hex
+        name = hex_[:2]
+        shard = self._shards.get(name)
+        if shard is None:
+            shard = self._hold_shard(name)
             if shard is None:
-                shard = self._fs.session_read_dir("v1", "cas", hex_[:2])
-                if shard is None:  # absent (or no session): a miss
-                    yield None
-                    continue
-                shards[hex_[:2]] = shard
-            try:
-                # read_at's rules (no link followed, regular files only, gc's mtime bump); at most
-                # size + 1 bytes, so a longer entry shows as such.
-                data = read_at(shard, hex_, size, path=f"{self.cas_dir}/{hex_[:2]}/{hex_}", touch=touch)
-            except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
-                data = None
-            if data is not None and (len(data) != size or sha256(data).hexdigest() != hex_):
-                data = None
-            yield data
+                return None
+        try:
+            data = read_at(shard, hex_, size, path=f"{self._cas_text}/{name}/{hex_}", touch=True)
+        except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
+            return None
+        if data is None or len(data) != size or hashlib.sha256(data).hexdigest() != hex_:
+            return None
+        return data
+
+    def _hold_shard(self, name: str, *, stale: int | None = None) -> int | None:
+        """The held descriptor of ``cas/<name>``, opened below the held ``cas`` without following a link;
+        None if absent or not a plain directory (the layered path logs a link).
+
+        ``stale``: the held one missed an entry that the layered path found; it is replaced if
+        ``cas/<name>`` is now another directory (never closed: another thread may be reading
+        through it), so hits take the one-open path again.
+        """
+        cas = self._fs.held_dir("v1", "cas")
+        if cas is None:
+            return None
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=cas)
+        except OSError:
+            return None
+        with self._shards_lock:
+            held = self._shards.get(name)
+            if held is None or (held == stale and not os.path.samestat(os.fstat(fd), os.fstat(held))):
+                self._shards[name] = held = fd
+                return held
+        os.close(fd)
+        return held
+
+    def read_verified_entries(self, blobs: Iterable[tuple[Digest, int]]) -> Iterator[bytes | None]:
+        """``read_verified`` of each ``(digest, size)`` of ``blobs``, in order (``pack``). Not counted:
+        the caller adds the hits."""
+        read = self.read_verified
+        for digest, size in blobs:
+            yield read(digest, size)
 
     def _is_current(self, held: int) -> bool:
         """Whether the held ``v1/cas`` descriptor is still the directory at that path (a miss then needs no walk)."""
@@ -797,6 +833,14 @@ class _PendingStats:
 
 
 _pending = _PendingStats()
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pending.forget)
 

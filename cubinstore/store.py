@@ -23,7 +23,6 @@ from cubinstore._files import verify
 from cubinstore._layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore._local import LocalStore
 from cubinstore._log import get_logger
-from cubinstore._safedir import NotRegularFile
 from cubinstore._memory import MemoryStore
 from cubinstore._sources import DirectorySource, DiskCacheStore
 from cubinstore.errors import (
@@ -95,6 +94,12 @@ class Store:
         self._local = next((layer for layer in self.layers if isinstance(layer, LocalStore)), None)
         self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0, "verification_failures": 0}
         self._counts_lock = threading.Lock()
+        # The hit path: the local store when only trusted in-process layers (memory) come before it.
+        front = self.layers[:self._lock_at]
+        self._fast: LocalStore | None = None
+        if self._local is not None and self.layers.index(self._local) == self._lock_at and all(l.trusted for l in front):
+            self._fast = self._local
+        self._front = front
 
     @classmethod
     def from_env(cls, *, extra_remotes: Sequence[str] = (), strict: bool = False) -> Store:
@@ -140,6 +145,11 @@ class Store:
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOB_SIZE):
             raise BadArgumentError(f"invalid size {show(size)} for {digest}{_for(name)}: expected 1..{MAX_BLOB_SIZE} bytes")
 
+        if size is not None and self._fast is not None:
+            data = self._hit(digest, size, name)
+            if data is not None:
+                return data
+
         outcomes: list[str] = []
         errors: list[CubinstoreError] = []
         lock_at = self._lock_at
@@ -161,10 +171,7 @@ class Store:
         index, data = found
         layer = self.layers[index]
         if layer.cache:
-            with self._counts_lock:  # the hot path: no keyword dicts
-                self._counts["hits"] += 1
-            if not layer.trusted and self._local is not None:  # in-process memory hits stay in-process
-                self._local.add_stats(_ONE_HIT)
+            self._count_hit(None if layer.trusted else self._local)  # in-process memory hits stay in-process
         else:
             self._count(misses=1, bytes_fetched=len(data))
             self._persist(misses=1, bytes_fetched=len(data))
@@ -173,26 +180,45 @@ class Store:
     def get_local(self, digest: Digest, size: int) -> bytes | None:
         """The verified bytes of ``digest`` if the local store has them whole, else None; counted as a hit.
 
-        A bulk reader's fast path (``pack``): one read and one hash, none of ``get``'s layering.
-        Anything else (a miss, a link, bad bytes) is None and changes nothing: the caller then
-        calls ``get``, which quarantines a bad entry and fetches the blob from the other layers.
+        A bulk reader's fast path: one read and one hash (``LocalStore.read_verified``), none of
+        ``get``'s layering. Anything else (a miss, a link, bad bytes) is None and changes nothing:
+        the caller then calls ``get``, which quarantines a bad entry and fetches the blob from
+        the other layers.
         """
         local = self._local
-        if local is None:
-            return None
-        try:
-            data = local.read_entry(digest, size, touch=True)
-            if data is None:
-                return None
-            verify(data, digest, size, where=local.name)
-        except (CubinstoreError, NotRegularFile):
-            return None
-        with self._counts_lock:
-            self._counts["hits"] += 1
-        local.add_stats(_ONE_HIT)
+        data = None if local is None else local.read_verified(digest, size)
+        if data is not None:
+            self._count_hit(local)
         return data
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _hit(self, digest: Digest, size: int, name: str | None) -> bytes | None:
+        """``get``'s hit path: the trusted layers in front, then one read and one sha256 of the local
+        entry (``LocalStore.read_verified``); None sends ``get`` down the layered path, which
+        words what went wrong, quarantines bad bytes and fetches."""
+        for layer in self._front:  # in-process memory: bytes verified when stored
+            data = layer.read(digest, size)
+            if data is not None:
+                self._count_hit(None)
+                return data
+        local = self._fast
+        data = local.read_verified(digest, size)  # type: ignore[union-attr]
+        if data is None:
+            return None
+        if self._front and self.backfill:
+            self._backfill(digest, data, self._lock_at, name)
+        self._count_hit(local)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), local.name, len(data))  # type: ignore[union-attr]
+        return data
+
+    def _count_hit(self, local: LocalStore | None) -> None:
+        """One hit: in this Store's counters, and in ``local``'s persistent ones unless None (memory hits)."""
+        with self._counts_lock:  # the hot path: no keyword dicts
+            self._counts["hits"] += 1
+        if local is not None:
+            local.add_stats(_ONE_HIT)
 
     def _try(self, digest: Digest, size: int | None, name: str | None, indices: Iterable[int],
              outcomes: list[str], errors: list[CubinstoreError]) -> tuple[int, bytes] | None:

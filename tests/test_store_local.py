@@ -438,3 +438,84 @@ def test_a_symlinked_lock_file_is_not_followed(tmp_path: Path) -> None:
             pass
     source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])
     assert Store([local, source]).get(digest, len(data)) == data  # fetched, unlocked, as for a read-only store
+
+
+# -- the hit path: one open, one read, one sha256 -------------------------------------------------
+
+def same_shard_blobs(n: int) -> list[tuple[Digest, bytes]]:
+    found: list[tuple[Digest, bytes]] = []
+    seed = 0
+    while len(found) < n:
+        digest, data = blob(seed=seed)
+        seed += 1
+        if not found or digest.hex[:2] == found[0][0].hex[:2]:
+            found.append((digest, data))
+    return found
+
+
+def test_a_local_hit_opens_only_its_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = LocalStore(tmp_path / "home")
+    blobs = same_shard_blobs(3)
+    for digest, data in blobs:
+        local.write(digest, data)
+    store = Store([local])
+    assert store.get(*blobs[0][:1], len(blobs[0][1])) == blobs[0][1]  # opens and holds the shard
+    real_open = os.open
+    opened: list[object] = []
+    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    for digest, data in blobs:
+        assert store.get(digest, len(data)) == data
+    assert opened == [digest.hex for digest, _ in blobs]  # no directory walked or reopened
+    assert store.stats.hits == 4
+
+
+def test_a_shard_directory_replaced_after_a_hit_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    local = LocalStore(tmp_path / "home")
+    (digest, data), (other, other_data) = same_shard_blobs(2)
+    local.write(digest, data)
+    store = Store([local])
+    assert store.get(digest, len(data)) == data
+    shard = local.cas_dir / digest.hex[:2]
+    shard.rename(tmp_path / "old-shard")  # the held descriptor now names a directory elsewhere
+    local.write(other, other_data)
+    assert store.get(other, len(other_data)) == other_data  # through the layered path, which re-holds the shard
+    real_open = os.open
+    opened: list[object] = []
+    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    assert store.get(other, len(other_data)) == other_data
+    assert opened == [other.hex]  # the one-open path again, through the new directory
+    assert store.stats.misses == 0
+
+
+def test_the_held_shard_descriptors_close_with_their_store(tmp_path: Path) -> None:
+    import gc
+
+    local = LocalStore(tmp_path / "home")
+    digest, data = blob()
+    local.write(digest, data)
+    assert Store([local]).get(digest, len(data)) == data
+    fd = local._shards[digest.hex[:2]]
+    held = os.fstat(fd)
+    assert os.path.samestat(held, os.stat(local.cas_dir / digest.hex[:2]))
+    local.flush_stats()  # pending counts hold their store until flushed
+    del local
+    gc.collect()
+    try:
+        now = os.fstat(fd)
+    except OSError:
+        return  # closed
+    assert not os.path.samestat(now, held)  # closed, and the number reused since
+
+
+def test_a_bad_entry_found_by_the_hit_path_is_still_quarantined_and_refetched(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home")
+    digest, data = blob()
+    local.write(digest, data)
+    store = Store([local, disk_cache_with(tmp_path / "dc", [(digest, data)])])
+    assert store.get(digest, len(data)) == data  # the shard is held from here on
+    path = local.path_for(digest)
+    path.chmod(0o644)
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit, same size
+    assert store.get(digest, len(data)) == data
+    assert store.stats.verification_failures == 1 and store.stats.misses == 1
+    assert len(list(local.quarantine_dir.iterdir())) == 1 and path.read_bytes() == data
