@@ -8,17 +8,19 @@ checked against the CUBIN's before it can be launched.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore import _abi, _cuda
+from cubinstore._abi import Arch
 from cubinstore._args import ParamSlot, check_layout
 from cubinstore._digest import Digest
 from cubinstore._log import get_logger
 from cubinstore.errors import IncompatibleArchError, ManifestError
-from cubinstore.manifest import KernelSpec, arch_compatible
+from cubinstore.manifest import KernelSpec
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
@@ -64,14 +66,18 @@ class _Module:
     load_seconds: float
 
 
-_modules: dict[tuple[Digest, int], _Module] = {}
+# Keyed by (hex digest, ordinal): a str hashes in C, a Digest through a Python call.
+_modules: dict[tuple[str, int], _Module] = {}
 _modules_lock = threading.Lock()
-_key_locks: dict[tuple[Digest, int], threading.Lock] = {}
+_key_locks: dict[tuple[str, int], threading.Lock] = {}
 
 
-def _key_lock(key: tuple[Digest, int]) -> threading.Lock:
-    with _modules_lock:
-        return _key_locks.setdefault(key, threading.Lock())
+def _key_lock(key: tuple[str, int]) -> threading.Lock:
+    lock = _key_locks.get(key)  # one per (digest, device), made once
+    if lock is None:
+        with _modules_lock:
+            lock = _key_locks.setdefault(key, threading.Lock())
+    return lock
 
 
 def loaded_module_count() -> int:
@@ -83,12 +89,12 @@ def loaded_module_count() -> int:
 def is_loaded(digest: Digest | str, device: int) -> bool:
     """Whether the CUBIN `digest` is loaded on `device` in this process."""
     with _modules_lock:
-        return (Digest.parse(digest), device) in _modules
+        return (Digest.parse(digest).hex, device) in _modules
 
 
 def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store) -> _Module:
     """The module of `spec` on `ordinal`, fetched, verified and loaded at most once."""
-    key = (spec.digest, ordinal)
+    key = (spec.digest.hex, ordinal)
     module = _modules.get(key)
     if module is not None:
         return module
@@ -98,7 +104,8 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store) -> _
             return module
         # The one path to the driver's loader: refuse a CUBIN the device cannot run before
         # it is fetched or any byte reaches the driver, with an error naming both archs.
-        if not arch_compatible(spec.arch, cc):
+        arch = Arch.parse(spec.arch)  # cached per arch string
+        if not arch.runs_on(cc):
             raise IncompatibleArchError(
                 f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
                 f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
@@ -106,43 +113,44 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store) -> _
         started = time.perf_counter()
         data = store.get(spec.digest, spec.size, name=spec.id)
         fetched = time.perf_counter()
+        what = f"kernel {spec.id!r} ({spec.digest})"  # every message below names the kernel so
         if len(data) != spec.size:
-            raise ManifestError(
-                f"kernel {spec.id!r} ({spec.digest}): expected {spec.size} bytes, the store returned {len(data)}"
-            )
-        _check_cubin_header(spec, data)
-        module = _load_module(spec, bytes(data), ordinal)
+            raise ManifestError(f"{what}: expected {spec.size} bytes, the store returned {len(data)}")
+        _check_cubin_header(spec, data, what)
+        module = _load_module(spec, bytes(data), ordinal, what)
         module.load_seconds = time.perf_counter() - fetched
-        logger.debug(
-            "loaded %s (%s) on device %d: fetch+verify %.3f ms, load %.3f ms",
-            spec.id, spec.digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # its arguments cost more than the check
+            logger.debug(
+                "loaded %s (%s) on device %d: fetch+verify %.3f ms, load %.3f ms",
+                spec.id, spec.digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
+            )
         with _modules_lock:
             _modules[key] = module
         return module
 
 
-def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
-    """The bytes must be a CUDA ELF built for the SM the manifest names."""
-    sm = _abi.CubinImage(data, f"kernel {spec.id!r} ({spec.digest})").sm
-    major, minor = _abi.Arch.parse(spec.arch).compute_capability
-    if sm is not None and sm != major * 10 + minor:
-        raise ManifestError(
-            f"kernel {spec.id!r} ({spec.digest}): manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}"
-        )
+def _check_cubin_header(spec: KernelSpec, data: bytes, what: str | None = None) -> None:
+    """The bytes must be a CUDA ELF built for the SM the manifest names; ``what`` names the kernel."""
+    what = what or f"kernel {spec.id!r} ({spec.digest})"
+    sm = _abi.CubinImage(data, what).sm
+    arch = Arch.parse(spec.arch)  # cached per arch string
+    if sm is not None and sm != arch.major * 10 + arch.minor:
+        raise ManifestError(f"{what}: manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}")
 
 
-def _load_module(spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
+def _load_module(spec: KernelSpec, data: bytes, ordinal: int, what: str) -> _Module:
+    """Load ``data`` on ``ordinal`` and get each entry's function; ``what`` names the kernel in errors."""
     started = time.perf_counter()
     functions: dict[str, _Function] = {}
+    on = f" on device {ordinal}"
     with _cuda.on_device(ordinal):
-        library = _cuda.load_library(data, f"kernel {spec.id!r} ({spec.digest}) on device {ordinal}")
+        library = _cuda.load_library(data, what + on)
         for entry in spec.entries:
-            what = f"kernel {spec.id!r} ({spec.digest}) entry {entry!r} on device {ordinal}"
-            func = _cuda.library_function(library, entry, what)
+            where = f"{what} entry {entry!r}{on}"
+            func = _cuda.library_function(library, entry, where)
             if func is None:
-                raise ManifestError(f"{what}: the manifest declares it, the CUBIN has no such function")
-            functions[entry] = _Function(handle=func, what=what)
+                raise ManifestError(f"{where}: the manifest declares it, the CUBIN has no such function")
+            functions[entry] = _Function(handle=func, what=where)
     return _Module(spec.digest, ordinal, (library, data), functions, time.perf_counter() - started)
 
 

@@ -740,6 +740,11 @@ class LocalStore(Layer):
         if _pending.add(self, delta):
             self.flush_stats()
 
+    def add_hit(self) -> None:
+        """``add_stats({"hits": 1})``, the hot path's count: no mapping to walk."""
+        if _pending.add_hit(self):
+            self.flush_stats()
+
     def flush_stats(self) -> None:
         """Add this process's pending counts to stats.json. Best effort: counting must never make a load fail."""
         delta = _pending.take(self.root)
@@ -805,6 +810,17 @@ class _PendingStats:
                 counts[key] = counts.get(key, 0) + value
             batch[1] += 1
             return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
+
+    def add_hit(self, local: LocalStore) -> bool:
+        """``add(local, {"hits": 1})``: one increment where the root already has pending counts."""
+        with self._lock:
+            item = self._by_root.get(local.root)
+            if item is not None:
+                item[1]["hits"] += 1
+                batch = item[2]
+                batch[1] += 1
+                return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
+        return self.add(local, {"hits": 1})
 
     def take(self, root: Path) -> dict[str, int] | None:
         with self._lock:

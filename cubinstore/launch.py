@@ -124,7 +124,7 @@ class Library:
             else:
                 if key is not None:
                     self._selected[key] = spec
-        module = load(spec, ordinal, cc, self.store)
+        module = load(spec, ordinal, cc, self._store if self._store is not None else self.store)
         # Each entry's parameter layout is checked at its first launch or prepare (Kernel._function):
         # a load asks the driver nothing per parameter, and an entry never launched is never checked.
         return Kernel(spec, ordinal, module.functions, module.load_seconds)

@@ -12,6 +12,7 @@ import functools
 import gc
 import itertools
 import json
+import logging
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -80,6 +81,8 @@ def parse_arch(arch: object) -> tuple[int, int, bool]:
 
 
 def _check_cc(cc: object) -> ComputeCapability:
+    if type(cc) is tuple and len(cc) == 2 and type(cc[0]) is int is type(cc[1]) and cc[0] >= 0 <= cc[1]:
+        return cc  # type: ignore[return-value]  # the common case, as a device reports it; the check below words the rest
     if (
         not isinstance(cc, tuple)
         or len(cc) != 2
@@ -1100,14 +1103,14 @@ class Manifest:
             )
         parse = Arch.parse  # cached per arch string
         compatible = [k for k in candidates if parse(k.arch).runs_on(cc)]
-        sm = f"sm_{cc[0]}{cc[1]}"
         if not compatible:
+            sm = f"sm_{cc[0]}{cc[1]}"
             raise IncompatibleArchError(
                 f"no CUBIN of {family_or_id!r} for compute capability {cc[0]}.{cc[1]} ({sm}): "
                 f"candidates have {', '.join(sorted({k.arch for k in candidates}))}; "
                 f"manifest {self.source} has archs {', '.join(self.archs)}; build the kernels for {sm} or {sm}a"
             )
-        if not one_point:  # one point's kernels share their params
+        if not one_point and len(compatible) > 1:  # one point's kernels share their params
             variants = {tuple(sorted(k.params.items())) for k in compatible}
             if len(variants) > 1:
                 differing = sorted({key for v in variants for key, _ in v if len({dict(w).get(key) for w in variants}) > 1})
@@ -1118,5 +1121,6 @@ class Manifest:
         # The highest minor not above the GPU's, then the most specific (a, then f, then plain).
         best = compatible[0] if len(compatible) == 1 else max(
             compatible, key=lambda k: (parse(k.arch).minor, parse(k.arch).preference))
-        _log.debug("selected %s (%s) for compute capability %d.%d", best.id, best.digest, cc[0], cc[1])
+        if _log.isEnabledFor(logging.DEBUG):  # the call costs more than the check
+            _log.debug("selected %s (%s) for compute capability %d.%d", best.id, best.digest, cc[0], cc[1])
         return best

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from cubinstore import _env
@@ -52,7 +51,6 @@ __all__ = [
 ]
 
 _log = get_logger(__name__)
-_ONE_HIT = MappingProxyType({"hits": 1})
 
 
 def __getattr__(name: str) -> Any:
@@ -218,7 +216,7 @@ class Store:
         with self._counts_lock:  # the hot path: no keyword dicts
             self._counts["hits"] += 1
         if local is not None:
-            local.add_stats(_ONE_HIT)
+            local.add_hit()
 
     def _try(self, digest: Digest, size: int | None, name: str | None, indices: Iterable[int],
              outcomes: list[str], errors: list[CubinstoreError]) -> tuple[int, bytes] | None:
