@@ -500,6 +500,8 @@ _DIGESTS_RE = re.compile(r"(?:sha256:[0-9a-f]{64}\n)+", re.ASCII)
 _IDENTS_RE = re.compile(rf"(?:{_IDENT_RE.pattern}\n)+", re.ASCII)
 _LABELS_RE = re.compile(rf"(?:{_LABEL_RE.pattern}\n)+", re.ASCII)
 _LAUNCH_KEYS = frozenset({"block", "shared_mem", "cluster", "grid"})
+# A launch object's text, up to its first brace: a "}" closes it, a "{" is a nested object.
+_LAUNCH_TEXT_RE = re.compile(r'"launch":(\{[^{}]*\}?)', re.ASCII)
 # After a quote, whitespace could hide a key token from the count below: such text goes slow.
 _WS_AFTER_QUOTE = re.compile(r'"[ \t\n\r]')
 
@@ -566,6 +568,22 @@ def _launches_ok(launches: list[dict[str, Any]]) -> None:
                 _abi.check_rule(rule)
         except BadArgumentError:
             raise _Slow from None
+
+
+def _distinct_launches(text: str, count: int) -> list[dict[str, Any]]:
+    """The distinct launch objects of a document without a families section, each parsed once from its text.
+
+    A release repeats a few geometries thousands of times. With no backslash in the text (the
+    caller checked), every ``"launch":`` is that key, and without a families section only entry
+    bodies hold it; so when the text has ``count`` of them, each an object with no brace inside
+    (block, grid and cluster hold lists only), the geometries parsed into the document are
+    exactly the distinct texts parsed here, and checking these checks every one of them.
+    """
+    found = _LAUNCH_TEXT_RE.findall(text)
+    distinct = set(found)
+    if len(found) != count or not all(t.endswith("}") for t in distinct):
+        raise _Slow  # a brace inside an object, or a launch object elsewhere: check each one
+    return [json.loads(t) for t in distinct]
 
 
 def _entry_ok(types: tuple[Any, ...], offsets: tuple[int, ...], arch: Arch) -> None:
@@ -706,7 +724,7 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
         raise _Slow
     geometries = [g for g in launches if g is not None]
     if geometries:
-        _launches_ok(geometries)
+        _launches_ok(geometries if _FAMILIES_KEY in doc else _distinct_launches(text, len(geometries)))
     entry_archs = archs if len(bodies) == n else [a for a, e in zip(archs, entries) for _ in e]
     # Entries of one shape are checked once (offsets are ints by now; a tuple of types only
     # equals a checked tuple of strs).

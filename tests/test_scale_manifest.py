@@ -58,6 +58,14 @@ def _doc() -> dict[str, Any]:
     return {"schema": "cubinstore/manifest/v2", "kernels": kernels, "families": {"axpy": {"jit": template}}}
 
 
+def _doc_of(families: bool) -> dict[str, Any]:
+    """``_doc()``, or without its families section (the launch objects are then checked from the text)."""
+    doc = _doc()
+    if not families:
+        del doc["families"]
+    return doc
+
+
 def _slow_only(monkeypatch: pytest.MonkeyPatch) -> Callable[[bytes], Any]:
     def parse(raw: bytes) -> Any:
         with monkeypatch.context() as m:
@@ -136,9 +144,11 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
 _DELETE = object()
 
 
-def test_every_single_field_mutation_gets_the_same_answer_from_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("families", [True, False])
+def test_every_single_field_mutation_gets_the_same_answer_from_both_paths(monkeypatch: pytest.MonkeyPatch,
+                                                                          families: bool) -> None:
     slow = _slow_only(monkeypatch)
-    doc = _doc()
+    doc = _doc_of(families)
     rng = random.Random(9)
     cases = 0
     for path in _paths(doc):
@@ -151,9 +161,10 @@ def test_every_single_field_mutation_gets_the_same_answer_from_both_paths(monkey
     assert cases > 1000
 
 
-def test_random_multi_field_mutations_get_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("families", [True, False])
+def test_random_multi_field_mutations_get_the_same_answer(monkeypatch: pytest.MonkeyPatch, families: bool) -> None:
     slow = _slow_only(monkeypatch)
-    base = _doc()
+    base = _doc_of(families)
     paths = _paths(base)
     rng = random.Random(23)
     for _ in range(300):
@@ -203,6 +214,29 @@ def test_a_repeated_key_anywhere_is_refused_by_both_paths(monkeypatch: pytest.Mo
 def test_text_level_edits_get_the_same_answer(monkeypatch: pytest.MonkeyPatch, edit: Callable[[str], str]) -> None:
     raw = edit(_compact(_doc()).decode()).encode()
     assert _outcome(raw) == _slow_only(monkeypatch)(raw)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: t.replace('"block":128', '"block":{"x":1}', 1),          # an object inside a launch object
+    lambda t: t.replace('"block":128', '"block":[1025]', 1),           # one bad geometry among repeats
+    lambda t: t.replace('"entries":{"axpy":{', '"entries":{"axpy":{"launch":{"block":[2]},', 1),  # a repeated key
+    lambda t: t.replace('"launch":{', '"launch": {', 1),                # not the text the count expects
+])
+def test_launch_objects_checked_from_the_text_get_the_same_answer(monkeypatch: pytest.MonkeyPatch,
+                                                                  edit: Callable[[str], str]) -> None:
+    text = _compact(_doc_of(False)).decode()
+    raw = edit(text).encode()
+    assert raw != text.encode()
+    assert _outcome(raw) == _slow_only(monkeypatch)(raw)
+
+
+def test_repeated_launch_objects_are_checked_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[int] = []
+    real = manifest_module._launches_ok
+    monkeypatch.setattr(manifest_module, "_launches_ok", lambda launches: checked.append(len(launches)) or real(launches))
+    m = Manifest.from_bytes(_compact(_doc_of(False)))
+    assert m._index._objs is not None and checked == [2]  # 9 copies of one geometry and another: 2 objects
+    assert m.by_id("axpy/f32/sm_90").entry("::ns::axpy2").launch.cluster == (2, 1, 1)
 
 
 def test_ids_in_another_param_order_and_ambiguous_renderings_agree(monkeypatch: pytest.MonkeyPatch) -> None:
