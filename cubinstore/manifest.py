@@ -571,13 +571,13 @@ def _launches_ok(launches: list[dict[str, Any]]) -> None:
 
 
 def _distinct_launches(text: str, count: int) -> list[dict[str, Any]]:
-    """The distinct launch objects of a document without a families section, each parsed once from its text.
+    """The distinct launch objects of a document's ``count`` entry geometries, each parsed once from its text.
 
     A release repeats a few geometries thousands of times. With no backslash in the text (the
-    caller checked), every ``"launch":`` is that key, and without a families section only entry
-    bodies hold it; so when the text has ``count`` of them, each an object with no brace inside
-    (block, grid and cluster hold lists only), the geometries parsed into the document are
-    exactly the distinct texts parsed here, and checking these checks every one of them.
+    caller checked), every ``"launch":`` is that key, and each entry geometry is one of them; so
+    when the text has exactly ``count``, none is elsewhere (a families section), and when none
+    of them holds a brace (block, grid and cluster hold lists only), the geometries parsed into
+    the document are exactly the distinct texts parsed here: checking these checks every one.
     """
     found = _LAUNCH_TEXT_RE.findall(text)
     distinct = set(found)
@@ -724,7 +724,7 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
         raise _Slow
     geometries = [g for g in launches if g is not None]
     if geometries:
-        _launches_ok(geometries if _FAMILIES_KEY in doc else _distinct_launches(text, len(geometries)))
+        _launches_ok(_distinct_launches(text, len(geometries)))
     entry_archs = archs if len(bodies) == n else [a for a, e in zip(archs, entries) for _ in e]
     # Entries of one shape are checked once (offsets are ints by now; a tuple of types only
     # equals a checked tuple of strs).

@@ -59,7 +59,7 @@ def _doc() -> dict[str, Any]:
 
 
 def _doc_of(families: bool) -> dict[str, Any]:
-    """``_doc()``, or without its families section (the launch objects are then checked from the text)."""
+    """``_doc()``, or without its families section."""
     doc = _doc()
     if not families:
         del doc["families"]
@@ -221,10 +221,11 @@ def test_text_level_edits_get_the_same_answer(monkeypatch: pytest.MonkeyPatch, e
     lambda t: t.replace('"block":128', '"block":[1025]', 1),           # one bad geometry among repeats
     lambda t: t.replace('"entries":{"axpy":{', '"entries":{"axpy":{"launch":{"block":[2]},', 1),  # a repeated key
     lambda t: t.replace('"launch":{', '"launch": {', 1),                # not the text the count expects
+    lambda t: t.replace('"families":{"axpy":{"jit":{', '"families":{"axpy":{"jit":{"launch":{"block":[1]},', 1),
 ])
 def test_launch_objects_checked_from_the_text_get_the_same_answer(monkeypatch: pytest.MonkeyPatch,
                                                                   edit: Callable[[str], str]) -> None:
-    text = _compact(_doc_of(False)).decode()
+    text = _compact(_doc_of(True)).decode()
     raw = edit(text).encode()
     assert raw != text.encode()
     assert _outcome(raw) == _slow_only(monkeypatch)(raw)
@@ -234,7 +235,7 @@ def test_repeated_launch_objects_are_checked_once_each(monkeypatch: pytest.Monke
     checked: list[int] = []
     real = manifest_module._launches_ok
     monkeypatch.setattr(manifest_module, "_launches_ok", lambda launches: checked.append(len(launches)) or real(launches))
-    m = Manifest.from_bytes(_compact(_doc_of(False)))
+    m = Manifest.from_bytes(_compact(_doc()))
     assert m._index._objs is not None and checked == [2]  # 9 copies of one geometry and another: 2 objects
     assert m.by_id("axpy/f32/sm_90").entry("::ns::axpy2").launch.cluster == (2, 1, 1)
 
