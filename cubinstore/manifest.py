@@ -864,6 +864,10 @@ class _Index:
 
     def blobs(self) -> tuple[tuple[Digest, int], ...]:
         def build() -> tuple[tuple[Digest, int], ...]:
+            objs = self._objs
+            if objs is not None:  # fast path: two C-level column reads; the digests were checked at open
+                pairs = set(zip(map(operator.itemgetter("digest"), objs), map(operator.itemgetter("size"), objs)))
+                return tuple((_checked_digest(d), s) for d, s in sorted(pairs))
             pairs = {(str(self._field(i, "digest")), self._field(i, "size")) for i in range(self._count)}
             return tuple((Digest.parse(d), s) for d, s in sorted(pairs))
         return self._lazy("blobs", build)
