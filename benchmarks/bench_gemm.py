@@ -282,7 +282,7 @@ def selection(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
 
 def print_table(title: str, rows: Sequence[Row]) -> None:
     print(f"\n== {title}")
-    print(f"{'M x N x K':>18s} {'group':>12s} {'from':24s} {'kernel (splits)':>52s} {'ours TF/s':>9s} "
+    print(f"{'M x N x K':>18s} {'group':>12s} {'from':24s} {'kernel (splits; 0 = stream-K)':>52s} {'ours TF/s':>9s} "
           f"{'torch TF/s':>10s} {'ratio':>7s} {'reps':>4s} {'rel err':>8s}")
     for r in rows:
         m, n, k = r.shape.mnk

@@ -109,15 +109,19 @@ class Timing:
 
 
 def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: str) -> list[int]:
-    """1, and the splits worth timing: SPLIT_TRIES and the model's pick, within two waves of units."""
+    """1, and the splits worth timing: SPLIT_TRIES and the model's pick, within two waves of units,
+    and stream-K (STREAM_K, 0) where the tiles leave the last wave partly idle."""
+    g = bench.gemm_module()
     options = model.options(m, n, k, sm_count, [kernel_id])
     picked = min(options)[2] if options else 1
-    slots = sm_count // bench.gemm_module().GemmConfig.from_id(kernel_id).cluster
+    slots = sm_count // g.GemmConfig.from_id(kernel_id).cluster
     tries = {1}
     for splits in (*SPLIT_TRIES, picked):
         estimate = model.estimate(m, n, k, sm_count, kernel_id, splits)
         if estimate.units <= MAX_SPLIT_WAVES * slots:
             tries.add(estimate.splits)  # plan() clamps to the K blocks
+    if _gemm_model.weighs_stream_k(model.estimate(m, n, k, sm_count, kernel_id, 1).units, slots):
+        tries.add(g.STREAM_K)
     return sorted(tries)
 
 
@@ -182,10 +186,18 @@ def save(path: Path, timings: list[Timing], provenance: dict[str, Any]) -> None:
 
 
 def load(path: Path) -> tuple[list[Timing], dict[str, Any]]:
+    """The saved timings, less stream-K ones where the model no longer weighs it (an older plan timed more)."""
     doc = json.loads(path.read_text())
     if doc.get("schema") != SCHEMA:
         sys.exit(f"{path}: expected schema {SCHEMA!r}, got {doc.get('schema')!r}")
-    return [Timing(**t) for t in doc["timings"]], doc["provenance"]
+    timings = [Timing(**t) for t in doc["timings"]]
+    sms = int(doc["provenance"]["sm_count"])
+    return [t for t in timings if t.splits != bench.gemm_module().STREAM_K or _weighed(t, sms)], doc["provenance"]
+
+
+def _weighed(t: Timing, sm_count: int) -> bool:
+    launch = bench.gemm_module().plan(t.m, t.n, t.k, sm_count, t.kernel_id, 1)
+    return _gemm_model.weighs_stream_k(launch.units, sm_count // launch.config.cluster)
 
 
 # -- fitting (CPU, numpy) -------------------------------------------------------------------------
@@ -208,9 +220,9 @@ def _fit_tiles(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequ
         # Memory bound, or K blocks held to the feed of unaligned rows: not the tile's costs.
         if e.busiest_us < e.memory_us or e.kblock_us > model.tile_costs(t.kernel_id).kblock_us:
             continue
-        # t = launch + waves * (unit + kblocks * kblock + split) + overlap * memory
-        target = t.us - machine.launch_us - machine.overlap_loss * e.memory_us - e.waves * e.split_us
-        rows[t.kernel_id].append((e.waves, e.waves * e.kblocks_per_unit, target, t.us))
+        # t = launch + units * unit + kblocks * kblock + extra + overlap * memory (on the busiest cluster)
+        target = t.us - machine.launch_us - machine.overlap_loss * e.memory_us - e.busy_extra_us
+        rows[t.kernel_id].append((e.busy_units, e.busy_kblocks, target, t.us))
     out = dict(tiles)
     for kid, r in rows.items():
         a = np.array([(w, wk) for w, wk, _, _ in r], dtype=float)
@@ -268,8 +280,9 @@ def _by_shape(timings: Sequence[Timing]) -> dict[tuple[int, int, int], dict[tupl
 
 def _pick(model: Model, mnk: tuple[int, int, int], measured: dict[tuple[str, int], float],
           sm_count: int) -> tuple[str, int]:
-    """The model's choice among the measured options of one shape."""
-    return min(measured, key=lambda o: (model.predict_us(*mnk, sm_count, *o), o))
+    """The model's choice among the measured options of one shape that it weighs (`Model.options`)."""
+    offered = {(kid, s) for _, kid, s in model.options(*mnk, sm_count, sorted({kid for kid, _ in measured}))}
+    return min((o for o in measured if o in offered), key=lambda o: (model.predict_us(*mnk, sm_count, *o), o))
 
 
 def _summary(regrets: Sequence[float], what: str) -> str:

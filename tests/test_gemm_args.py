@@ -227,8 +227,9 @@ def test_plan_is_persistent_and_a_multiple_of_the_cluster() -> None:
 def test_plan_clamps_splits_to_the_k_blocks() -> None:
     p = G.plan(128, 4096, 200, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 8)
     assert p.splits == 4  # ceil(200 / 64) K blocks
-    assert p.workspace_floats == 1 * 32 * 4 * 128 * 128 and p.counters == 32
-    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 0).splits == 1
+    assert p.workspace_floats == 1 * 32 * 4 * 128 * 128 and p.counters == 2 * 32  # arrived, published
+    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", -3).splits == 1
+    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", G.STREAM_K).stream_k
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(0, 8, 8), (8, 8, 2**31)])

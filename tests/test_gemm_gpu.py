@@ -56,7 +56,7 @@ def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
 
 @pytest.mark.parametrize("kernel_id", family_ids(G.FAMILY))
 @pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, G.STREAM_K])
 def test_every_instantiation_matches_float32_reference(
     lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, k: int, splits: int
 ) -> None:
@@ -73,15 +73,16 @@ def test_tuned_gemm_matches_float32_reference(lib: launch.Library, torch: Any, m
     _check(torch, d, a, b, f"ops.gemm (selected: {G.select(lib, 0, m, n, k)}) at {m}x{n}x{k}")
 
 
-def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library, torch: Any) -> None:
+@pytest.mark.parametrize("splits", [8, G.STREAM_K])
+def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library, torch: Any, splits: int) -> None:
     # Same stream, same tiles, back to back: the second call only works if the
     # first reset every arrival counter.
     kernel_id = lib.manifest.find(G.FAMILY)[0].id
     for _ in range(3):
         a, b = gemm_operands(torch, 200, 1000, 4096)
         d = torch.full((200, 1000), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-        G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=8)
-        _check(torch, d, a, b, f"{kernel_id} splits=8, repeated")
+        G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
+        _check(torch, d, a, b, f"{kernel_id} splits={splits}, repeated")
     counters = G._counters[(0, int(torch.cuda.current_stream(0).cuda_stream))]
     assert int(counters.abs().sum()) == 0
 

@@ -64,11 +64,14 @@ def test_compiled_fullgraph_matches_eager(lib: launch.Library, torch: Any, backe
     assert torch.equal(compiled(a2, b2), f(a2, b2))
 
 
-@pytest.mark.parametrize("splits", [2, 3, 8, 16])
-def test_split_k_gives_the_same_bits_whichever_split_arrives_last(lib: launch.Library, torch: Any, splits: int) -> None:
+@pytest.mark.parametrize(("splits", "m"), [(2, 1), (3, 1), (8, 1), (16, 1), (G.STREAM_K, 1), (G.STREAM_K, 1280)])
+def test_split_k_gives_the_same_bits_whichever_split_arrives_last(
+    lib: launch.Library, torch: Any, splits: int, m: int
+) -> None:
     # The last CTA of a tile to arrive sums the partials; the order the splits finish in varies
     # from launch to launch, so the sum must not follow it (compiled and eager must agree bit for bit).
-    m, n, k = 1, 4096, 4096
+    # Stream-K at 1280 rows: whole tiles, then tiles cut over two or three CTAs.
+    n, k = 4096, 4096
     a, b = gemm_operands(torch, m, n, k)
     kernel_id = G.select(lib, 0, m, n, k)[0]
     first = G.gemm_with(a, b, kernel_id=kernel_id, splits=splits)

@@ -9,7 +9,10 @@ shape, and ``choose`` takes the fastest:
   whole unit); a unit costs ``unit_us`` (accumulator reset, pipeline drain, epilogue) plus
   ``kblock_us`` per K block it owns, plus, with split-K, the fp32 partial written and, on
   the last CTA to arrive, the other partials read back (``split_unit_us`` for the fence and
-  counter, ``partial_bytes_per_us`` for the bytes);
+  counter, ``partial_bytes_per_us`` for the bytes); with stream-K (``gemm.STREAM_K``, weighed
+  where the last wave of tiles is partly idle) its whole tiles, then its pieces of the
+  remaining tiles, each a unit, its equal share of their K blocks, and its two partials
+  written and those it reads back (``_stream_k_work``);
 - **the feed of unaligned rows**: when K is not a multiple of 64, the rows of A and B are
   not 128-byte aligned and each 128-byte box row TMA reads spans two L2 lines; an SM then
   takes its operands at about half its usual rate, so a K block takes at least its CTA's
@@ -53,6 +56,7 @@ __all__ = [
     "choose",
     "default_tile_costs",
     "predict_us",
+    "weighs_stream_k",
 ]
 
 # The module, not the function `cubinstore.ops.gemm` that the package re-exports.
@@ -60,6 +64,7 @@ _gemm = importlib.import_module("cubinstore.ops.gemm")
 
 #: The most K splits the model weighs: the bound plan() clamps to.
 MAX_SPLITS: Final = _gemm._MAX_SPLITS
+_STREAM_K: Final = _gemm.STREAM_K
 # Beyond this many waves of units a further split only adds reduction work.
 _MAX_SPLIT_WAVES: Final = 4
 
@@ -145,19 +150,63 @@ def _unaligned_rows(k: int) -> bool:
 
 @dataclass(frozen=True)
 class Estimate:
-    """One option's predicted time and the terms it is made of (microseconds)."""
+    """One option's predicted time and the terms it is made of (microseconds).
+
+    The busiest cluster's work is ``busy_units * unit_us + busy_kblocks * kblock_us +
+    busy_extra_us``: linear in the tile's two costs, which is how the calibration fits them.
+    """
 
     kernel_id: str
-    splits: int
+    splits: int  # K splits, or gemm.STREAM_K
     units: int
     grid: int  # CTAs
-    waves: int  # units on the busiest cluster
-    kblocks_per_unit: int
+    busy_units: int  # units (stream-K: pieces) on the busiest cluster
+    busy_kblocks: int  # K blocks on the busiest cluster
     kblock_us: float  # one K block: the tile's kblock_us, or the unaligned rows' feed if slower
-    split_us: float  # per unit: fence, counter, partials written and read back
+    busy_extra_us: float  # split-K or stream-K bookkeeping: fences, counters, partials
     busiest_us: float  # the busiest cluster's work
     memory_us: float  # HBM traffic at the rate the grid can draw
     time_us: float
+
+
+def weighs_stream_k(cluster_tiles: int, slots: int) -> bool:
+    """Whether the model offers stream-K: one full wave of tiles and a second one under half full.
+
+    Where the H200 showed it pays (2026-12-02, every instantiation on the tuning shapes, side
+    by side with splits = 1): with 1-1.5 waves of tiles the whole tiles' second wave idles most
+    SMs and stream-K took 10-26% less time (median). With 1.5-2 waves, or several waves (even a
+    last one nearly empty, e.g. 3.4 waves at 1024x14336x4096: 15% slower), its cut tiles lose
+    more to partials and to L2 reuse (clusters at different K offsets) than the wave gains;
+    below one wave split-K keeps the K slices in step.
+    """
+    return slots <= cluster_tiles and 2 * cluster_tiles < 3 * slots
+
+
+def _stream_k_iters(cluster_tiles: int, clusters: int, kblocks: int) -> int:
+    """K blocks of the cut tiles under stream-K (all clusters together): the tiles that do not go whole."""
+    waves = cluster_tiles // clusters
+    whole = waves - 1 if waves >= 2 else 0
+    return (cluster_tiles - whole * clusters) * kblocks
+
+
+def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int, int, int, int]:
+    """(pieces, K blocks, partials written, partials read) of the busiest cluster under stream-K.
+
+    The launch contract's split (kernels/gemm/README.md): all but the last one to two waves of
+    tiles whole, round robin; the rest's K blocks in equal contiguous ranges, one a cluster.
+    """
+    waves = cluster_tiles // clusters
+    whole = waves - 1 if waves >= 2 else 0
+    iters = _stream_k_iters(cluster_tiles, clusters, kblocks)
+    sk_clusters = min(clusters, iters)
+    share = -(-iters // sk_clusters)
+    # A range of `share` K blocks touches at most this many tiles; only its first and last are cut.
+    touched = -(-(share - 1) // kblocks) + 1
+    cut = iters % sk_clusters != 0 or share % kblocks != 0
+    written = 2 if cut else 0
+    # The last to arrive at a cut tile reads every piece of it back: about kblocks / share + 1 pieces.
+    read = (-(-kblocks // share) + 1) * -(-(cluster_tiles - whole * clusters) // sk_clusters) if cut else 0
+    return whole + touched, whole * kblocks + share, written, read
 
 
 def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int) -> tuple[int, int, int]:
@@ -207,29 +256,34 @@ class Model:
         launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
         clusters = launch.grid // cfg.cluster
-        partial = cfg.bm * cfg.bn * 4
-        split_us = 0.0
+        partial_us = cfg.bm * cfg.bn * 4 / mc.partial_bytes_per_us
+        kblocks = -(-k // cfg.bk)
         hbm = 2.0 * (m * k + n * k + m * n)
-        if launch.splits > 1:
-            # Each unit writes its partial; the last of a tile's units reads the others back.
-            split_us = mc.split_unit_us + launch.splits * partial / mc.partial_bytes_per_us
-            if launch.workspace_floats * 4 > mc.l2_bytes / 2:
-                hbm += 2.0 * launch.workspace_floats * 4
-        waves = -(-launch.units // clusters)
-        kblocks_per_unit = -(-(-(-k // cfg.bk)) // launch.splits)
         # The bytes a CTA loads a K block: its A rows and its share of the B tile.
         feed_bytes = (min(cfg.bm, m) + min(cfg.bn, n) / cfg.cluster) * cfg.bk * 2
+        if launch.stream_k:
+            busy_units, busy_kblocks, written, read = _stream_k_work(launch.units, clusters, kblocks)
+            extra = written * mc.split_unit_us + (written + read) * partial_us
+        else:
+            busy_units = -(-launch.units // clusters)
+            busy_kblocks = busy_units * -(-kblocks // launch.splits)
+            extra = 0.0
+            if launch.splits > 1:
+                # Each unit writes its partial; the last of a tile's units reads the others back.
+                extra = busy_units * (mc.split_unit_us + launch.splits * partial_us)
+                if launch.workspace_floats * 4 > mc.l2_bytes / 2:
+                    hbm += 2.0 * launch.workspace_floats * 4
         # `stages` of them in flight over the latency of a load: the bandwidth one CTA draws.
         cta_rate = cfg.stages * feed_bytes / mc.fetch_latency_us
         memory = hbm / min(mc.hbm_bytes_per_us, launch.grid * cta_rate)
         kblock_us = costs.kblock_us
         if _unaligned_rows(k):
             kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us)
-        busiest = waves * (costs.unit_us + kblocks_per_unit * kblock_us + split_us)
+        busiest = busy_units * costs.unit_us + busy_kblocks * kblock_us + extra
         # Loads and tensor-core work overlap, not perfectly.
         time = mc.launch_us + max(busiest, memory) + mc.overlap_loss * min(busiest, memory)
-        return Estimate(kernel_id, launch.splits, launch.units, launch.grid, waves, kblocks_per_unit, kblock_us,
-                        split_us, busiest, memory, time)
+        return Estimate(kernel_id, launch.splits, launch.units, launch.grid, busy_units, busy_kblocks, kblock_us,
+                        extra, busiest, memory, time)
 
     def predict_us(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
         """Estimated kernel time of `kernel_id` with `splits` (clamped as plan() does)."""
@@ -279,6 +333,18 @@ class Model:
                 out.append((launch_us + busiest + overlap_loss * memory, kernel_id, splits))
             else:
                 out.append((launch_us + memory + overlap_loss * busiest, kernel_id, splits))
+        cluster_tiles = units_per_split
+        if kblocks > 1 and weighs_stream_k(cluster_tiles, slots):
+            clusters = min(cluster_tiles * kblocks, slots)
+            pieces, kbs, written, read = _stream_k_work(cluster_tiles, clusters, kblocks)
+            busiest = (pieces * unit_us + kbs * kblock_us + written * split_fixed
+                       + (written + read) * partial_us)
+            rate = clusters * cluster * cta_rate
+            memory = operand_bytes / (rate if rate < hbm_rate else hbm_rate)
+            if busiest >= memory:
+                out.append((launch_us + busiest + overlap_loss * memory, kernel_id, _STREAM_K))
+            else:
+                out.append((launch_us + memory + overlap_loss * busiest, kernel_id, _STREAM_K))
         return out
 
     def options(self, m: int, n: int, k: int, sm_count: int,

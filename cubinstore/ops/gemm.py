@@ -33,6 +33,7 @@ __all__ = [
     "GemmConfig",
     "Operand",
     "Plan",
+    "STREAM_K",
     "cache_misses",
     "candidates",
     "check_operands",
@@ -58,6 +59,9 @@ _SWIZZLE_ELEMS: Final = 64  # bf16 elements in one 128-byte swizzle row
 _MAX_SMEM: Final = 232448  # sm_90 opt-in limit per block (227 KiB)
 _I32_MAX: Final = 2**31 - 1
 _MAX_SPLITS: Final = 16
+#: `splits` value that asks for stream-K: the last one to two waves of tiles dealt out as equal
+#: ranges of K blocks (see kernels/gemm/README.md).
+STREAM_K: Final = 0
 _ID_RE: Final = re.compile(r"gemm/bm(\d+)/bn(\d+)/bk(\d+)/stages(\d+)/cluster(\d+)/sm_90a")
 
 
@@ -138,33 +142,39 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one problem is launched: the instantiation, the K-split and the grid."""
+    """How one problem is launched: the instantiation, the K-split (or stream-K) and the grid."""
 
     config: GemmConfig
-    splits: int
+    splits: int  # K splits, or STREAM_K
     tiles_m: int
     tiles_n: int
-    units: int
+    units: int  # work units: cluster tiles x splits (stream-K: cluster tiles)
     grid: int
 
     @property
+    def stream_k(self) -> bool:
+        return self.splits == STREAM_K
+
+    @property
     def workspace_floats(self) -> int:
-        """fp32 partials for split-K: one BM x BN block per (tile, split); 0 without split."""
-        if self.splits == 1:
-            return 0
-        return self.tiles_m * self.tiles_n * self.splits * self.config.bm * self.config.bn
+        """fp32 partials: split-K one BM x BN block per (tile, split), stream-K two per CTA; else 0."""
+        block = self.config.bm * self.config.bn
+        if self.stream_k:
+            return self.grid * 2 * block
+        return 0 if self.splits == 1 else self.tiles_m * self.tiles_n * self.splits * block
 
     @property
     def counters(self) -> int:
-        """int32 arrival counters for split-K, one a tile (zero between launches); 0 without split."""
-        return 0 if self.splits == 1 else self.tiles_m * self.tiles_n
+        """int32 counters of split-K and stream-K, two a tile: arrived, published (zero between launches); else 0."""
+        return 0 if self.splits == 1 else 2 * self.tiles_m * self.tiles_n
 
 
 def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> Plan:
     """The launch of `kernel_id` for an M x N x K problem on a GPU of `sm_count` SMs.
 
-    `splits` is clamped to [1, number of K blocks] (and to 16); the grid is
-    persistent: at most one CTA per SM, a multiple of the cluster size.
+    `splits` is STREAM_K, or clamped to [1, number of K blocks] (and to 16); the grid is
+    persistent: at most one CTA per SM, a multiple of the cluster size; with stream-K at
+    most one cluster per K block of the problem.
     """
     config = GemmConfig.from_id(kernel_id)
     for name, value in (("m", m), ("n", n), ("k", k)):
@@ -173,13 +183,18 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
     if sm_count < config.cluster:
         raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
     kblocks = -(-k // config.bk)
-    splits = max(1, min(int(splits), kblocks, _MAX_SPLITS))
+    splits = int(splits)
+    if splits != STREAM_K:
+        splits = max(1, min(splits, kblocks, _MAX_SPLITS))
     tiles_m = -(-m // config.bm)
     tiles_n = -(-n // config.bn)
-    units = -(-tiles_m // config.cluster) * tiles_n * splits
-    if units > _I32_MAX or tiles_m * tiles_n * splits * config.bm * config.bn > 2**40:
+    cluster_tiles = -(-tiles_m // config.cluster) * tiles_n
+    units = cluster_tiles * max(splits, 1)
+    if units > _I32_MAX or tiles_m * tiles_n * max(splits, 1) * config.bm * config.bn > 2**40:
         raise BadArgumentError(f"gemm {m}x{n}x{k}: too many tiles for kernel {kernel_id} ({units} work units)")
-    clusters = min(units, sm_count // config.cluster)
+    # Stream-K deals out K blocks: more clusters than the problem has would idle.
+    work = cluster_tiles * kblocks if splits == STREAM_K else units
+    clusters = min(work, sm_count // config.cluster)
     return Plan(config, splits, tiles_m, tiles_n, units, clusters * config.cluster)
 
 
@@ -492,7 +507,7 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
     tma_a = call.maps_a.get(address_a)
     tma_b = call.maps_b.get(address_b)
     launch = call.plan
-    if launch.splits > 1:
+    if launch.counters:
         workspace = torch.empty(launch.workspace_floats, dtype=torch.float32, device=call.torch_device)
         counters = _counter_buffer(torch, call.device, stream, launch.counters)
         call.launch(stream, tma_a, tma_b, out.data_ptr(), workspace.data_ptr(), counters.data_ptr())

@@ -13,8 +13,11 @@
 // The grid is persistent: cluster c processes work units c, c + clusters, ...
 // A work unit is (tile row, tile column, K split); with splits > 1 the CTAs
 // of one tile write fp32 partials to `workspace`, and the last of them to
-// arrive (counted in `counters`, which it resets to zero) sums them, in split
-// order so the result does not depend on which arrived last, and writes D. See kernels/gemm/README.md for the launch contract.
+// arrive (counted in `counters`, which it resets to zero) sums them with its own,
+// in split order so the result does not depend on which arrived last, and writes D.
+// splits == 0 is stream-K: one to two waves of tiles are dealt out to the
+// clusters as equal ranges of K blocks (see Walk), reduced the same way.
+// See kernels/gemm/README.md for the launch contract.
 #pragma once
 
 #include <cuda.h>
@@ -106,7 +109,7 @@ struct Schedule {
     tiles_n = ceil_div(n, C::kBN);
     units_m = ceil_div(tiles_m, C::kClusterM);
     kblocks = ceil_div(k, C::kBK);
-    splits = splits_;
+    splits = splits_ > 0 ? splits_ : 1;  // stream-K (0) walks whole tiles
     units = units_m * tiles_n * splits;
   }
 
@@ -123,6 +126,96 @@ struct Schedule {
     tn = within / rows;
     kb0 = static_cast<int>(static_cast<long long>(split) * kblocks / splits);
     kb1 = static_cast<int>(static_cast<long long>(split + 1) * kblocks / splits);
+  }
+};
+
+// One piece of work of a CTA: K blocks [kb0, kb1) of tile (tm, tn), piece `slot` of the
+// `nslots` that tile is cut into (1: the CTA owns the whole tile and stores D itself).
+struct Piece {
+  int tm, tn, kb0, kb1, slot, nslots;
+  long long tile_start;  // stream-K: the tile's first iteration in the stream-K range
+};
+
+// The sequence of pieces of one cluster, the same for its producer and consumers.
+//
+// splits >= 1 (split-K): units u = cluster, cluster + clusters, ... of the schedule.
+// splits == 0 (stream-K): the tiles (cluster units) in schedule order are cut in two parts.
+// The K blocks of the first P - dp tiles, I in all, are dealt out as contiguous ranges,
+// cluster g taking [g I / G, (g + 1) I / G) (G = min(clusters, I)); then the last dp tiles
+// go whole, round robin, as with splits = 1. dp is all but the last one to two waves of
+// tiles, so every cluster does the same work to within one K block, and the cut tiles come
+// first, their sums overlapping the whole tiles instead of ending the kernel. A tile whose
+// K blocks span several clusters has one piece (slot) per cluster, in K order.
+template <class C>
+struct Walk {
+  const Schedule<C>& sched;
+  int cluster, clusters, rank;
+  int u, u_end, u_step;       // whole (or split-K) units still to do: u, u + u_step, ... < u_end
+  int sk_clusters;            // G
+  long long sk_iters, i, i1;  // I, and this cluster's remaining stream-K range [i, i1)
+
+  __device__ __forceinline__ Walk(const Schedule<C>& s, int cluster_, int clusters_, uint32_t rank_, int splits)
+      : sched(s), cluster(cluster_), clusters(clusters_), rank(static_cast<int>(rank_)), u_end(s.units),
+        u_step(clusters_) {
+    if (splits > 0) {
+      u = cluster;
+      sk_clusters = 1;
+      sk_iters = i = i1 = 0;
+      return;
+    }
+    const int waves = s.units / clusters;
+    const int dp = waves >= 2 ? (waves - 1) * clusters : 0;
+    u = s.units - dp + cluster;
+    sk_iters = static_cast<long long>(s.units - dp) * s.kblocks;
+    sk_clusters = static_cast<int>(min(static_cast<long long>(clusters), sk_iters));
+    i = start(cluster);
+    i1 = cluster < sk_clusters ? start(cluster + 1) : i;
+  }
+
+  __device__ __forceinline__ long long start(int g) const {
+    return g >= sk_clusters ? sk_iters : static_cast<long long>(g) * sk_iters / sk_clusters;
+  }
+  // The cluster whose range holds stream-K iteration j: the last g with start(g) <= j.
+  __device__ __forceinline__ int owner(long long j) const {
+    return static_cast<int>(((j + 1) * sk_clusters - 1) / sk_iters);
+  }
+
+  __device__ __forceinline__ bool next(Piece& p) {
+    int split;
+    if (i < i1) {
+      const int kblocks = sched.kblocks;
+      const long long t = i / kblocks;
+      p.tile_start = t * kblocks;
+      int kb_unused0, kb_unused1;
+      sched.decode(static_cast<int>(t), static_cast<uint32_t>(rank), p.tm, p.tn, split, kb_unused0, kb_unused1);
+      p.kb0 = static_cast<int>(i - p.tile_start);
+      p.kb1 = static_cast<int>(min(i1 - p.tile_start, static_cast<long long>(kblocks)));
+      const int first = owner(p.tile_start);
+      p.slot = cluster - first;
+      p.nslots = owner(p.tile_start + kblocks - 1) - first + 1;
+      i = p.tile_start + p.kb1;
+      return true;
+    }
+    if (u >= u_end) return false;
+    sched.decode(u, static_cast<uint32_t>(rank), p.tm, p.tn, split, p.kb0, p.kb1);
+    p.slot = split;
+    p.nslots = sched.splits;
+    p.tile_start = -1;
+    u += u_step;
+    return true;
+  }
+
+  // Where piece `s` of the tile of `p` keeps its fp32 partial (in BM x BN blocks).
+  // Split-K: one block per (tile, split). Stream-K: two per CTA, [0] for the piece its range
+  // starts in, [1] for the piece it ends in (every piece between is a whole tile).
+  __device__ __forceinline__ size_t partial_block(const Piece& p, int s) const {
+    if (p.tile_start < 0) {
+      const int tile = p.tm * sched.tiles_n + p.tn;
+      return static_cast<size_t>(tile) * sched.splits + s;
+    }
+    const int g = owner(p.tile_start) + s;
+    const int cta = g * C::kClusterM + rank;
+    return static_cast<size_t>(cta) * 2 + (start(g) >= p.tile_start ? 0 : 1);
   }
 };
 
@@ -210,10 +303,11 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       sm90::tma_prefetch_desc(&tma_b);
       int stage = 0;
       uint32_t phase = 0;
-      for (int u = cluster_id; u < sched.units; u += clusters) {
-        int tm, tn, split, kb0, kb1;
-        sched.decode(u, rank, tm, tn, split, kb0, kb1);
-        for (int kb = kb0; kb < kb1; ++kb) {
+      Walk<C> walk(sched, cluster_id, clusters, rank, splits);
+      Piece piece;
+      while (walk.next(piece)) {
+        const int tm = piece.tm, tn = piece.tn;
+        for (int kb = piece.kb0; kb < piece.kb1; ++kb) {
           // A fresh barrier counts as having completed the phase before
           // phase 0, so the first pass over the ring does not block.
           sm90::mbar_wait(&empty[stage], phase ^ 1);
@@ -249,14 +343,15 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
     float acc[C::kAcc];
     int stage = 0;
     uint32_t phase = 0;
-    for (int u = cluster_id; u < sched.units; u += clusters) {
-      int tm, tn, split, kb0, kb1;
-      sched.decode(u, rank, tm, tn, split, kb0, kb1);
+    Walk<C> walk(sched, cluster_id, clusters, rank, splits);
+    Piece piece;
+    while (walk.next(piece)) {
+      const int tm = piece.tm, tn = piece.tn;
 #pragma unroll
       for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
 
       int prev_stage = -1;
-      for (int kb = kb0; kb < kb1; ++kb) {
+      for (int kb = piece.kb0; kb < piece.kb1; ++kb) {
         sm90::mbar_wait(&full[stage], phase);
         cute::warpgroup_arrive();
         const uint32_t a_base = sm90::smem_addr(s_a + stage * C::kABytes) + cw * C::kWgRows * 128;
@@ -295,35 +390,63 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       // The second CTA of a cluster at the bottom edge has no rows here.
       if (tm >= sched.tiles_m) continue;
 
-      if (splits > 1) {
+      if (piece.nslots > 1) {
+        // The tile is cut in pieces (split-K or stream-K). Each takes a ticket; all but the
+        // last write their fp32 partial and publish it. The last waits until the others have
+        // published (they took their tickets first, so they are running: no CTA waits for one
+        // that has yet to start) and forms ((0 + p0) + p1) + ... in slot order, so whichever
+        // CTA arrives last, D gets the same bits. Its own piece comes from registers when it
+        // is p0 or p1 (the sum can then be built in place): no write or read of its own.
         constexpr int kConsumerThreads = C::kConsumers * 128;
+        constexpr size_t kBlock = static_cast<size_t>(C::kBM) * C::kBN;
         const int tile = tm * sched.tiles_n + tn;
-        float4* mine = reinterpret_cast<float4*>(
-            workspace + (static_cast<size_t>(tile) * splits + split) * (C::kBM * C::kBN));
-#pragma unroll
-        for (int r = 0; r < C::kAcc / 4; ++r) {
-          __stcg(mine + r * kConsumerThreads + ct,
-                 make_float4(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]));
-        }
-        __threadfence();
+        int* arrived = counters + 2 * tile;
+        int* published = arrived + 1;
+        const int mine = piece.slot;
+        float4* own = reinterpret_cast<float4*>(workspace + walk.partial_block(piece, mine) * kBlock);
+        if (ct == 0) *last_flag = atomicAdd(arrived, 1) == piece.nslots - 1;
         sm90::named_barrier_sync(1, kConsumerThreads);
+        const bool last = *last_flag != 0;
+        if (!last || mine >= 2) {
+#pragma unroll
+          for (int r = 0; r < C::kAcc / 4; ++r) {
+            __stcg(own + r * kConsumerThreads + ct,
+                   make_float4(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]));
+          }
+        }
+        if (!last) {
+          __threadfence();
+          sm90::named_barrier_sync(1, kConsumerThreads);
+          if (ct == 0) atomicAdd(published, 1);
+          continue;
+        }
         if (ct == 0) {
-          const int arrived = atomicAdd(&counters[tile], 1);
-          const int last = arrived == splits - 1;
-          // Leave the counter at zero for the next launch.
-          if (last) atomicExch(&counters[tile], 0);
-          *last_flag = last;
+          while (*reinterpret_cast<volatile int*>(published) < piece.nslots - 1) __nanosleep(64);
+          // Every other piece is done with both counters: leave them at zero for the next launch.
+          *arrived = 0;
+          *published = 0;
         }
         sm90::named_barrier_sync(1, kConsumerThreads);
-        if (*last_flag == 0) continue;
         __threadfence();
-        // Sum every split's partial, its own re-read too, in split order: whichever CTA
-        // arrives last, D gets the same bits (the partial it wrote is still in L2).
+        int from = mine + 1;  // the first slot still to add
+        if (mine == 1) {
+          const float4* p0 = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, 0) * kBlock);
 #pragma unroll
-        for (int r = 0; r < C::kAcc; ++r) acc[r] = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-          const float4* part = reinterpret_cast<const float4*>(
-              workspace + (static_cast<size_t>(tile) * splits + s) * (C::kBM * C::kBN));
+          for (int r = 0; r < C::kAcc / 4; ++r) {
+            const float4 v = __ldcg(p0 + r * kConsumerThreads + ct);
+            acc[4 * r] = (0.0f + v.x) + acc[4 * r];
+            acc[4 * r + 1] = (0.0f + v.y) + acc[4 * r + 1];
+            acc[4 * r + 2] = (0.0f + v.z) + acc[4 * r + 2];
+            acc[4 * r + 3] = (0.0f + v.w) + acc[4 * r + 3];
+          }
+        } else {
+          // mine == 0: 0 + own; mine >= 2: its own was written above, sum all from slot 0.
+#pragma unroll
+          for (int r = 0; r < C::kAcc; ++r) acc[r] = mine == 0 ? 0.0f + acc[r] : 0.0f;
+          if (mine >= 2) from = 0;
+        }
+        for (int sl = from; sl < piece.nslots; ++sl) {
+          const float4* part = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, sl) * kBlock);
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
             const float4 v = __ldcg(part + r * kConsumerThreads + ct);
