@@ -526,6 +526,13 @@ def _id_order(kid: object, family: str, params: dict[str, Any], arch: str) -> tu
     return tuple(order)
 
 
+def _rendered(key: str, column: list[Any]) -> list[str]:
+    """Each value of a param column as an id renders it (a str as itself, an int as ``<key><value>``),
+    each distinct value rendered once (a column repeats few values; ints and strs never collide)."""
+    table = {v: v if type(v) is str else f"{key}{v}" for v in set(column)}
+    return list(map(table.__getitem__, column))
+
+
 def _dims_ok(column: list[Any], limit: int) -> None:
     """_abi._dims3 over a column: each an int or a list of 1 to 3 ints, all in [1, limit]."""
     kinds = set(map(type, column))
@@ -670,7 +677,7 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
         rows = params if len(groups) == 1 else [params[i] for i in members]
         if set(map(len, rows)) != {len(order)}:
             raise _Slow
-        columns = [[v if type(v) is str else f"{k}{v}" for v in map(operator.itemgetter(k), rows)] for k in order]
+        columns = [_rendered(k, list(map(operator.itemgetter(k), rows))) for k in order]
         family_stems = list(map("/".join, zip(itertools.repeat(f, len(rows)), *columns)))
         family_archs = archs if len(groups) == 1 else [archs[i] for i in members]
         family_ids = ids if len(groups) == 1 else [ids[i] for i in members]
