@@ -94,3 +94,66 @@ def test_a_bad_device_is_still_refused_naming_the_range(fake: FakeDriver, monkey
     lib = launch.Library(manifest(), store=object())  # type: ignore[arg-type]
     with pytest.raises(BadArgumentError, match=r"^invalid device 3: expected an ordinal in \[0, 1\)"):
         lib.kernel("f", device=3, p=1)
+
+
+# -- the host side of a real load (driver stubbed): the store's reads and hashes -----------------
+
+def cubin_like(i: int, size: int = 6000) -> bytes:
+    """ELF-headed bytes that pass the loader's header check for sm_90 (no driver sees them here)."""
+    import random
+    import struct
+
+    head = bytearray(64)
+    head[:9] = b"\x7fELF\x02\x01\x01\x00\x08"
+    struct.pack_into("<H", head, 0x12, 190)  # EM_CUDA
+    struct.pack_into("<I", head, 0x30, 90 << 8)  # sm_90
+    return bytes(head) + random.Random(i).randbytes(size - 64)
+
+
+@pytest.fixture
+def stubbed_driver(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Device facts of two sm_90 GPUs and a driver whose loads record the bytes they were given."""
+    import contextlib
+
+    from cubinstore import _loader
+
+    loaded: list[bytes] = []
+    monkeypatch.setattr(launch, "_device_count", [2])
+    monkeypatch.setattr(launch, "_capabilities", {0: (9, 0), 1: (9, 0)})
+    monkeypatch.setattr(launch._cuda, "on_device", lambda ordinal: contextlib.nullcontext())
+    monkeypatch.setattr(launch._cuda, "load_library", lambda data, what: loaded.append(data) or len(loaded))
+    monkeypatch.setattr(launch._cuda, "library_function", lambda library, entry, what: 1)
+    monkeypatch.setattr(_loader, "_modules", {})
+    return loaded
+
+
+def test_a_blob_is_read_and_hashed_once_per_process_however_many_devices_load_it(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, stubbed_driver: list[bytes]) -> None:
+    import hashlib
+    import os
+
+    from cubinstore._digest import Digest
+    from cubinstore.store import LocalStore, MemoryStore, Store
+
+    data = cubin_like(0)
+    digest = Digest.of(data)
+    local = LocalStore(tmp_path / "home")
+    local.write(digest, data)
+    kernels = [{"id": "f/p0/sm_90a", "family": "f", "params": {"p": 0}, "arch": "sm_90a", "digest": str(digest),
+                "size": len(data), "target": "//k:t0", "entries": {"k": {"name": "k", "params": ["ptr"], "offsets": [0]}}}]
+    lib = launch.Library(Manifest.from_bytes(dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": kernels})),
+                         Store([MemoryStore(), local]))  # the layers of Store.from_env, without remotes
+    opened: list[Any] = []
+    hashed: list[int] = []
+    real_open, real_sha256 = os.open, hashlib.sha256
+    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    monkeypatch.setattr(hashlib, "sha256", lambda b=b"": hashed.append(len(b)) or real_sha256(b))
+    lib.kernel("f/p0/sm_90a", device=0)
+    assert hashed == [len(data)] and opened[-1] == digest.hex  # one verified read (and the shard opened once)
+    opened.clear()
+    hashed.clear()
+    lib.kernel("f/p0/sm_90a", device=1)
+    lib.kernel("f/p0/sm_90a", device=0)  # loaded already: nothing to do
+    assert opened == [] and hashed == []
+    assert len(stubbed_driver) == 2 and stubbed_driver[0] is stubbed_driver[1]  # the one verified bytes object
+    assert stubbed_driver[0] == data
