@@ -32,8 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import importlib  # noqa: E402
+
+_gemm = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 GEMM_FILES = ("kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh")
-GEMM_ENTRY = {"gemm_bf16_tn": ["tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32"]}
+GEMM_ENTRY = {_gemm.ENTRY: list(_gemm.ENTRY_TYPES)}
 GEMM_POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1}
 GEMM_DEFINES = ("BM={bm}", "BN={bn}", "BK={bk}", "STAGES={stages}", "CLUSTER_M={cluster}")
 TINY_TU = ('extern "C" __global__ void scale(int n, float a, float* x) {\n'

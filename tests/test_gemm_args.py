@@ -188,7 +188,7 @@ def test_malformed_kernel_id_is_a_typed_error(bad: object) -> None:
 
 @pytest.mark.parametrize(("row", "why"), [
     ((256, 256, 64, 2, 1), "accumulators of a 256x256 tile exceed 128 registers"),
-    ((128, 256, 64, 5, 1), "shared memory 246880 > 232448 bytes"),
+    ((128, 256, 64, 5, 1), "shared memory 263264 > 232448 bytes"),
     ((128, 96, 64, 4, 1), "bn 96 not in"),
     ((128, 128, 64, 4, 4), "cluster 4 not in"),
 ])
@@ -198,9 +198,11 @@ def test_instantiations_the_kernel_cannot_build_are_refused(row: tuple[int, ...]
 
 
 def test_shared_memory_formula_matches_the_kernel() -> None:
-    # kernels/gemm/sm90_bf16_gemm.cuh: 1024 + STAGES * (BM + BN) * BK * 2 + 2 * STAGES * 8 + 16
-    assert G.GemmConfig(128, 256, 64, 4, 1).smem_bytes == 1024 + 4 * 384 * 128 + 64 + 16
-    assert G.GemmConfig(128, 128, 128, 3, 2).smem_bytes == 1024 + 3 * 256 * 256 + 48 + 16
+    # kernels/gemm/sm90_bf16_gemm.cuh: 1024 + STAGES * (BM + BN) * BK * 2 + consumers * 64 * 128
+    # + 2 * STAGES * 8 + 16
+    assert G.GemmConfig(128, 256, 64, 4, 1).smem_bytes == 1024 + 4 * 384 * 128 + 2 * 8192 + 64 + 16
+    assert G.GemmConfig(128, 128, 128, 3, 2).smem_bytes == 1024 + 3 * 256 * 256 + 2 * 8192 + 48 + 16
+    assert G.GemmConfig(64, 256, 64, 5, 1).smem_bytes == 1024 + 5 * 320 * 128 + 8192 + 80 + 16
 
 
 def test_block_has_one_consumer_warpgroup_for_64_row_tiles_else_two() -> None:
@@ -222,6 +224,13 @@ def test_plan_is_persistent_and_a_multiple_of_the_cluster() -> None:
     assert p.workspace_floats == 0 and p.counters == 0
     small = G.plan(100, 100, 64, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a", 1)
     assert (small.units, small.grid) == (1, 2)  # one cluster; its second CTA has no rows
+
+
+def test_d_goes_through_tma_only_with_16_byte_rows_and_start() -> None:
+    # kernels/gemm/sm90_bf16_gemm.cuh: tma_store = (n & 7) == 0 && (d & 15) == 0
+    assert G.stores_by_tma(4096, 0x7F00_0000_0000) and G.stores_by_tma(8, 16)
+    assert not G.stores_by_tma(4100, 0x7F00_0000_0000)  # rows of 8200 bytes
+    assert not G.stores_by_tma(4096, 0x7F00_0000_0008)  # an out view 8 bytes into its storage
 
 
 def test_plan_clamps_splits_to_the_k_blocks() -> None:
@@ -311,32 +320,39 @@ def _packed_bytes(packed: PackedArgs, types: tuple[str, ...]) -> bytes:
 
 
 def test_reused_argument_buffer_packs_the_bytes_pack_args_gives() -> None:
-    maps = [TensorMap(bytes([i]) * 128) for i in (1, 2, 3, 4)]
-    buffer = ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, 1000, 333, 1008, None, None, 4), device=0)
+    maps = [TensorMap(bytes([i]) * 128) for i in (1, 2, 3, 4, 5, 6)]
+    buffer = ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, None, 1000, 333, 1008, None, None, 4),
+                       device=0)
     # Raw bytes and ints take the short path, TensorMap objects the full one: same bytes either way.
-    for changing in [(maps[0].raw, maps[1].raw, 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000),
-                     (maps[2], maps[3], 0x10, 0, 0)]:
+    for changing in [(maps[0].raw, maps[1].raw, maps[2].raw, 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000),
+                     (maps[3], maps[4], maps[5], 0x10, 0, 0)]:
         buffer.write(changing)
-        tma_a, tma_b, d, ws, counters = changing
-        once = pack_args("gemm/x", G.ENTRY, G.ENTRY_TYPES, (tma_a, tma_b, d, 1000, 333, 1008, ws, counters, 4), device=0)
+        tma_a, tma_b, tma_d, d, ws, counters = changing
+        once = pack_args("gemm/x", G.ENTRY, G.ENTRY_TYPES, (tma_a, tma_b, tma_d, d, 1000, 333, 1008, ws, counters, 4),
+                         device=0)
         assert buffer.raw() == _packed_bytes(once, G.ENTRY_TYPES)
 
 
 @pytest.mark.parametrize(("changing", "message"), [
-    ((b"\0" * 127, b"\0" * 128, 0, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 0: expected tensormap of 128 bytes"),
-    ((b"\0" * 128, b"\0" * 128, -1, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 2: expected ptr in \[0, 2\*\*64\)"),
-    ((b"\0" * 128, b"\0" * 128, 0, 0.5, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 6: expected ptr, got float"),
-    ((b"\0" * 128, b"\0" * 128, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn': expected 5 changing arguments"),
+    ((b"\0" * 127, b"\0" * 128, b"\0" * 128, 0, 0, 0),
+     r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 0: expected tensormap of 128 bytes"),
+    ((b"\0" * 128, b"\0" * 128, b"\0" * 64, 0, 0, 0),
+     r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 2: expected tensormap of 128 bytes"),
+    ((b"\0" * 128, b"\0" * 128, b"\0" * 128, -1, 0, 0),
+     r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 3: expected ptr in \[0, 2\*\*64\)"),
+    ((b"\0" * 128, b"\0" * 128, b"\0" * 128, 0, 0.5, 0),
+     r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 7: expected ptr, got float"),
+    ((b"\0" * 128, b"\0" * 128, b"\0" * 128, 0, 0), r"^kernel 'gemm/x' entry 'gemm_bf16_tn': expected 6 changing arguments"),
 ])
 def test_reused_argument_buffer_checks_each_changing_argument(changing: tuple[object, ...], message: str) -> None:
-    buffer = ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, 8, 8, 8, None, None, 1), device=0)
+    buffer = ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, None, 8, 8, 8, None, None, 1), device=0)
     with pytest.raises(BadArgumentError, match=message):
         buffer.write(changing)
 
 
 def test_reused_argument_buffer_checks_fixed_arguments_once() -> None:
-    with pytest.raises(BadArgumentError, match=r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 3: expected i32 in"):
-        ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, 2**31, 8, 8, None, None, 1), device=0)
+    with pytest.raises(BadArgumentError, match=r"^kernel 'gemm/x' entry 'gemm_bf16_tn' parameter 4: expected i32 in"):
+        ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, None, 2**31, 8, 8, None, None, 1), device=0)
 
 
 def test_selection_is_made_once_per_shape_and_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

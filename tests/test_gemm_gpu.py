@@ -113,3 +113,26 @@ def test_wrong_dtype_on_the_gpu_is_refused_before_launch(lib: launch.Library, to
 
     with pytest.raises(BadArgumentError, match=r"^gemm a: expected dtype bfloat16, got float32$"):
         ops.gemm(a, b)
+
+
+def test_d_through_tma_writes_nothing_past_m_and_n(lib: launch.Library, torch: Any) -> None:
+    # N a multiple of 8 but not of any tile edge: the TMA boxes of D are clipped at M and N.
+    m, n, k = 1000, 1000, 1008
+    a, b = gemm_operands(torch, m, n, k)
+    storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    d = storage[: m * n].view(m, n)
+    assert G.stores_by_tma(n, d.data_ptr())
+    ops.gemm(a, b, out=d)
+    _check(torch, d, a, b, "D through TMA")
+    assert bool(torch.isnan(storage[m * n :]).all()), "a TMA store wrote past D"
+
+
+def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, torch: Any) -> None:
+    m, n, k = 300, 512, 1000
+    a, b = gemm_operands(torch, m, n, k)
+    storage = torch.full((m * n + 8,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    d = storage[4 : 4 + m * n].view(m, n)  # 8 bytes in: 4-byte aligned, not 16
+    assert not G.stores_by_tma(n, d.data_ptr())
+    ops.gemm(a, b, out=d)
+    _check(torch, d, a, b, "out view 8 bytes in")
+    assert bool(torch.isnan(storage[:4]).all() and torch.isnan(storage[4 + m * n :]).all())

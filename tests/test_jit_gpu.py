@@ -26,7 +26,8 @@ from cubinstore.store import DirectorySource, LocalStore, MemoryStore, Store  # 
 
 REPO = Path(__file__).resolve().parent.parent
 GEMM_FILES = ["kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh"]
-GEMM_ENTRY = {"gemm_bf16_tn": ["tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32"]}
+_G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
+GEMM_ENTRY = {_G.ENTRY: list(_G.ENTRY_TYPES)}
 # Two stages: a point the family's grid (kernels/gemm/BUILD.bazel) does not have.
 POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1}
 

@@ -43,19 +43,22 @@ __all__ = [
     "run",
     "select",
     "sm_count",
+    "stores_by_tma",
 ]
 
 logger = get_logger(__name__)
 
 FAMILY: Final = "gemm"
 ENTRY: Final = "gemm_bf16_tn"
-#: tma_a, tma_b, d, m, n, k, workspace, counters, splits
-ENTRY_TYPES: Final = ("tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32")
+#: tma_a, tma_b, tma_d, d, m, n, k, workspace, counters, splits
+ENTRY_TYPES: Final = ("tensormap", "tensormap", "tensormap", "ptr", "i32", "i32", "i32", "ptr", "ptr", "i32")
 ARCH: Final = "sm_90a"
 
 _WARPGROUP: Final = 128  # threads
 _SWIZZLE_BYTES: Final = 128
 _SWIZZLE_ELEMS: Final = 64  # bf16 elements in one 128-byte swizzle row
+_D_BOX: Final = (64, _SWIZZLE_ELEMS)  # (rows, cols) of the box each consumer stages D through
+_NO_MAP: Final = bytes(128)  # tma_d when D is not stored by TMA (the kernel never reads it)
 _MAX_SMEM: Final = 232448  # sm_90 opt-in limit per block (227 KiB)
 _I32_MAX: Final = 2**31 - 1
 _MAX_SPLITS: Final = 16
@@ -121,13 +124,19 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, a flag."""
-        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.stages * 8 + 16
+        """Dynamic shared memory: alignment slack, the stage ring, a D box a consumer, two mbarriers a stage, a flag."""
+        d_boxes = self.consumers * _D_BOX[0] * _D_BOX[1] * 2
+        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + d_boxes + 2 * self.stages * 8 + 16
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: one for BM = 64, else two."""
+        return 1 if self.bm == 64 else 2
 
     @property
     def threads(self) -> int:
-        """Block size: one producer warpgroup and the consumers (one for BM = 64, else two)."""
-        return _WARPGROUP * ((1 if self.bm == 64 else 2) + 1)
+        """Block size: one producer warpgroup and the consumers."""
+        return _WARPGROUP * (self.consumers + 1)
 
     @property
     def box_a(self) -> tuple[int, int]:
@@ -167,6 +176,15 @@ class Plan:
     def counters(self) -> int:
         """int32 counters of split-K and stream-K, two a tile: arrived, published (zero between launches); else 0."""
         return 0 if self.splits == 1 else 2 * self.tiles_m * self.tiles_n
+
+
+def stores_by_tma(n: int, address: int) -> bool:
+    """Whether the kernel stores D (N columns, at `address`) through TMA, and so reads `tma_d`.
+
+    The kernel's rule (kernels/gemm/README.md): rows of a multiple of 16 bytes and a 16-byte
+    aligned start, which a tensor map needs; otherwise it stores pairs of elements itself.
+    """
+    return n % 8 == 0 and address % 16 == 0
 
 
 def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> Plan:
@@ -414,9 +432,10 @@ class _Call:
     torch_device: Any
     shape: tuple[int, int]  # of D
     plan: Plan
-    launch: PreparedLaunch  # called as (stream, tma_a, tma_b, d, workspace, counters)
+    launch: PreparedLaunch  # called as (stream, tma_a, tma_b, tma_d, d, workspace, counters)
     maps_a: _TensorMaps
     maps_b: _TensorMaps
+    maps_d: _TensorMaps | None  # None: N is not a multiple of 8, D is stored element pairs at a time
 
 
 def _counter_buffer(torch: Any, device: int, stream: int, count: int) -> Any:
@@ -506,13 +525,15 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
     stream = _stream_of(torch)(call.device)
     tma_a = call.maps_a.get(address_a)
     tma_b = call.maps_b.get(address_b)
+    address_d, n_d = out.data_ptr(), call.shape[1]
+    tma_d = call.maps_d.get(address_d) if call.maps_d is not None and stores_by_tma(n_d, address_d) else _NO_MAP
     launch = call.plan
     if launch.counters:
         workspace = torch.empty(launch.workspace_floats, dtype=torch.float32, device=call.torch_device)
         counters = _counter_buffer(torch, call.device, stream, launch.counters)
-        call.launch(stream, tma_a, tma_b, out.data_ptr(), workspace.data_ptr(), counters.data_ptr())
+        call.launch(stream, tma_a, tma_b, tma_d, address_d, workspace.data_ptr(), counters.data_ptr())
     else:
-        call.launch(stream, tma_a, tma_b, out.data_ptr(), 0, 0)
+        call.launch(stream, tma_a, tma_b, tma_d, address_d, 0, 0)
     return out
 
 
@@ -556,7 +577,7 @@ def _prepare(
         block=(cfg.threads, 1, 1),
         # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
         shared_mem=cfg.smem_bytes,
-        args=(None, None, None, m, n, k, None, None, launch.splits),
+        args=(None, None, None, None, m, n, k, None, None, launch.splits),
     )
     # A 1-row operand's stride is never used to step; give the map a dense one.
     stride_a = a_op.strides[0] if m > 1 else k
@@ -565,6 +586,9 @@ def _prepare(
         library, device, torch.device("cuda", device), (m, n), launch, prepared,
         _TensorMaps(encoder_2d_bf16(a_op.address, m, k, stride_a, *cfg.box_a, swizzle=_SWIZZLE_BYTES, device=device)),
         _TensorMaps(encoder_2d_bf16(b_op.address, n, k, stride_b, *cfg.box_b, swizzle=_SWIZZLE_BYTES, device=device)),
+        # D's address comes with each call; 16, an aligned stand-in, lets the encoder check the rest.
+        _TensorMaps(encoder_2d_bf16(16, m, n, n, *_D_BOX, swizzle=_SWIZZLE_BYTES, device=device))
+        if stores_by_tma(n, 16) else None,
     )
     if key is not None:
         with _lock:

@@ -27,6 +27,7 @@ using GemmConfig = cubinstore::gemm::Config<BM, BN, BK, STAGES, CLUSTER_M>;
 // min blocks 1 gives the entry register cap that setmaxnreg needs.
 extern "C" __global__ void __launch_bounds__(GemmConfig::kThreads, 1) GEMM_CLUSTER_DIMS
 gemm_bf16_tn(const __grid_constant__ CUtensorMap tma_a, const __grid_constant__ CUtensorMap tma_b,
-             __nv_bfloat16* d, int m, int n, int k, float* workspace, int* counters, int splits) {
-  cubinstore::gemm::gemm_tn<GemmConfig>(tma_a, tma_b, d, m, n, k, workspace, counters, splits);
+             const __grid_constant__ CUtensorMap tma_d, __nv_bfloat16* d, int m, int n, int k, float* workspace,
+             int* counters, int splits) {
+  cubinstore::gemm::gemm_tn<GemmConfig>(tma_a, tma_b, tma_d, d, m, n, k, workspace, counters, splits);
 }

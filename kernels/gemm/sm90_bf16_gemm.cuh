@@ -84,8 +84,10 @@ struct Config {
   // Cluster rows grouped together in the tile order, so that concurrently
   // running tiles share A and B panels in L2.
   static constexpr int kGroupM = 8;
+  // D leaves through shared memory: each consumer stages one 64 x 64 box (8 KiB) at a time.
+  static constexpr int kDBoxBytes = 64 * 128;
   // Must match the formula in README.md and cubinstore/ops/gemm.py.
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + 16;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumers * kDBoxBytes + 2 * kStages * 8 + 16;
 
   static_assert(kBM == 64 || kBM == 128 || kBM == 256, "BM must be 64, 128 or 256");
   static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
@@ -259,8 +261,46 @@ __device__ __forceinline__ void store_tile(const float* acc, __nv_bfloat16* d, i
   }
 }
 
+// D's rows of one consumer through TMA: per m64 block and 64 columns, the bf16 values go into
+// the consumer's staging box in the 128-byte swizzle (so the 8 rows a warp writes at once hit
+// 32 different banks), and one thread stores the box; the TMA engine clips it at M and N and
+// writes whole lines while the consumer goes on to its next tile. Before the box is refilled,
+// the previous store must have read it.
 template <class C>
-__device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensorMap& tma_b,
+__device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
+                                               int row0, int col0, int lane, int warp, int tid, int cw) {
+  const uint32_t barrier = 2 + static_cast<uint32_t>(cw);  // one named barrier per consumer warpgroup
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+#pragma unroll
+    for (int c = 0; c < C::kBN / 64; ++c) {
+      if (tid == 0) sm90::bulk_wait_group_read<0>();
+      sm90::named_barrier_sync(barrier, 128);
+#pragma unroll
+      for (int jl = 0; jl < 8; ++jl) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // The wgmma accumulator layout of store_tile, within this 64 x 64 box.
+          const int row = warp * 16 + lane / 4 + 8 * h;
+          const int j = 8 * c + jl;
+          const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
+          const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
+          const int byte = row * 128 + ((jl ^ (row & 7)) << 4) + (lane % 4) * 4;
+          *reinterpret_cast<__nv_bfloat162*>(box + byte) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+      sm90::fence_proxy_async_smem();
+      sm90::named_barrier_sync(barrier, 128);
+      if (tid == 0) {
+        sm90::tma_store_2d(&tma_d, box, col0 + 64 * c, row0 + 64 * mi);
+        sm90::bulk_commit_group();
+      }
+    }
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensorMap& tma_b, const CUtensorMap& tma_d,
                                         __nv_bfloat16* d, int m, int n, int k, float* workspace,
                                         int* counters, int splits) {
   extern __shared__ uint8_t smem_raw[];
@@ -269,7 +309,8 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   uint8_t* base = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* s_a = base;
   uint8_t* s_b = base + C::kStages * C::kABytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(s_b + C::kStages * C::kBBytes);
+  uint8_t* s_d = s_b + C::kStages * C::kBBytes;  // kConsumers staging boxes, 1024-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_d + C::kConsumers * C::kDBoxBytes);
   uint64_t* empty = full + C::kStages;
   volatile int* last_flag = reinterpret_cast<volatile int*>(empty + C::kStages);
 
@@ -291,6 +332,9 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   }
 
   const Schedule<C> sched(m, n, k, splits);
+  // TMA stores D when its rows are 16-byte multiples and it starts on 16 bytes (README: the
+  // host then passes tma_d); otherwise the consumers store it element pairs at a time.
+  const bool tma_store = (n & 7) == 0 && (reinterpret_cast<uintptr_t>(d) & 15) == 0;
   const int cluster_id = static_cast<int>(blockIdx.x) / C::kClusterM;
   const int clusters = static_cast<int>(gridDim.x) / C::kClusterM;
 
@@ -457,8 +501,15 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           }
         }
       }
-      store_tile<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
+      if (tma_store) {
+        store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane,
+                          warp, tid, cw);
+      } else {
+        store_tile<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
+      }
     }
+    // The staging box must outlive the stores that read it; D is complete when the kernel is.
+    if (tma_store && tid == 0) sm90::bulk_wait_group<0>();
   }
 
   __syncwarp();  // reconverge each warp for the .aligned cluster barrier
