@@ -447,6 +447,13 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
         int* arrived = counters + 2 * tile;
         int* published = arrived + 1;
         const int mine = piece.slot;
+        // Float4 r of a thread holds rows first_row + 64 (r / (BN / 8)) and 8 below it: rows at or
+        // past M are never stored, so their partials are neither written nor read (at M = 1 that
+        // is all but 4 threads' share of each partial). Not with 128 accumulators a thread: the
+        // two flags cost those tiles a spill.
+        const int first_row = tm * C::kBM + cw * C::kWgRows + warp * 16 + lane / 4;
+        const bool live0 = first_row < m, live1 = first_row + 64 < m;  // m64 blocks 0 and 1 (BM = 256)
+        auto live = [&](int r) { return C::kAcc == 128 || (r < C::kAccPerMma / 4 ? live0 : live1); };
         float4* own = reinterpret_cast<float4*>(workspace + walk.partial_block(piece, mine) * kBlock);
         if (ct == 0) *last_flag = atomicAdd(arrived, 1) == piece.nslots - 1;
         sm90::named_barrier_sync(1, kConsumerThreads);
@@ -454,6 +461,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
         if (!last || mine >= 2) {
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
+            if (!live(r)) continue;
             __stcg(own + r * kConsumerThreads + ct,
                    make_float4(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]));
           }
@@ -477,6 +485,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           const float4* p0 = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, 0) * kBlock);
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
+            if (!live(r)) continue;
             const float4 v = __ldcg(p0 + r * kConsumerThreads + ct);
             acc[4 * r] = (0.0f + v.x) + acc[4 * r];
             acc[4 * r + 1] = (0.0f + v.y) + acc[4 * r + 1];
@@ -493,6 +502,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           const float4* part = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, sl) * kBlock);
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
+            if (!live(r)) continue;
             const float4 v = __ldcg(part + r * kConsumerThreads + ct);
             acc[4 * r] += v.x;
             acc[4 * r + 1] += v.y;
