@@ -849,16 +849,17 @@ class _PendingStats:
 
 
 _pending = _PendingStats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pending.forget)
 
 
 def _close_all(fds: dict[str, int]) -> None:
+    """Close a collected store's held shard descriptors (``LocalStore._shards``)."""
     for fd in fds.values():
         try:
             os.close(fd)
         except OSError:
             pass
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_pending.forget)
 
 
 def _list(fd: int, where: Path, *, only: Callable[[str], bool] | None = None) -> list[tuple[str, os.stat_result]]:

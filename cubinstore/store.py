@@ -95,7 +95,7 @@ class Store:
         # The hit path: the local store when only trusted in-process layers (memory) come before it.
         front = self.layers[:self._lock_at]
         self._fast: LocalStore | None = None
-        if self._local is not None and self.layers.index(self._local) == self._lock_at and all(l.trusted for l in front):
+        if self._local is not None and self.layers.index(self._local) == self._lock_at and all(layer.trusted for layer in front):
             self._fast = self._local
         self._front = front
 
