@@ -368,7 +368,7 @@ class LocalStore(Layer):
             if shard is None:
                 return None
             return read_at(shard, hex_, limit, path=f"{self.cas_dir}/{hex_[:2]}/{hex_}", touch=touch)
-        cas = self._fs.held_dir("v1", "cas")  # a hit opens two names, not a walk from the root
+        cas = self._fs.held_dir("v1", "cas")  # two names opened, not a walk from the root (read_verified: one)
         # The path only names the file in messages: a string, not two Path joins per hit.
         data = None if cas is None else read_below(cas, hex_[:2], hex_, limit, path=f"{self.cas_dir}/{hex_[:2]}/{hex_}",
                                                    touch=touch)
