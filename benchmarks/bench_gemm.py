@@ -54,7 +54,7 @@ GRID: tuple[tuple[int, int, int, int, int], ...] = tuple(
     + [(128, 64, 64, 8, c) for c in (1, 2)]
     + [(256, bn, 64, 4, c) for bn in (64, 128) for c in (1, 2)]
     + [(128, 128, 128, 3, c) for c in (1, 2)]
-    + [(64, 128, 64, 8, 1), (64, 256, 64, 5, 1)]
+    + [(64, 64, 64, 10, 1), (64, 128, 64, 8, 1), (64, 256, 64, 5, 1)]
 )
 
 # (M, N, K) of the LLM projections the issue names; 4096^3 first.
