@@ -391,6 +391,35 @@ def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
     assert bundle.read_bytes() == expected.getvalue()
 
 
+def test_pack_writes_the_bundle_in_small_pieces_even_a_large_manifest_or_blob(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import tarfile
+
+    from cubinstore import _bundle
+
+    manifest, blobs = release(tmp_path / "src", 200, size=3 * _bundle._WRITE_CHUNK)
+    assert len(manifest.raw) > 2 * _bundle._WRITE_CHUNK  # the manifest member is bigger than one piece too
+    sizes: list[int] = []
+    real_write = os.write
+
+    def write(fd: int, data: bytes | memoryview) -> int:
+        sizes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_bundle.os, "write", write)
+    bundle = tmp_path / "r.tar"
+    total = pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
+    monkeypatch.undo()
+    assert max(sizes) == _bundle._WRITE_CHUNK and sum(sizes) == total == bundle.stat().st_size
+    expected = io.BytesIO()
+    with tarfile.open(fileobj=expected, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        tar.addfile(_bundle._member(_bundle.MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
+        for digest, _ in manifest.blobs:
+            tar.addfile(_bundle._member(f"cas/{digest.hex}", len(blobs[digest.hex])), io.BytesIO(blobs[digest.hex]))
+    assert bundle.read_bytes() == expected.getvalue()
+
+
 def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -> None:
     import signal
     import subprocess
