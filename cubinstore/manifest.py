@@ -102,11 +102,24 @@ def arch_compatible(arch: str | Arch, cc: ComputeCapability) -> bool:
     return parsed.runs_on(_check_cc(cc))
 
 
+_set_hex = Digest.__dict__["hex"].__set__  # the slot's setter: what Digest.__init__ fills after its check
+_after_prefix = operator.itemgetter(slice(len("sha256:"), None))
+
+
 def _checked_digest(text: str) -> Digest:
     """The Digest of a ``sha256:<hex>`` string the fast path's regex already matched (no second check)."""
     digest = object.__new__(Digest)
-    object.__setattr__(digest, "hex", text[7:])
+    _set_hex(digest, text[7:])
     return digest
+
+
+def _checked_digests(texts: list[str]) -> list[Digest]:
+    """``_checked_digest`` of each of ``texts``, at C speed (no Python call per digest: ``Manifest.blobs``
+    of tens of thousands of kernels)."""
+    digests = list(map(object.__new__, itertools.repeat(Digest, len(texts))))
+    for _ in map(_set_hex, digests, map(_after_prefix, texts)):
+        pass
+    return digests
 
 
 @dataclass(frozen=True)
@@ -873,8 +886,10 @@ class _Index:
         def build() -> tuple[tuple[Digest, int], ...]:
             objs = self._objs
             if objs is not None:  # fast path: two C-level column reads; the digests were checked at open
-                pairs = set(zip(map(operator.itemgetter("digest"), objs), map(operator.itemgetter("size"), objs)))
-                return tuple((_checked_digest(d), s) for d, s in sorted(pairs))
+                # One size per digest (checked at open): sorting the digest strings sorts the pairs.
+                sizes = dict(zip(map(operator.itemgetter("digest"), objs), map(operator.itemgetter("size"), objs)))
+                texts = sorted(sizes)
+                return tuple(zip(_checked_digests(texts), map(sizes.__getitem__, texts)))
             pairs = {(str(self._field(i, "digest")), self._field(i, "size")) for i in range(self._count)}
             return tuple((Digest.parse(d), s) for d, s in sorted(pairs))
         return self._lazy("blobs", build)

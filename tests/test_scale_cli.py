@@ -391,6 +391,25 @@ def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
     assert bundle.read_bytes() == expected.getvalue()
 
 
+def test_the_closure_pack_bundles_is_each_distinct_blob_once_sorted_by_digest() -> None:
+    rng = random.Random(5)
+    kernels = []
+    for i in range(300):  # three kernels (archs) per CUBIN, in no order
+        data = (i // 3).to_bytes(4, "little") * 100
+        kernels.append({"id": f"f/p{i}/sm_90a", "family": "f", "params": {"p": i}, "arch": "sm_90a",
+                        "digest": f"sha256:{hashlib.sha256(data).hexdigest()}", "size": len(data), "target": f"//k:t{i}",
+                        "entries": {"k": {"name": "k", "params": ["ptr"], "offsets": [0]}}})
+    rng.shuffle(kernels)
+    m = Manifest.from_bytes(dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": kernels}))
+    assert m._index._objs is not None, "expected the fast path"
+    expected = sorted({(k["digest"], k["size"]) for k in kernels})
+    assert [(str(d), s) for d, s in m.blobs] == expected and len(m.blobs) == 100
+    for (digest, _), (text, _) in zip(m.blobs, expected):  # real Digests: equal, hashable, immutable
+        assert type(digest) is Digest and digest == Digest.parse(text) and hash(digest) == hash(Digest.parse(text))
+    with pytest.raises(AttributeError):
+        m.blobs[0][0].hex = "0" * 64  # type: ignore[misc]
+
+
 def test_pack_writes_the_bundle_in_small_pieces_even_a_large_manifest_or_blob(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import io
