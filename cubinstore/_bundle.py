@@ -23,8 +23,6 @@ from cubinstore._digest import Digest, show
 from cubinstore._files import atomic_file, open_regular
 from cubinstore._local import LocalStore
 from cubinstore._log import get_logger
-from cubinstore._maint import pin as pin_manifest
-from cubinstore._maint import pins_lock
 from cubinstore.errors import BundleError, ManifestError, StoreError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest
 from cubinstore.store import Store
@@ -99,13 +97,11 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
     bundle. The tar is what ``tarfile`` writes (USTAR, fixed metadata): members, two zero
     blocks, records of 10 KiB.
     """
-    from cubinstore._prefetch import without_memory
-
     out = Path(out)
     blobs = manifest.blobs
     total_blobs = len(blobs)
-    store = without_memory(store)  # each blob is read once: caching its bytes would only copy them
     local = store.local
+    fallback: Store | None = None  # store without its memory layer, made at the first blob local lacks
     block = tarfile.BLOCKSIZE
     pads = [_ZEROS[:i] for i in range(block)]
     hits = 0
@@ -147,7 +143,11 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
             for i, (digest, size), data in zip(count(1), blobs, found):
                 hex_ = digest.hex
                 if data is None:
-                    data = store.get(digest, size, name=", ".join(manifest.ids_of(digest)))
+                    if fallback is None:
+                        from cubinstore._prefetch import without_memory  # only here: most packs never miss
+
+                        fallback = without_memory(store)  # each blob is read once: caching it would only copy it
+                    data = fallback.get(digest, size, name=", ".join(manifest.ids_of(digest)))
                 else:
                     hits += 1
                 sized = by_size.get(size)
@@ -337,6 +337,9 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
             except OSError as exc:
                 raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
         # Everything verified: publish. A failure here leaves only complete, verified entries.
+        from cubinstore._maint import pin as pin_manifest  # unpack's only: pack never imports it
+        from cubinstore._maint import pins_lock
+
         try:
             local.sync_staged(staged)  # every staged byte durable before any rename
             # The renames: made durable together by one more sync when the batch ends.

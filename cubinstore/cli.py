@@ -21,7 +21,6 @@ from cubinstore._digest import Digest
 from cubinstore._files import open_regular, verify
 from cubinstore._layer import Layer
 from cubinstore._log import get_logger
-from cubinstore._maint import gc, pin, pinned, unpin, verify_store
 from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest, parse_arch
 from cubinstore.store import DirectorySource, DiskCacheStore, LocalStore, Store
@@ -30,8 +29,9 @@ if TYPE_CHECKING:
     from cubinstore._http import HttpStore
 
 # Imported by the commands that need them, so that a process running another one never pays
-# for them: _bundle (tarfile) by pack and unpack, _http (http.client, email) by publish and
-# remotes, _jitcli and _trustcli (the release-signing code) by their own commands and --help.
+# for them: _bundle (tarfile) by pack and unpack, _maint by verify, gc, pin and unpin, _http
+# (http.client, email) by publish and remotes, _jitcli and _trustcli (the release-signing code)
+# by their own commands and --help.
 
 __all__ = ["main"]
 
@@ -204,6 +204,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from cubinstore._maint import verify_store
+
     local = _local()
     blobs = None
     if args.manifest:
@@ -224,6 +226,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
+    from cubinstore._maint import gc
+
     local = _local()
     limit = _parse_bytes(args.max_bytes)
     result = gc(local, limit)
@@ -237,6 +241,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_pin(args: argparse.Namespace) -> int:
+    from cubinstore._maint import pin, pinned
+
     local = _local()
     if not args.manifest:
         for manifest in pinned(local):
@@ -249,6 +255,8 @@ def _cmd_pin(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpin(args: argparse.Namespace) -> int:
+    from cubinstore._maint import unpin
+
     ref = args.manifest
     digest = Digest.parse(ref) if ref.startswith("sha256:") else _load_manifest(ref).digest
     if not unpin(_local(), digest):

@@ -252,6 +252,23 @@ def test_pack_unpack_between_two_homes(make_release, cli, cli_env, clean_env: Pa
     assert not (tmp_path / "third" / "v1" / "cas").exists()
 
 
+def test_pack_from_a_full_local_store_imports_no_maintenance_or_fetch_code(make_release, cli_env, clean_env: Path,
+                                                                            tmp_path: Path) -> None:
+    # What a pack process loads is what it pays for at start-up: gc/pin/verify (_maint) and the
+    # prefetch pool (_prefetch, queue) are for other commands, or for a blob the local store lacks.
+    release = make_release(n=3)
+    fill_local(clean_env, release.blobs)
+    bundle = tmp_path / "release.tar"
+    code = ("import sys\nfrom cubinstore.cli import main\n"
+            f"status = main(['pack', {str(release.path)!r}, {str(bundle)!r}])\n"
+            "print(status, sorted(m for m in sys.modules if m in ('cubinstore._maint', 'cubinstore._prefetch', 'queue')))")
+    out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "0 []"
+    with tarfile.open(bundle) as tar:
+        assert len(tar.getmembers()) == 4  # the manifest and its three blobs
+
+
 def test_publish_then_prefetch_on_a_second_store_root(nginx, make_release, cli, cli_env, tmp_path: Path) -> None:
     release = make_release(n=4)
     # A build tree as Bazel leaves it: the manifest under bazel-bin with the CUBINs beside it.
