@@ -139,6 +139,13 @@ def _config(kernel_id: str) -> _gemm.GemmConfig:
 _plan: Final = functools.lru_cache(maxsize=8192)(_gemm.plan)
 
 
+def _total_us(launch_us: float, busiest_us: float, memory_us: float, overlap_loss: float) -> float:
+    """A launch's time: loads and tensor-core work overlap, not perfectly (the smaller is `overlap_loss` seen)."""
+    if busiest_us >= memory_us:
+        return launch_us + busiest_us + overlap_loss * memory_us
+    return launch_us + memory_us + overlap_loss * busiest_us
+
+
 def _unaligned_rows(k: int) -> bool:
     """Whether rows of K bf16 (A's and B's, contiguous) start off the 128-byte lines TMA reads.
 
@@ -280,8 +287,7 @@ class Model:
         if _unaligned_rows(k):
             kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us)
         busiest = busy_units * costs.unit_us + busy_kblocks * kblock_us + extra
-        # Loads and tensor-core work overlap, not perfectly.
-        time = mc.launch_us + max(busiest, memory) + mc.overlap_loss * min(busiest, memory)
+        time = _total_us(mc.launch_us, busiest, memory, mc.overlap_loss)
         return Estimate(kernel_id, launch.splits, launch.units, launch.grid, busy_units, busy_kblocks, kblock_us,
                         extra, busiest, memory, time)
 
@@ -329,10 +335,7 @@ class Model:
             busiest = -(-units // clusters) * unit
             rate = clusters * cluster * cta_rate
             memory = hbm / (rate if rate < hbm_rate else hbm_rate)
-            if busiest >= memory:
-                out.append((launch_us + busiest + overlap_loss * memory, kernel_id, splits))
-            else:
-                out.append((launch_us + memory + overlap_loss * busiest, kernel_id, splits))
+            out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, splits))
         cluster_tiles = units_per_split
         if kblocks > 1 and weighs_stream_k(cluster_tiles, slots):
             clusters = min(cluster_tiles * kblocks, slots)
@@ -341,10 +344,7 @@ class Model:
                        + (written + read) * partial_us)
             rate = clusters * cluster * cta_rate
             memory = operand_bytes / (rate if rate < hbm_rate else hbm_rate)
-            if busiest >= memory:
-                out.append((launch_us + busiest + overlap_loss * memory, kernel_id, _STREAM_K))
-            else:
-                out.append((launch_us + memory + overlap_loss * busiest, kernel_id, _STREAM_K))
+            out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, _STREAM_K))
         return out
 
     def options(self, m: int, n: int, k: int, sm_count: int,
