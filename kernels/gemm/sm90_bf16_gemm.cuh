@@ -135,7 +135,7 @@ struct Schedule {
 // `nslots` that tile is cut into (1: the CTA owns the whole tile and stores D itself).
 struct Piece {
   int tm, tn, kb0, kb1, slot, nslots;
-  long long tile_start;  // stream-K: the tile's first iteration in the stream-K range
+  long long tile_start;  // stream-K: the tile's first iteration in the stream-K range; -1: a whole or split-K unit
 };
 
 // The sequence of pieces of one cluster, the same for its producer and consumers.
