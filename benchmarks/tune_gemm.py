@@ -110,7 +110,7 @@ class Timing:
 
 def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: str) -> list[int]:
     """1, and the splits worth timing: SPLIT_TRIES and the model's pick, within two waves of units,
-    and stream-K (STREAM_K, 0) where the tiles leave the last wave partly idle."""
+    and stream-K (STREAM_K, 0) where the model weighs it (`offers_stream_k`)."""
     g = bench.gemm_module()
     options = model.options(m, n, k, sm_count, [kernel_id])
     picked = min(options)[2] if options else 1
@@ -120,7 +120,7 @@ def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: 
         estimate = model.estimate(m, n, k, sm_count, kernel_id, splits)
         if estimate.units <= MAX_SPLIT_WAVES * slots:
             tries.add(estimate.splits)  # plan() clamps to the K blocks
-    if _gemm_model.weighs_stream_k(model.estimate(m, n, k, sm_count, kernel_id, 1).units, slots):
+    if _gemm_model.offers_stream_k(m, n, k, sm_count, kernel_id):
         tries.add(g.STREAM_K)
     return sorted(tries)
 
@@ -192,12 +192,10 @@ def load(path: Path) -> tuple[list[Timing], dict[str, Any]]:
         sys.exit(f"{path}: expected schema {SCHEMA!r}, got {doc.get('schema')!r}")
     timings = [Timing(**t) for t in doc["timings"]]
     sms = int(doc["provenance"]["sm_count"])
-    return [t for t in timings if t.splits != bench.gemm_module().STREAM_K or _weighed(t, sms)], doc["provenance"]
-
-
-def _weighed(t: Timing, sm_count: int) -> bool:
-    launch = bench.gemm_module().plan(t.m, t.n, t.k, sm_count, t.kernel_id, 1)
-    return _gemm_model.weighs_stream_k(launch.units, sm_count // launch.config.cluster)
+    stream_k = bench.gemm_module().STREAM_K
+    kept = [t for t in timings
+            if t.splits != stream_k or _gemm_model.offers_stream_k(t.m, t.n, t.k, sms, t.kernel_id)]
+    return kept, doc["provenance"]
 
 
 # -- fitting (CPU, numpy) -------------------------------------------------------------------------

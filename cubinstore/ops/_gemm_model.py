@@ -55,6 +55,7 @@ __all__ = [
     "calibrated_model",
     "choose",
     "default_tile_costs",
+    "offers_stream_k",
     "predict_us",
     "weighs_stream_k",
 ]
@@ -176,8 +177,9 @@ class Estimate:
     time_us: float
 
 
-def weighs_stream_k(cluster_tiles: int, slots: int) -> bool:
-    """Whether the model offers stream-K: one full wave of tiles and a second one under half full.
+def weighs_stream_k(cluster_tiles: int, slots: int, kblocks: int) -> bool:
+    """Whether the model offers stream-K: more than one K block, one full wave of tiles and a
+    second one under half full.
 
     Where the H200 showed it pays (2026-12-02, every instantiation on the tuning shapes, side
     by side with splits = 1): with 1-1.5 waves of tiles the whole tiles' second wave idles most
@@ -186,14 +188,14 @@ def weighs_stream_k(cluster_tiles: int, slots: int) -> bool:
     more to partials and to L2 reuse (clusters at different K offsets) than the wave gains;
     below one wave split-K keeps the K slices in step.
     """
-    return slots <= cluster_tiles and 2 * cluster_tiles < 3 * slots
+    return kblocks > 1 and slots <= cluster_tiles and 2 * cluster_tiles < 3 * slots
 
 
-def _stream_k_iters(cluster_tiles: int, clusters: int, kblocks: int) -> int:
-    """K blocks of the cut tiles under stream-K (all clusters together): the tiles that do not go whole."""
-    waves = cluster_tiles // clusters
-    whole = waves - 1 if waves >= 2 else 0
-    return (cluster_tiles - whole * clusters) * kblocks
+def offers_stream_k(m: int, n: int, k: int, sm_count: int, kernel_id: str) -> bool:
+    """Whether `Model.options` weighs stream-K for `kernel_id` at M x N x K (what the calibration times)."""
+    cfg = _config(kernel_id)
+    _, cluster_tiles, slots = _layout(cfg, m, n, sm_count)
+    return weighs_stream_k(cluster_tiles, slots, -(-k // cfg.bk))
 
 
 def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int, int, int, int]:
@@ -204,7 +206,7 @@ def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int
     """
     waves = cluster_tiles // clusters
     whole = waves - 1 if waves >= 2 else 0
-    iters = _stream_k_iters(cluster_tiles, clusters, kblocks)
+    iters = (cluster_tiles - whole * clusters) * kblocks
     sk_clusters = min(clusters, iters)
     share = -(-iters // sk_clusters)
     # A range of `share` K blocks touches at most this many tiles; only its first and last are cut.
@@ -337,7 +339,7 @@ class Model:
             memory = hbm / (rate if rate < hbm_rate else hbm_rate)
             out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, splits))
         cluster_tiles = units_per_split
-        if kblocks > 1 and weighs_stream_k(cluster_tiles, slots):
+        if weighs_stream_k(cluster_tiles, slots, kblocks):
             clusters = min(cluster_tiles * kblocks, slots)
             pieces, kbs, written, read = _stream_k_work(cluster_tiles, clusters, kblocks)
             busiest = (pieces * unit_us + kbs * kblock_us + written * split_fixed
