@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,11 @@ def print_host_loads(rows: list[dict[str, Any]], samples: int) -> None:
                 f"| {r['ours_p50'] / r['peer_p50']:.2f} | {r['ours_p99'] / r['peer_p99']:.2f} "
                 f"| {r['again_p50']:.4f} | {r['again_p99']:.4f} |")
 
+    print_rows(rows, row)
+
+
+def print_rows(rows: list[dict[str, Any]], row: Callable[[str, object, dict[str, Any]], str]) -> None:
+    """Each kernel's table row, then the row of each p50 and p99 column's median over the kernels."""
     for r in rows:
         print(row(r["id"], r["size"], r))
     agg = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.endswith(("p50", "p99"))}
@@ -472,10 +478,7 @@ def main() -> None:
                     f"| {r['ours_p99'] / r['raw_p99']:.2f} | {r['again_p50']:.3f} | {r['again_p99']:.3f} "
                     f"| {r['again_p50'] / r['raw_p50']:.2f} | {r['layout_p50']:.3f} |")
 
-        for r in loads:
-            print(load_row(r["id"], r["size"], r))
-        agg = {k: statistics.median(r[k] for r in loads) for k in loads[0] if k.endswith(("p50", "p99"))}
-        print(load_row("all (median of rows)", "", agg))
+        print_rows(loads, load_row)
         conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs, specs)
         results["concurrent"] = conc
         print("\n## load phase (every runnable kernel, fresh processes started together, one local store)\n")
