@@ -153,6 +153,11 @@ def gemm_specs(library: Any) -> list[Any]:
     return [k for k in library.manifest.kernels if k.family == "gemm"]
 
 
+def op_specs(library: Any) -> list[Any]:
+    """The kernels ops.gemm may select: the gemm family's and the skinny family's."""
+    return [k for k in library.manifest.kernels if k.family in gemm_module().FAMILIES]
+
+
 class Operands:
     """`sets` independent (A, B, D) triples of fresh random data for one shape, together over `min_bytes`."""
 

@@ -8,7 +8,8 @@
     python benchmarks/tune_gemm.py --refit gemm_measurements.json
 
 `--calibrate` times every `gemm` instantiation of the manifest with a few K-splits (1, and
-2, 3, 4, 6, 8, 16 and the model's own pick where the units stay within two waves) on each tuning
+2, 3, 4, 6, 8, 16 and the model's own pick where the units stay within two waves), and every
+`skinny` one where the model offers it (M within its BM rows), on each tuning
 shape of `gemm_shapes.TUNING`, through `cubinstore.ops.gemm_with`; each result is checked
 against a float32 torch reference first (NaN-poisoned output, relative error < 1e-2).
 Timing is bench_gemm's (CUDA events, median, inputs rotated over 4x the L2). The fit
@@ -113,8 +114,11 @@ def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: 
     and stream-K (STREAM_K, 0) where the model weighs it (`offers_stream_k`)."""
     g = bench.gemm_module()
     options = model.options(m, n, k, sm_count, [kernel_id])
+    cfg = g.config_of(kernel_id)
+    if isinstance(cfg, g.SkinnyConfig):  # no split; timed where the model offers it (M fits BM)
+        return [1] if options else []
     picked = min(options)[2] if options else 1
-    slots = sm_count // g.GemmConfig.from_id(kernel_id).cluster
+    slots = sm_count // cfg.cluster
     tries = {1}
     for splits in (*SPLIT_TRIES, picked):
         estimate = model.estimate(m, n, k, sm_count, kernel_id, splits)
@@ -145,7 +149,7 @@ def measure(args: argparse.Namespace) -> tuple[list[Timing], dict[str, Any]]:
     import cubinstore.ops as ops
 
     ops.set_library(library)
-    ids = sorted(spec.id for spec in bench.gemm_specs(library))
+    ids = sorted(spec.id for spec in bench.op_specs(library))
     todo = plan_timings(ids, sms)
     print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}; "
           f"{len(todo)} timings over {len(gemm_shapes.TUNING)} shapes", flush=True)
@@ -416,7 +420,7 @@ def dry_run(args: argparse.Namespace) -> None:
     """What --calibrate would time and roughly how long, from the default model."""
     from cubinstore.manifest import Manifest
 
-    ids = sorted(s.id for s in Manifest.from_path(args.manifest) if s.family == "gemm")
+    ids = sorted(s.id for s in Manifest.from_path(args.manifest) if s.family in bench.gemm_module().FAMILIES)
     todo = plan_timings(ids, args.sm_count)
     model = Model()
     calls = args.reps + args.warmup + 1  # + the checked call

@@ -256,7 +256,7 @@ def test_the_calibration_module_says_where_it_was_measured() -> None:
         return
     assert {"gpu", "sm_count", "date", "torch"} <= set(provenance)
     for kernel_id, (kblock_us, unit_us) in _gemm_calibration.TILES.items():
-        G.GemmConfig.from_id(kernel_id)
+        G.config_of(kernel_id)  # a gemm or a skinny id
         assert kblock_us > 0 and unit_us >= 0, kernel_id
 
 

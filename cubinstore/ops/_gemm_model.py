@@ -27,6 +27,14 @@ shape, and ``choose`` takes the fastest:
   small M bandwidth bound and why split-K helps it;
 - the time is ``launch_us`` plus the larger of the two and ``overlap_loss`` of the smaller.
 
+A ``skinny`` point (``kernels/skinny``: few rows of A, no tensor maps, no split) is weighed
+where M fits its BM rows. It launches one CTA per BN columns of D, ``SkinnyConfig.ctas_per_sm``
+an SM at a time; each CTA's warps walk K in batches of ``k_step``, so the busiest SM runs
+``ceil(CTAs / slots)`` waves of ``unit_us`` plus ``kblock_us`` per batch (a batch is a round
+trip to memory: the loads of the next are in flight while the mmas consume it), and the
+memory term is B's bytes over the rate the resident CTAs draw (two batches in flight each)
+or the HBM's (``_skinny_estimate``).
+
 The per-instantiation constants (``TileCosts``) and the machine's (``MachineCosts``) come
 from ``_gemm_calibration.py`` (written by ``benchmarks/tune_gemm.py --calibrate``) where it
 has them, else from defaults derived from the H200's specifications and the 2026-11-29
@@ -87,6 +95,11 @@ _SM_STORE_BYTES_PER_US: Final = 100e3
 # with stages 3 in the 2026-11-29 table).
 _DEEP_RING: Final = 4
 _SHALLOW_RING_PENALTY: Final = 0.01
+# A skinny point's defaults: a batch about one loaded memory round trip, a CTA's fixed part
+# (pointers, the reduction through shared memory, the store of D). The calibration measures
+# them (the H200, 2026-12-02: 6-7 us of fixed time at M = 1, then B at about 4 TB/s).
+_SKINNY_BATCH_US: Final = 0.8
+_SKINNY_CTA_US: Final = 2.0
 # No cluster-2 penalty: since the fix of its stage release (2026-12-02) a cluster-2 point runs
 # as fast as its cluster-1 twin or faster (4096^3 128x256: 197.6 against 198.8 us); what it
 # saves, half of B's loads, is in the feed bytes.
@@ -119,8 +132,10 @@ class MachineCosts:
 DEFAULT_MACHINE: Final = MachineCosts()
 
 
-def default_tile_costs(config: _gemm.GemmConfig) -> TileCosts:
+def default_tile_costs(config: _gemm.GemmConfig | _gemm.SkinnyConfig) -> TileCosts:
     """Costs of an instantiation from the H200's specifications (no measurement)."""
+    if isinstance(config, _gemm.SkinnyConfig):
+        return TileCosts(kblock_us=_SKINNY_BATCH_US, unit_us=_SKINNY_CTA_US)
     flops = 2.0 * config.bm * config.bn * config.bk
     efficiency = _MMA_EFFICIENCY.get(config.bm * config.bn, min(_MMA_EFFICIENCY.values()))
     # A cluster-2 CTA loads its A rows and half of the B tile (the peer multicasts the rest).
@@ -132,8 +147,8 @@ def default_tile_costs(config: _gemm.GemmConfig) -> TileCosts:
 
 
 @functools.lru_cache(maxsize=256)
-def _config(kernel_id: str) -> _gemm.GemmConfig:
-    return _gemm.GemmConfig.from_id(kernel_id)
+def _config(kernel_id: str) -> _gemm.GemmConfig | _gemm.SkinnyConfig:
+    return _gemm.config_of(kernel_id)
 
 
 # plan() is pure; the fit (benchmarks/tune_gemm.py) estimates each timing hundreds of times.
@@ -194,6 +209,8 @@ def weighs_stream_k(cluster_tiles: int, slots: int, kblocks: int) -> bool:
 def offers_stream_k(m: int, n: int, k: int, sm_count: int, kernel_id: str) -> bool:
     """Whether `Model.options` weighs stream-K for `kernel_id` at M x N x K (what the calibration times)."""
     cfg = _config(kernel_id)
+    if isinstance(cfg, _gemm.SkinnyConfig):
+        return False
     _, cluster_tiles, slots = _layout(cfg, m, n, sm_count)
     return weighs_stream_k(cluster_tiles, slots, -(-k // cfg.bk))
 
@@ -262,6 +279,9 @@ class Model:
         (tests/test_gemm_model.py checks that they agree).
         """
         _check_shape(m, n, k, sm_count)
+        if isinstance(_config(kernel_id), _gemm.SkinnyConfig):
+            _plan(m, n, k, sm_count, kernel_id, splits)  # the same errors as a launch
+            return self._skinny_estimate(m, n, k, sm_count, kernel_id)
         launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
         clusters = launch.grid // cfg.cluster
@@ -292,6 +312,24 @@ class Model:
         time = _total_us(mc.launch_us, busiest, memory, mc.overlap_loss)
         return Estimate(kernel_id, launch.splits, launch.units, launch.grid, busy_units, busy_kblocks, kblock_us,
                         extra, busiest, memory, time)
+
+    def _skinny_estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str) -> Estimate:
+        """A skinny point's terms (see the module's docstring); its launch is `gemm.plan`'s."""
+        cfg = _config(kernel_id)
+        assert isinstance(cfg, _gemm.SkinnyConfig)
+        mc, costs = self.machine, self.tile_costs(kernel_id)
+        blocks_m = -(-m // cfg.bm)
+        ctas = blocks_m * -(-n // cfg.bn)
+        slots = sm_count * cfg.ctas_per_sm
+        waves = -(-ctas // slots)
+        batches = -(-k // cfg.k_step)
+        busiest = waves * costs.unit_us + waves * batches * costs.kblock_us
+        # B once for each block of rows of A; A and D once.
+        hbm = 2.0 * (blocks_m * n * k + m * k + m * n)
+        rate = min(ctas, slots) * 2 * cfg.batch_bytes / mc.fetch_latency_us
+        memory = hbm / min(mc.hbm_bytes_per_us, rate)
+        time = _total_us(mc.launch_us, busiest, memory, mc.overlap_loss)
+        return Estimate(kernel_id, 1, ctas, ctas, waves, waves * batches, costs.kblock_us, 0.0, busiest, memory, time)
 
     def predict_us(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
         """Estimated kernel time of `kernel_id` with `splits` (clamped as plan() does)."""
@@ -356,7 +394,10 @@ class Model:
         out: list[tuple[float, str, int]] = []
         for kernel_id in candidates:
             cfg = _config(kernel_id)
-            if sm_count >= cfg.cluster:
+            if isinstance(cfg, _gemm.SkinnyConfig):
+                if m <= cfg.bm:  # one block of rows: B is read once
+                    out.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
+            elif sm_count >= cfg.cluster:
                 out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)))
         return out
 

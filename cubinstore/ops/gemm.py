@@ -1,14 +1,16 @@
-"""``gemm(a, b)``: D = A @ B.T in bf16 on Hopper through the ``gemm`` kernel family.
+"""``gemm(a, b)``: D = A @ B.T in bf16 on Hopper through the ``gemm`` and ``skinny`` kernel families.
 
 A is M x K and B is N x K, both bf16 and K-major (each row contiguous), on one
 CUDA device of compute capability 9.0; D is M x N, bf16, row-major, computed
-with fp32 accumulation. The instantiation (block tile, pipeline depth, cluster
-size) and the K-split come from the selection model in ``_gemm_model.py``, once per shape.
+with fp32 accumulation. The instantiation (a ``gemm`` tile, pipeline depth and cluster
+size with its K-split, or a ``skinny`` point for few rows of A) comes from the selection
+model in ``_gemm_model.py``, once per shape.
 
 The kernels come from the library set with ``cubinstore.ops.set_library``
-(see ``cubinstore/ops/__init__.py``). The launch contract (grid, block,
-cluster, shared memory, tensor maps, split-K workspace) is the one documented
-in ``kernels/gemm/README.md``; ``GemmConfig`` computes it.
+(see ``cubinstore/ops/__init__.py``). The launch contracts (grid, block,
+cluster, shared memory, tensor maps, split-K workspace) are the ones documented
+in ``kernels/gemm/README.md`` and ``kernels/skinny/README.md``; ``GemmConfig`` and
+``SkinnyConfig`` compute them.
 """
 
 from __future__ import annotations
@@ -29,14 +31,20 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY",
     "ENTRY_TYPES",
+    "FAMILIES",
     "FAMILY",
     "GemmConfig",
     "Operand",
     "Plan",
+    "SKINNY_ENTRY",
+    "SKINNY_ENTRY_TYPES",
+    "SKINNY_FAMILY",
     "STREAM_K",
+    "SkinnyConfig",
     "cache_misses",
     "candidates",
     "check_operands",
+    "config_of",
     "gemm",
     "gemm_with",
     "plan",
@@ -66,6 +74,16 @@ _MAX_SPLITS: Final = 16
 #: ranges of K blocks (see kernels/gemm/README.md).
 STREAM_K: Final = 0
 _ID_RE: Final = re.compile(r"gemm/bm(\d+)/bn(\d+)/bk(\d+)/stages(\d+)/cluster(\d+)/sm_90a")
+
+SKINNY_FAMILY: Final = "skinny"
+SKINNY_ENTRY: Final = "skinny_bf16_tn"
+#: a, b, d, m, n, k, lda, ldb
+SKINNY_ENTRY_TYPES: Final = ("ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32")
+#: The kernel families ops.gemm selects among.
+FAMILIES: Final = (FAMILY, SKINNY_FAMILY)
+_SKINNY_ID_RE: Final = re.compile(r"skinny/bm(\d+)/bn(\d+)/warps(\d+)/unroll(\d+)/sm_90a")
+_SKINNY_CHUNK: Final = 32  # K elements a warp multiplies per chunk (two m16n8k16 mmas)
+_SKINNY_THREADS_PER_SM: Final = 512  # resident on an SM at least (kernels/skinny/README.md)
 
 
 @dataclass(frozen=True)
@@ -150,11 +168,88 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
+class SkinnyConfig:
+    """One instantiation of ``kernels/skinny/sm90_bf16_skinny.cu`` and its launch contract.
+
+    A CTA computes BM rows by BN columns of D over the whole of K: its warps take K's chunks
+    of 32 in turn, each loading `unroll` chunks at once, and add up in shared memory.
+    """
+
+    bm: int
+    bn: int
+    warps: int
+    unroll: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.bm not in (16, 32):
+            problems.append(f"bm {self.bm} not in (16, 32)")
+        if self.bn not in (8, 16, 32):
+            problems.append(f"bn {self.bn} not in (8, 16, 32)")
+        if self.warps not in (8, 16):
+            problems.append(f"warps {self.warps} not in (8, 16)")
+        if self.unroll not in (1, 2, 4, 8):
+            problems.append(f"unroll {self.unroll} not in (1, 2, 4, 8)")
+        if problems:
+            raise BadArgumentError(f"invalid skinny instantiation {self.params}: {'; '.join(problems)}")
+
+    @classmethod
+    def from_id(cls, kernel_id: str) -> SkinnyConfig:
+        match = _SKINNY_ID_RE.fullmatch(kernel_id) if isinstance(kernel_id, str) else None
+        if match is None:
+            raise BadArgumentError(
+                f"invalid skinny kernel id {kernel_id!r}: expected 'skinny/bm<M>/bn<N>/warps<W>/unroll<U>/sm_90a'"
+            )
+        bm, bn, warps, unroll = (int(g) for g in match.groups())
+        return cls(bm, bn, warps, unroll)
+
+    @property
+    def params(self) -> dict[str, int]:
+        """Manifest params, in grid order."""
+        return {"bm": self.bm, "bn": self.bn, "warps": self.warps, "unroll": self.unroll}
+
+    @property
+    def kernel_id(self) -> str:
+        return f"skinny/bm{self.bm}/bn{self.bn}/warps{self.warps}/unroll{self.unroll}/{ARCH}"
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        """nvcc ``-D`` flags of this instantiation."""
+        return (f"-DBM={self.bm}", f"-DBN={self.bn}", f"-DWARPS={self.warps}", f"-DUNROLL={self.unroll}")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs an SM holds at least: 512 threads (the kernel uses at most 128 registers a thread; a GPU test checks)."""
+        return _SKINNY_THREADS_PER_SM // self.threads
+
+    @property
+    def k_step(self) -> int:
+        """K elements the CTA's warps load in one batch (`unroll` chunks each)."""
+        return _SKINNY_CHUNK * self.warps * self.unroll
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of B one batch of the CTA loads: `bn` rows of `k_step` bf16."""
+        return self.bn * self.k_step * 2
+
+
+def config_of(kernel_id: str) -> GemmConfig | SkinnyConfig:
+    """The instantiation an ops.gemm kernel id names, of either family."""
+    if isinstance(kernel_id, str) and kernel_id.startswith(SKINNY_FAMILY + "/"):
+        return SkinnyConfig.from_id(kernel_id)
+    return GemmConfig.from_id(kernel_id)
+
+
+@dataclass(frozen=True)
 class Plan:
     """How one problem is launched: the instantiation, the K-split (or stream-K) and the grid."""
 
-    config: GemmConfig
-    splits: int  # K splits, or STREAM_K
+    config: GemmConfig | SkinnyConfig
+    splits: int  # K splits, or STREAM_K (a skinny point: 1)
     tiles_m: int
     tiles_n: int
     units: int  # work units: cluster tiles x splits (stream-K: cluster tiles)
@@ -192,12 +287,15 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
 
     `splits` is STREAM_K, or clamped to [1, number of K blocks] (and to 16); the grid is
     persistent: at most one CTA per SM, a multiple of the cluster size; with stream-K at
-    most one cluster per K block of the problem.
+    most one cluster per K block of the problem. A skinny point takes no split (`splits`
+    must be 1) and launches one CTA per BM x BN block of D, N's blocks fastest.
     """
-    config = GemmConfig.from_id(kernel_id)
+    config = config_of(kernel_id)
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not 1 <= value <= _I32_MAX:
             raise BadArgumentError(f"gemm {name}: expected 1 <= {name} <= {_I32_MAX}, got {value}")
+    if isinstance(config, SkinnyConfig):
+        return _skinny_plan(m, n, config, kernel_id, splits)
     if sm_count < config.cluster:
         raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
     kblocks = -(-k // config.bk)
@@ -214,6 +312,15 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
     work = cluster_tiles * kblocks if splits == STREAM_K else units
     clusters = min(work, sm_count // config.cluster)
     return Plan(config, splits, tiles_m, tiles_n, units, clusters * config.cluster)
+
+
+def _skinny_plan(m: int, n: int, config: SkinnyConfig, kernel_id: str, splits: int) -> Plan:
+    if int(splits) != 1:
+        raise BadArgumentError(f"gemm: kernel {kernel_id} takes no K split: expected splits 1, got {splits}")
+    tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)
+    if tiles_m * tiles_n > _I32_MAX:
+        raise BadArgumentError(f"gemm {m}x{n}: too many CTAs for kernel {kernel_id} ({tiles_m * tiles_n})")
+    return Plan(config, 1, tiles_m, tiles_n, tiles_m * tiles_n, tiles_m * tiles_n)
 
 
 # -- operand checks (pure Python, so CPU-only CI can test them) -------------------------------------
@@ -350,15 +457,23 @@ def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
         kernel = _kernels.get(key)
     if kernel is None:
         kernel = library.kernel(kernel_id, device=device)
-        types = tuple(kernel.spec.entries.get(ENTRY, ()))
-        if types != ENTRY_TYPES:
+        entry, expected = _entry_of(kernel_id)
+        types = tuple(kernel.spec.entries.get(entry, ()))
+        if types != expected:
             raise KernelNotFoundError(
-                f"kernel {kernel_id!r} ({kernel.spec.digest}): expected entry {ENTRY} with parameters "
-                f"{list(ENTRY_TYPES)}, the manifest declares {list(types) if types else 'no such entry'}"
+                f"kernel {kernel_id!r} ({kernel.spec.digest}): expected entry {entry} with parameters "
+                f"{list(expected)}, the manifest declares {list(types) if types else 'no such entry'}"
             )
         with _lock:
             _kernels[key] = kernel
     return kernel
+
+
+def _entry_of(kernel_id: str) -> tuple[str, tuple[str, ...]]:
+    """The entry an ops.gemm kernel id launches, and its parameter types."""
+    if kernel_id.startswith(SKINNY_FAMILY + "/"):
+        return SKINNY_ENTRY, SKINNY_ENTRY_TYPES
+    return ENTRY, ENTRY_TYPES
 
 
 def sm_count(device: int) -> int:
@@ -373,11 +488,12 @@ def sm_count(device: int) -> int:
 
 
 def candidates(library: Library) -> frozenset[str]:
-    """The ids of the library's gemm kernels for sm_90a: what the selection may choose from (cached)."""
+    """The ids of the library's gemm and skinny kernels for sm_90a: what the selection may choose from (cached)."""
     cached = _candidates.get(library)
     if cached is not None:
         return cached
-    ids = frozenset(spec.id for spec in library.manifest.find(FAMILY) if spec.arch == ARCH)
+    ids = frozenset(spec.id for family in FAMILIES
+                    for spec in library.manifest.find(family) if spec.arch == ARCH)
     with _lock:
         return _candidates.setdefault(library, ids)
 
@@ -432,9 +548,10 @@ class _Call:
     torch_device: Any
     shape: tuple[int, int]  # of D
     plan: Plan
-    launch: PreparedLaunch  # called as (stream, tma_a, tma_b, tma_d, d, workspace, counters)
-    maps_a: _TensorMaps
-    maps_b: _TensorMaps
+    # gemm: called as (stream, tma_a, tma_b, tma_d, d, workspace, counters); skinny: (stream, a, b, d)
+    launch: PreparedLaunch
+    maps_a: _TensorMaps | None  # None: a skinny kernel, which takes pointers
+    maps_b: _TensorMaps | None
     maps_d: _TensorMaps | None  # None: N is not a multiple of 8, D is stored element pairs at a time
 
 
@@ -523,6 +640,9 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
     if out is None:
         out = torch.empty(call.shape, dtype=torch.bfloat16, device=call.torch_device)
     stream = _stream_of(torch)(call.device)
+    if call.maps_a is None:  # a skinny kernel: plain pointers, no workspace
+        call.launch(stream, address_a, address_b, out.data_ptr())
+        return out
     tma_a = call.maps_a.get(address_a)
     tma_b = call.maps_b.get(address_b)
     address_d, n_d = out.data_ptr(), call.shape[1]
@@ -571,6 +691,16 @@ def _prepare(
     kernel = _kernel(library, kernel_id, device)
     cfg = launch.config
     logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d", m, n, k, kernel_id, launch.splits, launch.grid)
+    # A 1-row operand's stride is never used to step; give the kernel (or the map) a dense one.
+    stride_a = a_op.strides[0] if m > 1 else k
+    stride_b = b_op.strides[0] if n > 1 else k
+    if isinstance(cfg, SkinnyConfig):
+        prepared = kernel.prepare(
+            SKINNY_ENTRY, grid=(launch.grid, 1, 1), block=(cfg.threads, 1, 1), shared_mem=0,
+            args=(None, None, None, m, n, k, stride_a, stride_b),
+        )
+        call = _Call(library, device, torch.device("cuda", device), (m, n), launch, prepared, None, None, None)
+        return _remember(key, call)
     prepared = kernel.prepare(
         ENTRY,
         grid=(launch.grid, 1, 1),
@@ -579,9 +709,6 @@ def _prepare(
         shared_mem=cfg.smem_bytes,
         args=(None, None, None, None, m, n, k, None, None, launch.splits),
     )
-    # A 1-row operand's stride is never used to step; give the map a dense one.
-    stride_a = a_op.strides[0] if m > 1 else k
-    stride_b = b_op.strides[0] if n > 1 else k
     call = _Call(
         library, device, torch.device("cuda", device), (m, n), launch, prepared,
         _TensorMaps(encoder_2d_bf16(a_op.address, m, k, stride_a, *cfg.box_a, swizzle=_SWIZZLE_BYTES, device=device)),
@@ -590,6 +717,10 @@ def _prepare(
         _TensorMaps(encoder_2d_bf16(16, m, n, n, *_D_BOX, swizzle=_SWIZZLE_BYTES, device=device))
         if stores_by_tma(n, 16) else None,
     )
+    return _remember(key, call)
+
+
+def _remember(key: tuple[Any, ...] | None, call: _Call) -> _Call:
     if key is not None:
         with _lock:
             _misses["prepared"] += 1

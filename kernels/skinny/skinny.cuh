@@ -1,0 +1,200 @@
+// skinny_bf16_tn: D = A * B^T for few rows of A (decode: M of 1 to a few dozen), bf16 in,
+// fp32 accumulate, bf16 out. Such a product is bound by reading B once; the gemm family's
+// tiles (64 rows of A at least, TMA stages, a split-K reduction through L2 when N has few
+// tiles) spend their time on fixed costs instead. Here each CTA owns 8 * J rows of B (J
+// n-groups of 8) over the whole of K, so no partial sums leave the CTA:
+//
+// - its WARPS warps take the K chunks (32 elements) in turn, chunk c to warp c % WARPS;
+// - a lane loads 16 contiguous bytes of a B row (8 bf16) and of each A row it needs, with
+//   no shared-memory staging: the 16 x 16 x 8 mma.sync consumes them from registers. The
+//   order of K inside an mma does not change a dot product, so lane (g, t) feeds its 8
+//   elements at k = 8t..8t+7 as the fragment's k = {2t, 2t+1, 2t+8, 2t+9} of one mma and
+//   the same of a second (see README.md, "fragments");
+// - UNROLL chunks are loaded before any is multiplied, so each warp keeps
+//   UNROLL * J * 512 bytes of B in flight;
+// - the warps' fp32 sums meet in shared memory and are added in warp order (the same bits on
+//   every launch), and the CTA stores its rows < M, columns < N of D.
+//
+// The grid is one CTA per BM x BN block of D, blocks along N fastest (blockIdx.x modulo the
+// blocks of N); each block of rows of A reads B again, so the selection uses this kernel only
+// where M fits one.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace cubinstore::skinny {
+
+template <int kGroups_, int kMTiles_, int kWarps_, int kUnroll_>
+struct Config {
+  static constexpr int kGroups = kGroups_;       // n-groups of 8 rows of B a CTA
+  static constexpr int kMTiles = kMTiles_;      // m16 tiles of A a CTA
+  static constexpr int kWarps = kWarps_;    // warps a CTA, splitting K
+  static constexpr int kUnroll = kUnroll_;  // K chunks a warp loads at once
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = 16 * kMTiles;  // rows of A (and D) a CTA
+  static constexpr int kCols = 8 * kGroups;   // rows of B (columns of D) a CTA
+  static constexpr int kChunk = 32;       // K elements a warp consumes per chunk (two mmas)
+  static_assert(kThreads == 256 || kThreads == 512, "8 or 16 warps a CTA");
+  static_assert(kWarps * kRows * kCols * 4 <= 48 * 1024, "the warps' partial sums exceed 48 KiB of static shared memory");
+};
+
+// The loads are volatile, like the mma, so they stay in program order: a batch is issued
+// whole before the mmas of the previous one (ptxas otherwise sinks each load to its use and
+// keeps one chunk in flight). A false `in` gives zeros and touches no memory.
+// B is read once: keep it out of L1, where A's rows (read by every CTA) stay.
+__device__ __forceinline__ uint4 load_once(const __nv_bfloat16* p, bool in) {
+  uint4 v;
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n"
+      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(in)));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_shared_rows(const __nv_bfloat16* p, bool in) {
+  uint4 v;
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n"
+      "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(in)));
+  return v;
+}
+
+// D (16 x 8, fp32) += A (16 x 16, row) * B (16 x 8, col), PTX ISA "mma.m16n8k16".
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Loads chunks first, first + kW * 32, ... (kU of them) of this lane's B and A rows.
+template <class Cfg>
+__device__ __forceinline__ void load_batch(uint4 (&bv)[Cfg::kUnroll][Cfg::kGroups],
+                                           uint4 (&av)[Cfg::kUnroll][Cfg::kMTiles][2],
+                                           const __nv_bfloat16* const (&b_row)[Cfg::kGroups],
+                                           const bool (&b_in)[Cfg::kGroups],
+                                           const __nv_bfloat16* const (&a_row)[Cfg::kMTiles][2],
+                                           const bool (&a_in)[Cfg::kMTiles][2], int first, int t, int k) {
+#pragma unroll
+  for (int u = 0; u < Cfg::kUnroll; ++u) {
+    const int col = first + u * Cfg::kWarps * Cfg::kChunk;  // the chunk's first K element
+    const bool k_in = col + 8 * t < k;  // K % 8 == 0: a lane's 8 elements are all in or all out
+#pragma unroll
+    for (int j = 0; j < Cfg::kGroups; ++j) bv[u][j] = load_once(b_row[j] + col, k_in && b_in[j]);
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) av[u][mt][h] = load_shared_rows(a_row[mt][h] + col, k_in && a_in[mt][h]);
+  }
+}
+
+template <class Cfg>
+__device__ __forceinline__ void multiply_batch(float (&acc)[Cfg::kMTiles][Cfg::kGroups][4],
+                                               const uint4 (&bv)[Cfg::kUnroll][Cfg::kGroups],
+                                               const uint4 (&av)[Cfg::kUnroll][Cfg::kMTiles][2]) {
+#pragma unroll
+  for (int u = 0; u < Cfg::kUnroll; ++u)
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt)
+#pragma unroll
+      for (int j = 0; j < Cfg::kGroups; ++j) {
+        // Elements 8t+0..3 as fragment k {2t, 2t+1, 2t+8, 2t+9}, then 8t+4..7 likewise.
+        const uint4 a_top = av[u][mt][0], a_bottom = av[u][mt][1], bj = bv[u][j];
+        mma_16x8x16(acc[mt][j], a_top.x, a_bottom.x, a_top.y, a_bottom.y, bj.x, bj.y);
+        mma_16x8x16(acc[mt][j], a_top.z, a_bottom.z, a_top.w, a_bottom.w, bj.z, bj.w);
+      }
+}
+
+// a: M x K, row stride lda; b: N x K, row stride ldb (elements; rows 16-byte aligned, K a
+// multiple of 8); d: M x N, contiguous.
+template <class Cfg>
+__device__ __forceinline__ void skinny_tn(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
+                                          __nv_bfloat16* __restrict__ d, int m, int n, int k, int lda, int ldb) {
+  constexpr int kJ = Cfg::kGroups, kMT = Cfg::kMTiles, kW = Cfg::kWarps, kU = Cfg::kUnroll;
+  __shared__ float partial[kW][Cfg::kRows][Cfg::kCols];
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;  // the fragment's group: a row of A (and of A + 8), a row of B
+  const int t = lane & 3;   // its 8 elements of each chunk start at k = 8t
+  const int n_blocks = (n + Cfg::kCols - 1) / Cfg::kCols;
+  const int n0 = static_cast<int>(blockIdx.x % n_blocks) * Cfg::kCols;
+  const int m0 = static_cast<int>(blockIdx.x / n_blocks) * Cfg::kRows;
+
+  // Rows past M or N are never stored; their loads are skipped (zeros) rather than clamped.
+  const __nv_bfloat16* b_row[kJ];
+  bool b_in[kJ];
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    const int row = n0 + 8 * j + g;
+    b_in[j] = row < n;
+    b_row[j] = b + static_cast<int64_t>(b_in[j] ? row : 0) * ldb + 8 * t;
+  }
+  const __nv_bfloat16* a_row[kMT][2];
+  bool a_in[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + 16 * mt + 8 * h + g;
+      a_in[mt][h] = row < m;
+      a_row[mt][h] = a + static_cast<int64_t>(a_in[mt][h] ? row : 0) * lda + 8 * t;
+    }
+  }
+
+  float acc[kMT][kJ][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][j][i] = 0.0f;
+
+  // Two batches in registers: the next is in flight while the mmas consume this one.
+  constexpr int kStep = kW * kU * Cfg::kChunk;  // K a warp advances per batch
+  uint4 b0[kU][kJ], b1[kU][kJ];
+  uint4 a0[kU][kMT][2], a1[kU][kMT][2];
+  int first = warp * Cfg::kChunk;  // the warp's first K element of the batch in b0/a0
+  load_batch<Cfg>(b0, a0, b_row, b_in, a_row, a_in, first, t, k);
+  for (;;) {
+    load_batch<Cfg>(b1, a1, b_row, b_in, a_row, a_in, first + kStep, t, k);
+    multiply_batch<Cfg>(acc, b0, a0);
+    if ((first += kStep) >= k) break;
+    load_batch<Cfg>(b0, a0, b_row, b_in, a_row, a_in, first + kStep, t, k);
+    multiply_batch<Cfg>(acc, b1, a1);
+    if ((first += kStep) >= k) break;
+  }
+
+  // The accumulator fragment: (row g, columns 2t, 2t+1) and (row g + 8, the same columns).
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      float* top = &partial[warp][16 * mt + g][8 * j + 2 * t];
+      float* bottom = &partial[warp][16 * mt + g + 8][8 * j + 2 * t];
+      top[0] = acc[mt][j][0];
+      top[1] = acc[mt][j][1];
+      bottom[0] = acc[mt][j][2];
+      bottom[1] = acc[mt][j][3];
+    }
+  __syncthreads();
+
+  const int rows = min(Cfg::kRows, m - m0);
+  for (int i = threadIdx.x; i < rows * Cfg::kCols; i += Cfg::kThreads) {
+    const int r = i / Cfg::kCols;
+    const int c = i % Cfg::kCols;
+    if (n0 + c >= n) continue;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) sum += partial[w][r][c];
+    d[static_cast<int64_t>(m0 + r) * n + n0 + c] = __float2bfloat16_rn(sum);
+  }
+}
+
+}  // namespace cubinstore::skinny
