@@ -466,20 +466,21 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
                    make_float4(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]));
           }
         }
+        // Publishing is one thread's release after the consumers' barrier, and reading one
+        // thread's acquire before it: the barrier carries the other threads' stores and loads
+        // (a fence in every thread, MEMBAR.SC.GPU, is not needed for this order).
         if (!last) {
-          __threadfence();
           sm90::named_barrier_sync(1, kConsumerThreads);
-          if (ct == 0) atomicAdd(published, 1);
+          if (ct == 0) sm90::red_add_release_gpu(published, 1);
           continue;
         }
         if (ct == 0) {
-          while (*reinterpret_cast<volatile int*>(published) < piece.nslots - 1) __nanosleep(64);
+          while (sm90::ld_acquire_gpu(published) < piece.nslots - 1) __nanosleep(64);
           // Every other piece is done with both counters: leave them at zero for the next launch.
           *arrived = 0;
           *published = 0;
         }
         sm90::named_barrier_sync(1, kConsumerThreads);
-        __threadfence();
         int from = mine + 1;  // the first slot still to add
         if (mine == 1) {
           const float4* p0 = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, 0) * kBlock);
