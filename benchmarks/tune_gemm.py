@@ -6,6 +6,8 @@
         --measurements gemm_measurements.json
     # anywhere, from saved measurements (CPU only):
     python benchmarks/tune_gemm.py --refit gemm_measurements.json
+    # on the GPU: the shipped model's picks on the held-out shapes against the best measured option
+    PYTHONPATH=. python benchmarks/tune_gemm.py --judge-held-out --manifest bazel-bin/kernels/manifest.json
 
 `--calibrate` times every `gemm` instantiation of the manifest with a few K-splits (1, and
 2, 3, 4, 6, 8, 16 and the model's own pick where the units stay within two waves), and every
@@ -129,16 +131,18 @@ def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: 
     return sorted(tries)
 
 
-def plan_timings(kernel_ids: Sequence[str], sm_count: int) -> list[tuple[gemm_shapes.Shape, str, int]]:
+def plan_timings(kernel_ids: Sequence[str], sm_count: int,
+                 shapes: Sequence[gemm_shapes.Shape] = gemm_shapes.TUNING) -> list[tuple[gemm_shapes.Shape, str, int]]:
     model = Model()
-    return [(shape, kid, s) for shape in gemm_shapes.TUNING for kid in kernel_ids
+    return [(shape, kid, s) for shape in shapes for kid in kernel_ids
             for s in split_tries(model, *shape.mnk, sm_count, kid)]
 
 
 # -- measuring (GPU) ------------------------------------------------------------------------------
 
 
-def measure(args: argparse.Namespace) -> tuple[list[Timing], dict[str, Any]]:
+def measure(args: argparse.Namespace,
+            shapes: Sequence[gemm_shapes.Shape] = gemm_shapes.TUNING) -> tuple[list[Timing], dict[str, Any]]:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -150,9 +154,9 @@ def measure(args: argparse.Namespace) -> tuple[list[Timing], dict[str, Any]]:
 
     ops.set_library(library)
     ids = sorted(spec.id for spec in bench.op_specs(library))
-    todo = plan_timings(ids, sms)
+    todo = plan_timings(ids, sms, shapes)
     print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}; "
-          f"{len(todo)} timings over {len(gemm_shapes.TUNING)} shapes", flush=True)
+          f"{len(todo)} timings over {len(shapes)} shapes", flush=True)
     timings: list[Timing] = []
     by_shape: dict[tuple[int, int, int], list[tuple[str, int]]] = defaultdict(list)
     for shape, kid, splits in todo:
@@ -392,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--calibrate", action="store_true", help="time on this GPU, fit, write")
     mode.add_argument("--refit", type=Path, metavar="MEASUREMENTS", help="fit saved timings again (no GPU)")
     mode.add_argument("--dry-run", action="store_true", help="list what --calibrate would time (no GPU)")
+    mode.add_argument("--judge-held-out", action="store_true",
+                      help="time the same options on the held-out shapes and judge the shipped model's picks "
+                           "against the measured best (never fitted, never written)")
     parser.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
     parser.add_argument("--home", type=Path, default=None, help="local store root (default: a fresh temp dir)")
     parser.add_argument("--measurements", type=Path, default=None, help="save the timings here (JSON)")
@@ -407,6 +414,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.dry_run:
         dry_run(args)
+    elif args.judge_held_out:
+        # How much of the held-out shapes' gap to torch is the selection's: its picks against
+        # the best option measured. The timings never reach a fit.
+        timings, provenance = measure(args, gemm_shapes.HELD_OUT)
+        if args.measurements:
+            save(args.measurements, timings, provenance)
+        print("\nheld-out shapes, the shipped calibration (cubinstore/ops/_gemm_calibration.py):")
+        report(_gemm_model.calibrated_model(), timings, int(provenance["sm_count"]))
     elif args.refit:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
     else:
