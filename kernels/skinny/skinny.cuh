@@ -39,29 +39,28 @@ struct Config {
   static_assert(kWarps * kRows * kCols * 4 <= 48 * 1024, "the warps' partial sums exceed 48 KiB of static shared memory");
 };
 
-// The loads are volatile, like the mma, so they stay in program order: a batch is issued
-// whole before the mmas of the previous one (ptxas otherwise sinks each load to its use and
-// keeps one chunk in flight). A false `in` gives zeros and touches no memory.
-// B is read once: keep it out of L1, where A's rows (read by every CTA) stay.
-__device__ __forceinline__ uint4 load_once(const __nv_bfloat16* p, bool in) {
+// One 16-byte load of 8 bf16; a false `in` gives zeros and touches no memory. The loads are
+// volatile, like the mma, so they stay in program order: a batch is issued whole before the
+// mmas of the previous one (ptxas otherwise sinks each load to its use and keeps one chunk in
+// flight). `kOnce` (B, read once) keeps it out of L1, where A's rows (read by every CTA) stay.
+#define CUBINSTORE_SKINNY_LOAD(hint)                                                                        \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n" \
+  "@p ld.global.nc" hint ".v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+template <bool kOnce>
+__device__ __forceinline__ uint4 load_16(const __nv_bfloat16* p, bool in) {
   uint4 v;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n"
-      "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"(static_cast<int>(in)));
+  if constexpr (kOnce) {
+    asm volatile(CUBINSTORE_SKINNY_LOAD(".L1::no_allocate")
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "r"(static_cast<int>(in)));
+  } else {
+    asm volatile(CUBINSTORE_SKINNY_LOAD("")
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "r"(static_cast<int>(in)));
+  }
   return v;
 }
-
-__device__ __forceinline__ uint4 load_shared_rows(const __nv_bfloat16* p, bool in) {
-  uint4 v;
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\nmov.b32 %0, 0;\nmov.b32 %1, 0;\nmov.b32 %2, 0;\nmov.b32 %3, 0;\n"
-      "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"(static_cast<int>(in)));
-  return v;
-}
+#undef CUBINSTORE_SKINNY_LOAD
 
 // D (16 x 8, fp32) += A (16 x 16, row) * B (16 x 8, col), PTX ISA "mma.m16n8k16".
 __device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -86,11 +85,11 @@ __device__ __forceinline__ void load_batch(uint4 (&bv)[Cfg::kUnroll][Cfg::kGroup
     const int col = first + u * Cfg::kWarps * Cfg::kChunk;  // the chunk's first K element
     const bool k_in = col + 8 * t < k;  // K % 8 == 0: a lane's 8 elements are all in or all out
 #pragma unroll
-    for (int j = 0; j < Cfg::kGroups; ++j) bv[u][j] = load_once(b_row[j] + col, k_in && b_in[j]);
+    for (int j = 0; j < Cfg::kGroups; ++j) bv[u][j] = load_16<true>(b_row[j] + col, k_in && b_in[j]);
 #pragma unroll
     for (int mt = 0; mt < Cfg::kMTiles; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) av[u][mt][h] = load_shared_rows(a_row[mt][h] + col, k_in && a_in[mt][h]);
+      for (int h = 0; h < 2; ++h) av[u][mt][h] = load_16<false>(a_row[mt][h] + col, k_in && a_in[mt][h]);
   }
 }
 
