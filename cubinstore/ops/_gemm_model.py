@@ -280,7 +280,7 @@ class Model:
         """
         _check_shape(m, n, k, sm_count)
         if isinstance(_config(kernel_id), _gemm.SkinnyConfig):
-            _plan(m, n, k, sm_count, kernel_id, splits)  # the same errors as a launch
+            _plan(m, n, k, sm_count, kernel_id, splits)  # the same errors as a launch (a split)
             return self._skinny_estimate(m, n, k, sm_count, kernel_id)
         launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
@@ -315,11 +315,11 @@ class Model:
 
     def _skinny_estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str) -> Estimate:
         """A skinny point's terms (see the module's docstring); its launch is `gemm.plan`'s."""
-        cfg = _config(kernel_id)
+        launch = _plan(m, n, k, sm_count, kernel_id, 1)
+        cfg = launch.config
         assert isinstance(cfg, _gemm.SkinnyConfig)
         mc, costs = self.machine, self.tile_costs(kernel_id)
-        blocks_m = -(-m // cfg.bm)
-        ctas = blocks_m * -(-n // cfg.bn)
+        blocks_m, ctas = launch.tiles_m, launch.grid
         slots = sm_count * cfg.ctas_per_sm
         waves = -(-ctas // slots)
         batches = -(-k // cfg.k_step)

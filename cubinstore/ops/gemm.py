@@ -213,11 +213,6 @@ class SkinnyConfig:
         return f"skinny/bm{self.bm}/bn{self.bn}/warps{self.warps}/unroll{self.unroll}/{ARCH}"
 
     @property
-    def defines(self) -> tuple[str, ...]:
-        """nvcc ``-D`` flags of this instantiation."""
-        return (f"-DBM={self.bm}", f"-DBN={self.bn}", f"-DWARPS={self.warps}", f"-DUNROLL={self.unroll}")
-
-    @property
     def threads(self) -> int:
         return 32 * self.warps
 
@@ -237,11 +232,13 @@ class SkinnyConfig:
         return self.bn * self.k_step * 2
 
 
+def _is_skinny(kernel_id: str) -> bool:
+    return isinstance(kernel_id, str) and kernel_id.startswith(SKINNY_FAMILY + "/")
+
+
 def config_of(kernel_id: str) -> GemmConfig | SkinnyConfig:
     """The instantiation an ops.gemm kernel id names, of either family."""
-    if isinstance(kernel_id, str) and kernel_id.startswith(SKINNY_FAMILY + "/"):
-        return SkinnyConfig.from_id(kernel_id)
-    return GemmConfig.from_id(kernel_id)
+    return SkinnyConfig.from_id(kernel_id) if _is_skinny(kernel_id) else GemmConfig.from_id(kernel_id)
 
 
 @dataclass(frozen=True)
@@ -471,7 +468,7 @@ def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
 
 def _entry_of(kernel_id: str) -> tuple[str, tuple[str, ...]]:
     """The entry an ops.gemm kernel id launches, and its parameter types."""
-    if kernel_id.startswith(SKINNY_FAMILY + "/"):
+    if _is_skinny(kernel_id):
         return SKINNY_ENTRY, SKINNY_ENTRY_TYPES
     return ENTRY, ENTRY_TYPES
 
