@@ -10,6 +10,9 @@ and with both families to choose from the calibrated model's picks exist in the 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -140,3 +143,20 @@ def test_the_calibration_times_each_skinny_point_once_where_it_is_offered() -> N
     assert tune_gemm.split_tries(model, 64, 4096, 4096, H200_SMS, kernel_id) == []
     planned = tune_gemm.plan_timings([kernel_id], H200_SMS)
     assert planned and all(s.mnk[0] <= 16 and splits == 1 for s, _, splits in planned)
+
+
+def test_choices_over_both_families_are_the_same_in_another_process_and_set_order() -> None:
+    ids = sorted(_all_ids())
+    shapes = [[m, n, k] for m in (1, 16, 32, 64) for n in (1000, 4096, 28672) for k in (1000, 8192)]
+    code = (
+        "import json, sys; from cubinstore.ops import _gemm_model as g; ids = json.loads(sys.argv[1]); "
+        "print(json.dumps([g.choose(m, n, k, 132, frozenset(ids)) for m, n, k in json.loads(sys.argv[2])]))"
+    )
+    runs = []
+    for seed, order in (("1", ids), ("2", ids[::-1])):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(order), json.dumps(shapes)], env=env,
+                             cwd=ROOT, capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout))
+    here = [list(_gemm_model.choose(m, n, k, H200_SMS, frozenset(ids))) for m, n, k in shapes]
+    assert runs[0] == runs[1] == here
