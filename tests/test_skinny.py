@@ -79,6 +79,16 @@ def test_a_k_split_of_a_skinny_point_is_refused(splits: int) -> None:
         G.plan(1, 4096, 4096, H200_SMS, kernel_id, splits)
 
 
+def test_a_k_whose_offsets_would_overflow_int32_is_refused() -> None:
+    cfg = G.SkinnyConfig(16, 16, 16, 4)
+    limit = 2**31 - 1 - 2 * cfg.k_step
+    assert cfg.max_k == limit and G.plan(1, 8, limit, H200_SMS, cfg.kernel_id, 1).grid == 1
+    # The model does not offer it there.
+    assert Model().options(1, 8, limit + 8, H200_SMS, [cfg.kernel_id]) == []
+    with pytest.raises(BadArgumentError, match=rf"^gemm K = {limit + 8}: kernel {cfg.kernel_id} expects K <= {limit}$"):
+        G.plan(1, 8, limit + 8, H200_SMS, cfg.kernel_id, 1)
+
+
 @pytest.mark.parametrize(("kernel_id", "message"), [
     ("skinny/bm16/bn8/warps8/sm_90a", r"^invalid skinny kernel id 'skinny/bm16/bn8/warps8/sm_90a': expected "),
     ("skinny/bm48/bn8/warps8/unroll4/sm_90a", r"^invalid skinny instantiation .*'bm': 48.*: bm 48 not in \(16, 32\)$"),

@@ -395,7 +395,7 @@ class Model:
         for kernel_id in candidates:
             cfg = _config(kernel_id)
             if isinstance(cfg, _gemm.SkinnyConfig):
-                if m <= cfg.bm:  # one block of rows: B is read once
+                if m <= cfg.bm and k <= cfg.max_k:  # one block of rows: B is read once
                     out.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
             elif sm_count >= cfg.cluster:
                 out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)))

@@ -227,6 +227,11 @@ class SkinnyConfig:
         return _SKINNY_CHUNK * self.warps * self.unroll
 
     @property
+    def max_k(self) -> int:
+        """The largest K it takes: its K offsets run up to two batches past K, in int32."""
+        return _I32_MAX - 2 * self.k_step
+
+    @property
     def batch_bytes(self) -> int:
         """Bytes of B one batch of the CTA loads: `bn` rows of `k_step` bf16."""
         return self.bn * self.k_step * 2
@@ -292,7 +297,7 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
         if not 1 <= value <= _I32_MAX:
             raise BadArgumentError(f"gemm {name}: expected 1 <= {name} <= {_I32_MAX}, got {value}")
     if isinstance(config, SkinnyConfig):
-        return _skinny_plan(m, n, config, kernel_id, splits)
+        return _skinny_plan(m, n, k, config, kernel_id, splits)
     if sm_count < config.cluster:
         raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
     kblocks = -(-k // config.bk)
@@ -311,9 +316,11 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
     return Plan(config, splits, tiles_m, tiles_n, units, clusters * config.cluster)
 
 
-def _skinny_plan(m: int, n: int, config: SkinnyConfig, kernel_id: str, splits: int) -> Plan:
+def _skinny_plan(m: int, n: int, k: int, config: SkinnyConfig, kernel_id: str, splits: int) -> Plan:
     if int(splits) != 1:
         raise BadArgumentError(f"gemm: kernel {kernel_id} takes no K split: expected splits 1, got {splits}")
+    if k > config.max_k:
+        raise BadArgumentError(f"gemm K = {k}: kernel {kernel_id} expects K <= {config.max_k}")
     tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)
     if tiles_m * tiles_n > _I32_MAX:
         raise BadArgumentError(f"gemm {m}x{n}: too many CTAs for kernel {kernel_id} ({tiles_m * tiles_n})")
