@@ -6,12 +6,12 @@
 //
 // - its WARPS warps take the K chunks (32 elements) in turn, chunk c to warp c % WARPS;
 // - a lane loads 16 contiguous bytes of a B row (8 bf16) and of each A row it needs, with
-//   no shared-memory staging: the 16 x 16 x 8 mma.sync consumes them from registers. The
+//   no shared-memory staging: mma.sync m16n8k16 consumes them from registers. The
 //   order of K inside an mma does not change a dot product, so lane (g, t) feeds its 8
 //   elements at k = 8t..8t+7 as the fragment's k = {2t, 2t+1, 2t+8, 2t+9} of one mma and
 //   the same of a second (see README.md, "fragments");
-// - UNROLL chunks are loaded before any is multiplied, so each warp keeps
-//   UNROLL * J * 512 bytes of B in flight;
+// - a warp loads UNROLL chunks as one batch and holds two batches, so the next is in flight
+//   while the mmas consume this one: up to 2 * UNROLL * J * 512 bytes of B a warp;
 // - the warps' fp32 sums meet in shared memory and are added in warp order (the same bits on
 //   every launch), and the CTA stores its rows < M, columns < N of D.
 //
@@ -27,14 +27,14 @@ namespace cubinstore::skinny {
 
 template <int kGroups_, int kMTiles_, int kWarps_, int kUnroll_>
 struct Config {
-  static constexpr int kGroups = kGroups_;       // n-groups of 8 rows of B a CTA
-  static constexpr int kMTiles = kMTiles_;      // m16 tiles of A a CTA
+  static constexpr int kGroups = kGroups_;  // n-groups of 8 rows of B a CTA
+  static constexpr int kMTiles = kMTiles_;  // m16 tiles of A a CTA
   static constexpr int kWarps = kWarps_;    // warps a CTA, splitting K
   static constexpr int kUnroll = kUnroll_;  // K chunks a warp loads at once
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16 * kMTiles;  // rows of A (and D) a CTA
   static constexpr int kCols = 8 * kGroups;   // rows of B (columns of D) a CTA
-  static constexpr int kChunk = 32;       // K elements a warp consumes per chunk (two mmas)
+  static constexpr int kChunk = 32;           // K elements a warp consumes per chunk (two mmas)
   static_assert(kThreads == 256 || kThreads == 512, "8 or 16 warps a CTA");
   static_assert(kWarps * kRows * kCols * 4 <= 48 * 1024, "the warps' partial sums exceed 48 KiB of static shared memory");
 };
