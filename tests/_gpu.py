@@ -63,3 +63,17 @@ def gemm_rel_error(torch: Any, d: Any, a: Any, b: Any) -> float:
     torch.cuda.synchronize()
     ref = a.float() @ b.float().T
     return float((d.float() - ref).norm() / ref.norm())
+
+
+#: ||D - A B^T|| / ||A B^T|| below which a bf16 GEMM result is right.
+GEMM_MAX_REL_ERROR = 1e-2
+
+
+def check_gemm(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
+    """D is M x N bf16, every element written (D was NaN-poisoned) and within GEMM_MAX_REL_ERROR of A B^T."""
+    torch.cuda.synchronize()
+    assert d.shape == (a.shape[0], b.shape[0]) and d.dtype == torch.bfloat16
+    unwritten = int(torch.isnan(d).sum())
+    assert unwritten == 0, f"{what}: {unwritten} of {d.numel()} output elements not written (still NaN)"
+    rel = gemm_rel_error(torch, d, a, b)
+    assert rel < GEMM_MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"

@@ -18,13 +18,12 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
-from _gpu import family_ids, family_library, gemm_operands, gemm_rel_error
+from _gpu import check_gemm, family_ids, family_library, gemm_operands
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
 pytestmark = pytest.mark.gpu
 
-MAX_REL_ERROR = 1e-2
 SQUARES = [(s, s, s) for s in (64, 256, 1024, 4096)]
 LLM = [(m, n, k) for n, k in ((4096, 4096), (14336, 4096), (4096, 14336)) for m in (1, 64, 128, 4096)]
 # Not multiples of any tile edge (64, 128, 192, 256) nor of BK; odd N takes the scalar store path.
@@ -45,15 +44,6 @@ def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch
     ops.set_library(None)
 
 
-def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
-    torch.cuda.synchronize()
-    assert d.shape == (a.shape[0], b.shape[0]) and d.dtype == torch.bfloat16
-    unwritten = int(torch.isnan(d).sum())
-    assert unwritten == 0, f"{what}: {unwritten} of {d.numel()} output elements not written (still NaN)"
-    rel = gemm_rel_error(torch, d, a, b)
-    assert rel < MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
-
-
 @pytest.mark.parametrize("kernel_id", family_ids(G.FAMILY))
 @pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
 @pytest.mark.parametrize("splits", [1, 3, G.STREAM_K])
@@ -63,14 +53,14 @@ def test_every_instantiation_matches_float32_reference(
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
     G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
-    _check(torch, d, a, b, f"{kernel_id} splits={splits} at {m}x{n}x{k}")
+    check_gemm(torch, d, a, b, f"{kernel_id} splits={splits} at {m}x{n}x{k}")
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SQUARES + LLM + TAILS, ids=lambda v: str(v))
 def test_tuned_gemm_matches_float32_reference(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
     a, b = gemm_operands(torch, m, n, k)
     d = ops.gemm(a, b)
-    _check(torch, d, a, b, f"ops.gemm (selected: {G.select(lib, 0, m, n, k)}) at {m}x{n}x{k}")
+    check_gemm(torch, d, a, b, f"ops.gemm (selected: {G.select(lib, 0, m, n, k)}) at {m}x{n}x{k}")
 
 
 @pytest.mark.parametrize("splits", [8, G.STREAM_K])
@@ -82,7 +72,7 @@ def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library
         a, b = gemm_operands(torch, 200, 1000, 4096)
         d = torch.full((200, 1000), float("nan"), dtype=torch.bfloat16, device="cuda:0")
         G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
-        _check(torch, d, a, b, f"{kernel_id} splits={splits}, repeated")
+        check_gemm(torch, d, a, b, f"{kernel_id} splits={splits}, repeated")
     counters = G._counters[(0, int(torch.cuda.current_stream(0).cuda_stream))]
     assert int(counters.abs().sum()) == 0
 
@@ -93,7 +83,7 @@ def test_padded_row_strides_are_read_through_the_tensor_map(lib: launch.Library,
     a, b = a_store[:, 8 : k + 8], b_store[:, :k]  # row stride k + 64; a starts 16 bytes in
     assert not a.is_contiguous()
     d = ops.gemm(a, b)
-    _check(torch, d, a, b, "padded rows")
+    check_gemm(torch, d, a, b, "padded rows")
 
 
 def test_runs_on_the_current_torch_stream(lib: launch.Library, torch: Any) -> None:
@@ -103,7 +93,7 @@ def test_runs_on_the_current_torch_stream(lib: launch.Library, torch: Any) -> No
         d = torch.full((512, 512), float("nan"), dtype=torch.bfloat16, device="cuda:0")
         ops.gemm(a, b, out=d)
     stream.synchronize()
-    _check(torch, d, a, b, "side stream")
+    check_gemm(torch, d, a, b, "side stream")
 
 
 def test_wrong_dtype_on_the_gpu_is_refused_before_launch(lib: launch.Library, torch: Any) -> None:
@@ -123,7 +113,7 @@ def test_d_through_tma_writes_nothing_past_m_and_n(lib: launch.Library, torch: A
     d = storage[: m * n].view(m, n)
     assert G.stores_by_tma(n, d.data_ptr())
     ops.gemm(a, b, out=d)
-    _check(torch, d, a, b, "D through TMA")
+    check_gemm(torch, d, a, b, "D through TMA")
     assert bool(torch.isnan(storage[m * n :]).all()), "a TMA store wrote past D"
 
 
@@ -134,5 +124,5 @@ def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, tor
     d = storage[4 : 4 + m * n].view(m, n)  # 8 bytes in: 4-byte aligned, not 16
     assert not G.stores_by_tma(n, d.data_ptr())
     ops.gemm(a, b, out=d)
-    _check(torch, d, a, b, "out view 8 bytes in")
+    check_gemm(torch, d, a, b, "out view 8 bytes in")
     assert bool(torch.isnan(storage[:4]).all() and torch.isnan(storage[4 + m * n :]).all())

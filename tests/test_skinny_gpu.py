@@ -15,13 +15,12 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import _cuda, launch
-from _gpu import family_ids, family_library, gemm_operands, gemm_rel_error
+from _gpu import check_gemm, family_ids, family_library, gemm_operands
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
 pytestmark = pytest.mark.gpu
 
-MAX_REL_ERROR = 1e-2
 # M from 1 to a block and past it (more than one block of rows: B is read again per block);
 # N off every BN (8, 16, 32) and 1; K a multiple of 8 but off the chunk (32) and every batch.
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (32, 1024, 4096), (1, 1, 8), (3, 7, 8), (5, 13, 72),
@@ -41,14 +40,6 @@ def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch
     ops.set_library(None)
 
 
-def _check(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
-    torch.cuda.synchronize()
-    unwritten = int(torch.isnan(d).sum())
-    assert unwritten == 0, f"{what}: {unwritten} of {d.numel()} output elements not written (still NaN)"
-    rel = gemm_rel_error(torch, d, a, b)
-    assert rel < MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
-
-
 @pytest.mark.parametrize("kernel_id", family_ids(G.SKINNY_FAMILY))
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=lambda v: str(v))
 def test_every_instantiation_matches_float32_reference(
@@ -57,7 +48,7 @@ def test_every_instantiation_matches_float32_reference(
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
     G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
-    _check(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}")
+    check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}")
 
 
 @pytest.mark.parametrize("kernel_id", family_ids(G.SKINNY_FAMILY))
@@ -89,7 +80,7 @@ def test_padded_rows_and_an_offset_start_are_read_by_row_stride(lib: launch.Libr
     for kernel_id in family_ids(G.SKINNY_FAMILY):
         d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
         G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
-        _check(torch, d, a, b, f"{kernel_id}, padded rows")
+        check_gemm(torch, d, a, b, f"{kernel_id}, padded rows")
 
 
 def test_nothing_is_written_past_d(lib: launch.Library, torch: Any) -> None:
@@ -101,7 +92,7 @@ def test_nothing_is_written_past_d(lib: launch.Library, torch: Any) -> None:
         d = buf[1 : 1 + m * n].view(m, n)
         d.fill_(float("nan"))
         G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
-        _check(torch, d, a, b, f"{kernel_id}, D inside a buffer")
+        check_gemm(torch, d, a, b, f"{kernel_id}, D inside a buffer")
         assert float(buf[0]) == 7.0 and bool((buf[1 + m * n :] == 7.0).all()), f"{kernel_id} wrote outside D"
 
 
@@ -110,7 +101,7 @@ def test_ops_gemm_takes_a_skinny_point_for_decode_and_is_right(lib: launch.Libra
     kernel_id, splits = G.select(lib, 0, m, n, k)
     assert kernel_id.startswith(G.SKINNY_FAMILY + "/") and splits == 1, (kernel_id, splits)
     a, b = gemm_operands(torch, m, n, k)
-    _check(torch, ops.gemm(a, b), a, b, f"ops.gemm ({kernel_id}) at {m}x{n}x{k}")
+    check_gemm(torch, ops.gemm(a, b), a, b, f"ops.gemm ({kernel_id}) at {m}x{n}x{k}")
 
 
 def test_a_captured_graph_replays_a_skinny_launch_with_new_inputs(lib: launch.Library, torch: Any) -> None:
@@ -127,4 +118,4 @@ def test_a_captured_graph_replays_a_skinny_launch_with_new_inputs(lib: launch.Li
     b.copy_(b2)
     d.fill_(float("nan"))
     graph.replay()
-    _check(torch, d, a2, b2, "graph replay")
+    check_gemm(torch, d, a2, b2, "graph replay")
