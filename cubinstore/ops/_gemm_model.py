@@ -280,8 +280,7 @@ class Model:
         """
         _check_shape(m, n, k, sm_count)
         if isinstance(_config(kernel_id), _gemm.SkinnyConfig):
-            _plan(m, n, k, sm_count, kernel_id, splits)  # the same errors as a launch (a split)
-            return self._skinny_estimate(m, n, k, sm_count, kernel_id)
+            return self._skinny_estimate(m, n, k, sm_count, kernel_id, splits)
         launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
         clusters = launch.grid // cfg.cluster
@@ -313,9 +312,9 @@ class Model:
         return Estimate(kernel_id, launch.splits, launch.units, launch.grid, busy_units, busy_kblocks, kblock_us,
                         extra, busiest, memory, time)
 
-    def _skinny_estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str) -> Estimate:
-        """A skinny point's terms (see the module's docstring); its launch is `gemm.plan`'s."""
-        launch = _plan(m, n, k, sm_count, kernel_id, 1)
+    def _skinny_estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int = 1) -> Estimate:
+        """A skinny point's terms (see the module's docstring); its launch is `gemm.plan`'s (and so its errors)."""
+        launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg = launch.config
         assert isinstance(cfg, _gemm.SkinnyConfig)
         mc, costs = self.machine, self.tile_costs(kernel_id)
