@@ -153,9 +153,9 @@ def gemm_specs(library: Any) -> list[Any]:
     return [k for k in library.manifest.kernels if k.family == "gemm"]
 
 
-def op_specs(library: Any) -> list[Any]:
-    """The kernels ops.gemm may select: the gemm family's and the skinny family's."""
-    return [k for k in library.manifest.kernels if k.family in gemm_module().FAMILIES]
+def op_specs(manifest: Any) -> list[Any]:
+    """The kernels of `manifest` that ops.gemm may select: the gemm family's and the skinny family's."""
+    return [k for k in manifest.kernels if k.family in gemm_module().FAMILIES]
 
 
 class Operands:

@@ -153,7 +153,7 @@ def measure(args: argparse.Namespace,
     import cubinstore.ops as ops
 
     ops.set_library(library)
-    ids = sorted(spec.id for spec in bench.op_specs(library))
+    ids = sorted(spec.id for spec in bench.op_specs(library.manifest))
     todo = plan_timings(ids, sms, shapes)
     print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}; "
           f"{len(todo)} timings over {len(shapes)} shapes", flush=True)
@@ -435,7 +435,7 @@ def dry_run(args: argparse.Namespace) -> None:
     """What --calibrate would time and roughly how long, from the default model."""
     from cubinstore.manifest import Manifest
 
-    ids = sorted(s.id for s in Manifest.from_path(args.manifest) if s.family in bench.gemm_module().FAMILIES)
+    ids = sorted(spec.id for spec in bench.op_specs(Manifest.from_path(args.manifest)))
     todo = plan_timings(ids, args.sm_count)
     model = Model()
     calls = args.reps + args.warmup + 1  # + the checked call
