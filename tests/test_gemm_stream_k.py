@@ -3,8 +3,8 @@
 `walk` below follows `Walk` in kernels/gemm/sm90_bf16_gemm.cuh step by step (the GPU tests
 check the kernel's results; these check the rule itself on shapes no GPU run could cover):
 every K block of every tile is done exactly once, the pieces of a cut tile are numbered
-0..n-1 in K order and agree on n, each CTA keeps at most two partials (what the workspace
-of `Plan.workspace_floats` holds), and the selection model's count of the busiest cluster's
+0..n-1 in K order and agree on n, each CTA writes at most one partial (what the workspace
+of `Plan.workspace_floats` holds) and never waits for a piece its cluster has yet to reach, and the selection model's count of the busiest cluster's
 work (`_stream_k_work`) is what the deal gives.
 """
 
@@ -41,7 +41,7 @@ def walk(cluster_tiles: int, clusters: int, kblocks: int, g: int) -> list[tuple[
         kb0, kb1 = i - tile_start, min(i1 - tile_start, kblocks)
         first = owner(tile_start)
         nslots = owner(tile_start + kblocks - 1) - first + 1
-        block = 2 * g + (0 if start(g) >= tile_start else 1) if nslots > 1 else -1
+        block = g if nslots > 1 and g > first else -1  # slot 0 reduces, the others write
         out.append((t, kb0, kb1, g - first, nslots, block))
         i = tile_start + kb1
     return out + [(u, 0, kblocks, 0, 1, -1) for u in range(cluster_tiles - dp + g, cluster_tiles, clusters)]
@@ -67,15 +67,30 @@ def test_every_k_block_of_every_tile_is_done_once(tiles: int, clusters: int, kbl
 
 
 @pytest.mark.parametrize(("tiles", "clusters", "kblocks"), CASES)
-def test_each_cta_keeps_at_most_two_partials_and_no_two_pieces_share_one(
+def test_each_cta_writes_at_most_one_partial_and_no_two_pieces_share_one(
     tiles: int, clusters: int, kblocks: int
 ) -> None:
     used: set[int] = set()
     for g in range(clusters):
         blocks = [p[5] for p in walk(tiles, clusters, kblocks, g) if p[5] >= 0]
-        assert len(blocks) <= 2 and not used & set(blocks) and len(set(blocks)) == len(blocks)
+        assert len(blocks) <= 1 and not used & set(blocks)
         used |= set(blocks)
-    assert all(0 <= b < 2 * clusters for b in used)
+    assert all(0 <= b < clusters for b in used)
+
+
+@pytest.mark.parametrize(("tiles", "clusters", "kblocks"), CASES)
+def test_a_reducer_waits_only_for_the_first_pieces_of_other_clusters(tiles: int, clusters: int, kblocks: int) -> None:
+    # The kernel's slot 0 of a cut tile waits for the other slots; each of those must be the
+    # first piece its cluster walks (nothing before it to wait on), and slot 0 the last cut
+    # piece of its own range, so no wait chains from cluster to cluster.
+    walks = [walk(tiles, clusters, kblocks, g) for g in range(clusters)]
+    for w in walks:
+        cut = [p for p in w if p[4] > 1]
+        for index, (_, _, _, slot, _, _) in enumerate(cut):
+            if slot == 0:
+                assert index == len(cut) - 1
+            else:
+                assert index == 0
 
 
 @pytest.mark.parametrize(("tiles", "clusters", "kblocks"), CASES)
@@ -98,7 +113,7 @@ def test_a_full_last_wave_deals_whole_tiles() -> None:
 def test_plan_sizes_the_stream_k_workspace_by_the_grid() -> None:
     p = G.plan(1280, 3584, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a", G.STREAM_K)
     assert (p.stream_k, p.units, p.grid) == (True, 140, 132)
-    assert p.workspace_floats == 132 * 2 * 128 * 256 and p.counters == 2 * 10 * 14
+    assert p.workspace_floats == 132 * 128 * 256 and p.counters == 10 * 14
     # Fewer K blocks in the whole problem than SMs: one cluster a K block, no idle cluster.
     tiny = G.plan(100, 100, 128, 132, "gemm/bm128/bn128/bk64/stages5/cluster2/sm_90a", G.STREAM_K)
     assert (tiny.units, tiny.grid) == (1, 4)

@@ -8,10 +8,10 @@ shape, and ``choose`` takes the fastest:
   ``ceil(units / clusters)`` work units on its busiest cluster (a partial last wave costs a
   whole unit); a unit costs ``unit_us`` (accumulator reset, pipeline drain, epilogue) plus
   ``kblock_us`` per K block it owns, plus, with split-K, the fp32 partial written and, on
-  the last CTA to arrive, the other partials read back (``split_unit_us`` for the fence and
+  the reducer (the last split), the other partials read back (``split_unit_us`` for the fence and
   counter, ``partial_bytes_per_us`` for the bytes); with stream-K (``gemm.STREAM_K``, weighed
   where the last wave of tiles is partly idle) its whole tiles, then its pieces of the
-  remaining tiles, each a unit, its equal share of their K blocks, and its two partials
+  remaining tiles, each a unit, its equal share of their K blocks, and its partial
   written and those it reads back (``_stream_k_work``);
 - **the feed of unaligned rows**: when K is not a multiple of 64, the rows of A and B are
   not 128-byte aligned and each 128-byte box row TMA reads spans two L2 lines; an SM then
@@ -229,8 +229,8 @@ def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int
     # A range of `share` K blocks touches at most this many tiles; only its first and last are cut.
     touched = -(-(share - 1) // kblocks) + 1
     cut = iters % sk_clusters != 0 or share % kblocks != 0
-    written = 2 if cut else 0
-    # The last to arrive at a cut tile reads every piece of it back: about kblocks / share + 1 pieces.
+    written = 1 if cut else 0  # its first piece (slot 0, the last, reduces)
+    # A cut tile's reducer reads its other pieces back: about kblocks / share + 1 pieces.
     read = (-(-kblocks // share) + 1) * -(-(cluster_tiles - whole * clusters) // sk_clusters) if cut else 0
     return whole + touched, whole * kblocks + share, written, read
 
@@ -369,8 +369,8 @@ class Model:
             hbm = operand_bytes
             if splits > 1:
                 unit += split_fixed + splits * partial_us
-                if tiles * splits * partial > workspace_limit:
-                    hbm += 2.0 * tiles * splits * partial
+                if tiles * (splits - 1) * partial > workspace_limit:
+                    hbm += 2.0 * tiles * (splits - 1) * partial
             busiest = -(-units // clusters) * unit
             rate = clusters * cluster * cta_rate
             memory = hbm / (rate if rate < hbm_rate else hbm_rate)

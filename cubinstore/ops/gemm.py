@@ -142,9 +142,9 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: alignment slack, the stage ring, a D box a consumer, two mbarriers a stage, a flag."""
+        """Dynamic shared memory: alignment slack, the stage ring, a D box a consumer, two mbarriers a stage."""
         d_boxes = self.consumers * _D_BOX[0] * _D_BOX[1] * 2
-        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + d_boxes + 2 * self.stages * 8 + 16
+        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + d_boxes + 2 * self.stages * 8
 
     @property
     def consumers(self) -> int:
@@ -263,16 +263,16 @@ class Plan:
 
     @property
     def workspace_floats(self) -> int:
-        """fp32 partials: split-K one BM x BN block per (tile, split), stream-K two per CTA; else 0."""
+        """fp32 partials: split-K one BM x BN block per (tile, split but the last), stream-K one per CTA; else 0."""
         block = self.config.bm * self.config.bn
         if self.stream_k:
-            return self.grid * 2 * block
-        return 0 if self.splits == 1 else self.tiles_m * self.tiles_n * self.splits * block
+            return self.grid * block
+        return self.tiles_m * self.tiles_n * (self.splits - 1) * block
 
     @property
     def counters(self) -> int:
-        """int32 counters of split-K and stream-K, two a tile: arrived, published (zero between launches); else 0."""
-        return 0 if self.splits == 1 else 2 * self.tiles_m * self.tiles_n
+        """int32 counters of split-K and stream-K, one a tile: its published partials (zero between launches); else 0."""
+        return 0 if self.splits == 1 else self.tiles_m * self.tiles_n
 
 
 def stores_by_tma(n: int, address: int) -> bool:
@@ -434,7 +434,7 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
 _lock = threading.Lock()
 _kernels: dict[tuple[Library, str, int], Kernel] = {}  # the library itself: an id() may be reused
 _sm_counts: dict[int, int] = {}
-# Per (device, stream): split-K arrival counters. The kernel leaves them at zero, and
+# Per (device, stream): split-K and stream-K publication counters. The kernel leaves them at zero, and
 # launches on one stream are ordered, so one buffer per stream is reused safely.
 _counters: dict[tuple[int, int], Any] = {}
 _SELECTION_CACHE: Final = 4096  # (library, device, M, N, K) entries

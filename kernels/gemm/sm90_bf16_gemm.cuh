@@ -12,9 +12,9 @@
 //
 // The grid is persistent: cluster c processes work units c, c + clusters, ...
 // A work unit is (tile row, tile column, K split); with splits > 1 the CTAs
-// of one tile write fp32 partials to `workspace`, and the last of them to
-// arrive (counted in `counters`, which it resets to zero) sums them with its own,
-// in split order so the result does not depend on which arrived last, and writes D.
+// of one tile but the last split write fp32 partials to `workspace` and count
+// themselves in `counters`; the last split waits for them (and resets the
+// count to zero), adds them to its own in split order and writes D.
 // splits == 0 is stream-K: one to two waves of tiles are dealt out to the
 // clusters as equal ranges of K blocks (see Walk), reduced the same way.
 // See kernels/gemm/README.md for the launch contract.
@@ -87,7 +87,7 @@ struct Config {
   // D leaves through shared memory: each consumer stages one 64 x 64 box (8 KiB) at a time.
   static constexpr int kDBoxBytes = 64 * 128;
   // Must match the formula in README.md and cubinstore/ops/gemm.py.
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumers * kDBoxBytes + 2 * kStages * 8 + 16;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumers * kDBoxBytes + 2 * kStages * 8;
 
   static_assert(kBM == 64 || kBM == 128 || kBM == 256, "BM must be 64, 128 or 256");
   static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
@@ -207,17 +207,17 @@ struct Walk {
     return true;
   }
 
-  // Where piece `s` of the tile of `p` keeps its fp32 partial (in BM x BN blocks).
-  // Split-K: one block per (tile, split). Stream-K: two per CTA, [0] for the piece its range
-  // starts in, [1] for the piece it ends in (every piece between is a whole tile).
+  // Where piece `s` (not the reducer) of the tile of `p` keeps its fp32 partial, in BM x BN
+  // blocks. Split-K: one block per (tile, split) but the last split, the reducer. Stream-K: one
+  // per CTA, for the first piece of its range (a piece of a slot above 0 starts a range: the
+  // tile began in an earlier one).
   __device__ __forceinline__ size_t partial_block(const Piece& p, int s) const {
     if (p.tile_start < 0) {
       const int tile = p.tm * sched.tiles_n + p.tn;
-      return static_cast<size_t>(tile) * sched.splits + s;
+      return static_cast<size_t>(tile) * (sched.splits - 1) + s;
     }
     const int g = owner(p.tile_start) + s;
-    const int cta = g * C::kClusterM + rank;
-    return static_cast<size_t>(cta) * 2 + (start(g) >= p.tile_start ? 0 : 1);
+    return static_cast<size_t>(g) * C::kClusterM + rank;
   }
 };
 
@@ -312,7 +312,6 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   uint8_t* s_d = s_b + C::kStages * C::kBBytes;  // kConsumers staging boxes, 1024-byte aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(s_d + C::kConsumers * C::kDBoxBytes);
   uint64_t* empty = full + C::kStages;
-  volatile int* last_flag = reinterpret_cast<volatile int*>(empty + C::kStages);
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int tid = static_cast<int>(threadIdx.x) % 128;
@@ -435,18 +434,18 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       if (tm >= sched.tiles_m) continue;
 
       if (piece.nslots > 1) {
-        // The tile is cut in pieces (split-K or stream-K). Each takes a ticket; all but the
-        // last write their fp32 partial and publish it. The last waits until the others have
-        // published (they took their tickets first, so they are running: no CTA waits for one
-        // that has yet to start) and forms ((0 + p0) + p1) + ... in slot order, so whichever
-        // CTA arrives last, D gets the same bits. Its own piece comes from registers when it
-        // is p0 or p1 (the sum can then be built in place): no write or read of its own.
+        // The tile is cut in pieces (split-K or stream-K). One piece, fixed by the walk, is the
+        // reducer: split-K's last split (the highest unit: every other piece of its tile has a
+        // lower unit, which its cluster reaches first, so waiting for them cannot deadlock),
+        // stream-K's slot 0 (the last piece of its cluster's range, where the others are the
+        // first pieces of theirs). The others write their fp32 partial and publish it; the
+        // reducer waits until all have, and adds them to its own in slot order, so D gets the
+        // same bits on every launch. No ticket: nothing but the partials is on the critical path.
         constexpr int kConsumerThreads = C::kConsumers * 128;
         constexpr size_t kBlock = static_cast<size_t>(C::kBM) * C::kBN;
-        const int tile = tm * sched.tiles_n + tn;
-        int* arrived = counters + 2 * tile;
-        int* published = arrived + 1;
+        int* published = counters + tm * sched.tiles_n + tn;
         const int mine = piece.slot;
+        const bool reducer = piece.tile_start < 0 ? mine == piece.nslots - 1 : mine == 0;
         // Float4 r of a thread holds rows first_row + 64 (r / (BN / 8)) and 8 below it: rows at or
         // past M are never stored, so their partials are neither written nor read (at M = 1 that
         // is all but 4 threads' share of each partial). Not with 128 accumulators a thread: the
@@ -454,52 +453,29 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
         const int first_row = tm * C::kBM + cw * C::kWgRows + warp * 16 + lane / 4;
         const bool live0 = first_row < m, live1 = first_row + 64 < m;  // m64 blocks 0 and 1 (BM = 256)
         auto live = [&](int r) { return C::kAcc == 128 || (r < C::kAccPerMma / 4 ? live0 : live1); };
-        float4* own = reinterpret_cast<float4*>(workspace + walk.partial_block(piece, mine) * kBlock);
-        if (ct == 0) *last_flag = atomicAdd(arrived, 1) == piece.nslots - 1;
-        sm90::named_barrier_sync(1, kConsumerThreads);
-        const bool last = *last_flag != 0;
-        if (!last || mine >= 2) {
+        // Publishing is one thread's release after the consumers' barrier, and reading one
+        // thread's acquire before it: the barrier carries the other threads' stores and loads
+        // (a fence in every thread, MEMBAR.SC.GPU, is not needed for this order).
+        if (!reducer) {
+          float4* own = reinterpret_cast<float4*>(workspace + walk.partial_block(piece, mine) * kBlock);
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
             if (!live(r)) continue;
             __stcg(own + r * kConsumerThreads + ct,
                    make_float4(acc[4 * r], acc[4 * r + 1], acc[4 * r + 2], acc[4 * r + 3]));
           }
-        }
-        // Publishing is one thread's release after the consumers' barrier, and reading one
-        // thread's acquire before it: the barrier carries the other threads' stores and loads
-        // (a fence in every thread, MEMBAR.SC.GPU, is not needed for this order).
-        if (!last) {
           sm90::named_barrier_sync(1, kConsumerThreads);
           if (ct == 0) sm90::red_add_release_gpu(published, 1);
           continue;
         }
         if (ct == 0) {
           while (sm90::ld_acquire_gpu(published) < piece.nslots - 1) __nanosleep(64);
-          // Every other piece is done with both counters: leave them at zero for the next launch.
-          *arrived = 0;
-          *published = 0;
+          *published = 0;  // every other piece is done with it: zero for the next launch
         }
         sm90::named_barrier_sync(1, kConsumerThreads);
-        int from = mine + 1;  // the first slot still to add
-        if (mine == 1) {
-          const float4* p0 = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, 0) * kBlock);
-#pragma unroll
-          for (int r = 0; r < C::kAcc / 4; ++r) {
-            if (!live(r)) continue;
-            const float4 v = __ldcg(p0 + r * kConsumerThreads + ct);
-            acc[4 * r] = (0.0f + v.x) + acc[4 * r];
-            acc[4 * r + 1] = (0.0f + v.y) + acc[4 * r + 1];
-            acc[4 * r + 2] = (0.0f + v.z) + acc[4 * r + 2];
-            acc[4 * r + 3] = (0.0f + v.w) + acc[4 * r + 3];
-          }
-        } else {
-          // mine == 0: 0 + own; mine >= 2: its own was written above, sum all from slot 0.
-#pragma unroll
-          for (int r = 0; r < C::kAcc; ++r) acc[r] = mine == 0 ? 0.0f + acc[r] : 0.0f;
-          if (mine >= 2) from = 0;
-        }
-        for (int sl = from; sl < piece.nslots; ++sl) {
+        // The others: split-K's slots below the reducer's, stream-K's above it.
+        const int from = mine == 0 ? 1 : 0, to = mine == 0 ? piece.nslots : mine;
+        for (int sl = from; sl < to; ++sl) {
           const float4* part = reinterpret_cast<const float4*>(workspace + walk.partial_block(piece, sl) * kBlock);
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
