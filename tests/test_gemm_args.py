@@ -198,11 +198,14 @@ def test_instantiations_the_kernel_cannot_build_are_refused(row: tuple[int, ...]
 
 
 def test_shared_memory_formula_matches_the_kernel() -> None:
-    # kernels/gemm/sm90_bf16_gemm.cuh: 1024 + STAGES * (BM + BN) * BK * 2 + consumers * 64 * 128
-    # + 2 * STAGES * 8
-    assert G.GemmConfig(128, 256, 64, 4, 1).smem_bytes == 1024 + 4 * 384 * 128 + 2 * 8192 + 64
-    assert G.GemmConfig(128, 128, 128, 3, 2).smem_bytes == 1024 + 3 * 256 * 256 + 2 * 8192 + 48
-    assert G.GemmConfig(64, 256, 64, 5, 1).smem_bytes == 1024 + 5 * 320 * 128 + 8192 + 80
+    # kernels/gemm/sm90_bf16_gemm.cuh: 1024 + STAGES * (BM + BN) * BK * 2 + 2 * STAGES * 8
+    # + kDBoxes * consumers * 64 * 128, two D boxes a consumer where they fit and a tile has an even number
+    assert G.GemmConfig(128, 256, 64, 4, 1).smem_bytes == 1024 + 4 * 384 * 128 + 64 + 2 * 2 * 8192
+    assert G.GemmConfig(128, 128, 128, 3, 2).smem_bytes == 1024 + 3 * 256 * 256 + 48 + 2 * 2 * 8192
+    assert G.GemmConfig(64, 256, 64, 5, 1).smem_bytes == 1024 + 5 * 320 * 128 + 80 + 2 * 8192
+    # Two do not fit beside this ring; a 128 x 64 tile is one box a consumer (odd).
+    assert G.GemmConfig(128, 192, 64, 5, 1).smem_bytes == 1024 + 5 * 320 * 128 + 80 + 2 * 8192
+    assert G.GemmConfig(128, 64, 64, 8, 1).d_boxes == 1 and G.GemmConfig(256, 64, 64, 4, 1).d_boxes == 2
 
 
 def test_block_has_one_consumer_warpgroup_for_64_row_tiles_else_two() -> None:

@@ -141,10 +141,22 @@ class GemmConfig:
                 f"-DSTAGES={self.stages}", f"-DCLUSTER_M={self.cluster}")
 
     @property
+    def d_boxes(self) -> int:
+        """D staging boxes a consumer (the kernel's kDBoxes): two where they fit and a consumer's
+        rows of a tile make an even number of boxes, else one."""
+        box_bytes = _D_BOX[0] * _D_BOX[1] * 2
+        boxes_a_tile = (self.bm // self.consumers // _D_BOX[0]) * (self.bn // _D_BOX[1])
+        fits = self._fixed_smem_bytes + 2 * self.consumers * box_bytes <= _MAX_SMEM
+        return 2 if fits and boxes_a_tile % 2 == 0 else 1
+
+    @property
+    def _fixed_smem_bytes(self) -> int:
+        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.stages * 8
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: alignment slack, the stage ring, a D box a consumer, two mbarriers a stage."""
-        d_boxes = self.consumers * _D_BOX[0] * _D_BOX[1] * 2
-        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + d_boxes + 2 * self.stages * 8
+        """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, the D boxes."""
+        return self._fixed_smem_bytes + self.d_boxes * self.consumers * _D_BOX[0] * _D_BOX[1] * 2
 
     @property
     def consumers(self) -> int:

@@ -84,10 +84,15 @@ struct Config {
   // Cluster rows grouped together in the tile order, so that concurrently
   // running tiles share A and B panels in L2.
   static constexpr int kGroupM = 8;
-  // D leaves through shared memory: each consumer stages one 64 x 64 box (8 KiB) at a time.
+  // D leaves through shared memory in 64 x 64 boxes (8 KiB): two a consumer, taking turns so
+  // that one is filled while TMA reads the other, where they fit and a tile has an even number
+  // of them (the turns then restart at each tile without a counter); else one.
   static constexpr int kDBoxBytes = 64 * 128;
+  static constexpr int kFixedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  static constexpr int kDBoxes =
+      kFixedBytes + 2 * kConsumers * kDBoxBytes <= 232448 && (kMmaM * kBN / 64) % 2 == 0 ? 2 : 1;
   // Must match the formula in README.md and cubinstore/ops/gemm.py.
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kConsumers * kDBoxBytes + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kFixedBytes + kDBoxes * kConsumers * kDBoxBytes;
 
   static_assert(kBM == 64 || kBM == 128 || kBM == 256, "BM must be 64, 128 or 256");
   static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
@@ -264,17 +269,20 @@ __device__ __forceinline__ void store_tile(const float* acc, __nv_bfloat16* d, i
 // D's rows of one consumer through TMA: per m64 block and 64 columns, the bf16 values go into
 // the consumer's staging box in the 128-byte swizzle (so the 8 rows a warp writes at once hit
 // 32 different banks), and one thread stores the box; the TMA engine clips it at M and N and
-// writes whole lines while the consumer goes on to its next tile. Before the box is refilled,
-// the previous store must have read it.
+// writes whole lines while the consumer goes on to its next tile. With two boxes they take turns
+// (a tile has an even number of stores, so the last of one tile and the first of the next use
+// different boxes): a box is refilled once the store before the latest has read it, so one
+// store is read while the next box is filled.
 template <class C>
-__device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
+__device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* boxes,
                                                int row0, int col0, int lane, int warp, int tid, int cw) {
   const uint32_t barrier = 2 + static_cast<uint32_t>(cw);  // one named barrier per consumer warpgroup
 #pragma unroll
   for (int mi = 0; mi < C::kMmaM; ++mi) {
 #pragma unroll
     for (int c = 0; c < C::kBN / 64; ++c) {
-      if (tid == 0) sm90::bulk_wait_group_read<0>();
+      uint8_t* box = boxes + ((mi * (C::kBN / 64) + c) % C::kDBoxes) * C::kDBoxBytes;
+      if (tid == 0) sm90::bulk_wait_group_read<C::kDBoxes - 1>();
       sm90::named_barrier_sync(barrier, 128);
 #pragma unroll
       for (int jl = 0; jl < 8; ++jl) {
@@ -309,8 +317,8 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   uint8_t* base = smem_raw + ((1024 - (sm90::smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* s_a = base;
   uint8_t* s_b = base + C::kStages * C::kABytes;
-  uint8_t* s_d = s_b + C::kStages * C::kBBytes;  // kConsumers staging boxes, 1024-byte aligned
-  uint64_t* full = reinterpret_cast<uint64_t*>(s_d + C::kConsumers * C::kDBoxBytes);
+  uint8_t* s_d = s_b + C::kStages * C::kBBytes;  // kDBoxes staging boxes a consumer, 1024-byte aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_d + C::kDBoxes * C::kConsumers * C::kDBoxBytes);
   uint64_t* empty = full + C::kStages;
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
@@ -489,7 +497,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
         }
       }
       if (tma_store) {
-        store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane,
+        store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxes * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane,
                           warp, tid, cw);
       } else {
         store_tile<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
