@@ -4,8 +4,9 @@
 check the kernel's results; these check the rule itself on shapes no GPU run could cover):
 every K block of every tile is done exactly once, the pieces of a cut tile are numbered
 0..n-1 in K order and agree on n, each CTA writes at most one partial (what the workspace
-of `Plan.workspace_floats` holds) and never waits for a piece its cluster has yet to reach, and the selection model's count of the busiest cluster's
-work (`_stream_k_work`) is what the deal gives.
+of `Plan.workspace_floats` holds), a reducer waits only for pieces that start their clusters'
+walks, and the selection model's count of the busiest cluster's work (`_stream_k_work`) is
+what the deal gives.
 """
 
 from __future__ import annotations

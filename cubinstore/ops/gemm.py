@@ -66,6 +66,7 @@ _WARPGROUP: Final = 128  # threads
 _SWIZZLE_BYTES: Final = 128
 _SWIZZLE_ELEMS: Final = 64  # bf16 elements in one 128-byte swizzle row
 _D_BOX: Final = (64, _SWIZZLE_ELEMS)  # (rows, cols) of the box each consumer stages D through
+_D_BOX_BYTES: Final = _D_BOX[0] * _D_BOX[1] * 2  # bf16
 _NO_MAP: Final = bytes(128)  # tma_d when D is not stored by TMA (the kernel never reads it)
 _MAX_SMEM: Final = 232448  # sm_90 opt-in limit per block (227 KiB)
 _I32_MAX: Final = 2**31 - 1
@@ -144,9 +145,8 @@ class GemmConfig:
     def d_boxes(self) -> int:
         """D staging boxes a consumer (the kernel's kDBoxes): two where they fit and a consumer's
         rows of a tile make an even number of boxes, else one."""
-        box_bytes = _D_BOX[0] * _D_BOX[1] * 2
         boxes_a_tile = (self.bm // self.consumers // _D_BOX[0]) * (self.bn // _D_BOX[1])
-        fits = self._fixed_smem_bytes + 2 * self.consumers * box_bytes <= _MAX_SMEM
+        fits = self._fixed_smem_bytes + 2 * self.consumers * _D_BOX_BYTES <= _MAX_SMEM
         return 2 if fits and boxes_a_tile % 2 == 0 else 1
 
     @property
@@ -156,7 +156,7 @@ class GemmConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, the D boxes."""
-        return self._fixed_smem_bytes + self.d_boxes * self.consumers * _D_BOX[0] * _D_BOX[1] * 2
+        return self._fixed_smem_bytes + self.d_boxes * self.consumers * _D_BOX_BYTES
 
     @property
     def consumers(self) -> int:
