@@ -61,7 +61,8 @@ PARAM_TYPES = frozenset(_abi.SCALAR_TYPES)
 _TOP_KEYS = frozenset({"schema", "kernels"})
 # v2 only, optional: family -> {"jit": <cubinstore/jit-family/v1 template>} for points no release has.
 _FAMILIES_KEY = "families"
-_KERNEL_KEYS = frozenset({"id", "family", "params", "arch", "digest", "size", "entries", "target"})
+_KERNEL_FIELDS = ("id", "family", "params", "arch", "digest", "size", "entries", "target")
+_KERNEL_KEYS = frozenset(_KERNEL_FIELDS)
 _ENTRY_KEYS = frozenset({"name", "params", "offsets", "launch"})
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 # Family names and string parameter values become id segments: no '/', no spaces.
@@ -492,9 +493,10 @@ def _has_order(candidates: list[set[str]]) -> bool:
 # -- the fast path --------------------------------------------------------------------------------
 # Opening a release of tens of thousands of kernels must cost about one json.loads. Canonical
 # manifests (what the build and Manifest.build write) are validated here with few Python calls
-# per kernel and memoised checks, and their KernelSpecs are built only when asked for. The fast
-# path only ever *accepts*: whatever it is unsure of (v1, an ambiguous id order, any bad field)
-# goes to _Checker, which alone words the errors, so both paths accept exactly the same documents.
+# per kernel and memoised checks, an entry table that repeats is parsed and checked once, and
+# their KernelSpecs are built only when asked for. The fast path only ever *accepts*: whatever
+# it is unsure of (v1, an ambiguous id order, any bad field) goes to _Checker, which alone words
+# the errors, so both paths accept exactly the same documents.
 class _Slow(Exception):
     """The fast path declines this document; the full checker decides."""
 
@@ -506,7 +508,6 @@ def _decline(_text: str) -> Any:
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
 _EMPTY_DIGEST = "sha256:" + EMPTY_SHA256_HEX
 _ENTRY_KEYS_3 = frozenset({"name", "params", "offsets"})
-_KERNEL_FIELDS = ("id", "family", "params", "arch", "digest", "size", "entries", "target")
 _chain = itertools.chain.from_iterable
 # Whole columns joined by newlines (no pattern below matches one), checked in one regex call.
 _DIGESTS_RE = re.compile(r"(?:sha256:[0-9a-f]{64}\n)+", re.ASCII)
@@ -515,12 +516,11 @@ _LABELS_RE = re.compile(rf"(?:{_LABEL_RE.pattern}\n)+", re.ASCII)
 _LAUNCH_KEYS = frozenset({"block", "shared_mem", "cluster", "grid"})
 # A launch object's text, up to its first brace: a "}" closes it, a "{" is a nested object.
 _LAUNCH_TEXT_RE = re.compile(r'"launch":(\{[^{}]*\}?)', re.ASCII)
-# After a quote, whitespace could hide a key token from the count below: such text goes slow.
-_WS_AFTER_QUOTE = re.compile(r'"[ \t\n\r]')
-
-
-def _one(i: int) -> tuple[int]:
-    return (i,)
+_ENTRIES_KEY = '"entries":'
+# In canonical key order a kernel's "family" follows its "entries", and "families" comes first.
+_AFTER_ENTRIES = ',"family":'
+_CUT_ENTRIES = _ENTRIES_KEY + "0" + _AFTER_ENTRIES
+_FAMILIES_FIRST = '{"' + _FAMILIES_KEY + '":'
 
 
 def _id_order(kid: object, family: str, params: dict[str, Any], arch: str) -> tuple[str, ...]:
@@ -591,7 +591,8 @@ def _launches_ok(launches: list[dict[str, Any]]) -> None:
 
 
 def _distinct_launches(text: str, count: int) -> list[dict[str, Any]]:
-    """The distinct launch objects of a document's ``count`` entry geometries, each parsed once from its text.
+    """The distinct launch objects of ``count`` entry geometries, each parsed once from ``text``,
+    the text of their entry tables (the whole document, or the tables cut out of it).
 
     A release repeats a few geometries thousands of times. With no backslash in the text (the
     caller checked), every ``"launch":`` is that key, and each entry geometry is one of them; so
@@ -604,6 +605,45 @@ def _distinct_launches(text: str, count: int) -> list[dict[str, Any]]:
     if len(found) != count or not all(t.endswith("}") for t in distinct):
         raise _Slow  # a brace inside an object, or a launch object elsewhere: check each one
     return [json.loads(t) for t in distinct]
+
+
+def _cut_entries(text: str) -> tuple[str, list[str], dict[str, Any]] | None:
+    """The text with each kernel's ``"entries":`` value replaced by 0, those values' texts in
+    kernel order, and each distinct text's value (parsed once); None where that does not pay, or
+    a value does not end right before ``,"family":`` (another key order).
+
+    A release repeats a few entry tables thousands of times: parsed whole, they are most of the
+    parse and of the checks. With no backslash in the text (the caller checked) no string holds a
+    quote, so every ``"entries":`` is that key, and a cut text that parses from its start to its
+    end into one value is exactly that key's value (a prefix of a value does not parse, and a
+    value does not end where more text follows). A families section first (canonical key order)
+    is left whole: its templates have entries too. Past it, the caller checks that there are as
+    many values as kernels: then each kernel's own are the ones cut, in order.
+    """
+    scan = json.JSONDecoder(parse_constant=_decline, parse_float=_decline).scan_once
+    head = 0
+    if text.startswith(_FAMILIES_FIRST):
+        try:
+            head = scan(text, len(_FAMILIES_FIRST))[1]
+        except (StopIteration, ValueError, RecursionError):
+            return None
+    pieces = text[head:].split(_ENTRIES_KEY)
+    parts = list(map(str.partition, pieces[1:], itertools.repeat(_AFTER_ENTRIES)))
+    if not parts or set(map(operator.itemgetter(1), parts)) != {_AFTER_ENTRIES}:
+        return None
+    texts = list(map(operator.itemgetter(0), parts))
+    distinct = list(dict.fromkeys(texts))
+    if len(distinct) > len(texts) // 2:
+        return None  # tables that rarely repeat (a symbol per kernel): parsing them apart costs more
+    try:
+        scanned = list(map(scan, distinct, itertools.repeat(0)))
+    except (ValueError, RecursionError):
+        return None
+    # No value at a text's start raises StopIteration, which ends the map early: the lengths differ then too.
+    if list(map(operator.itemgetter(1), scanned)) != list(map(len, distinct)):
+        return None
+    rest = text[:head] + _CUT_ENTRIES.join([pieces[0], *map(operator.itemgetter(2), parts)])
+    return rest, texts, dict(zip(distinct, map(operator.itemgetter(0), scanned)))
 
 
 def _entry_ok(types: tuple[Any, ...], offsets: tuple[int, ...], arch: Arch) -> None:
@@ -619,9 +659,9 @@ def _entry_ok(types: tuple[Any, ...], offsets: tuple[int, ...], arch: Arch) -> N
 
 
 def _json_tokens(value: Any) -> tuple[int, int]:
-    """(keys, strings starting with ':') anywhere in a parsed JSON value: its share of the key count."""
+    """(keys, ':' in keys and strings) anywhere in a parsed JSON value: its share of the ':' count."""
     if type(value) is dict:
-        keys, colons = len(value), sum(1 for k in value if k[:1] == ":")
+        keys, colons = len(value), sum(k.count(":") for k in value)
         for item in value.values():
             k, c = _json_tokens(item)
             keys, colons = keys + k, colons + c
@@ -632,7 +672,7 @@ def _json_tokens(value: Any) -> tuple[int, int]:
             k, c = _json_tokens(item)
             keys, colons = keys + k, colons + c
         return keys, colons
-    return 0, int(type(value) is str and value[:1] == ":")
+    return 0, value.count(":") if type(value) is str else 0
 
 
 def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]]:
@@ -641,10 +681,12 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
     Checks run column by column (one C-level pass each: ``set(map(type, ...))``, one regex over
     the joined column), so the per-kernel Python work is the id rendering and little else.
     """
-    if "\\" in text or _WS_AFTER_QUOTE.search(text):
+    if "\\" in text:
         raise _Slow
+    cut = _cut_entries(text)
+    outer = text if cut is None else cut[0]
     try:
-        doc = json.loads(text, parse_constant=_decline, parse_float=_decline)
+        doc = json.loads(outer, parse_constant=_decline, parse_float=_decline)
     except (ValueError, RecursionError):
         raise _Slow from None
     if type(doc) is not dict or not _TOP_KEYS <= doc.keys() <= _TOP_KEYS | {_FAMILIES_KEY} or doc["schema"] != SCHEMA:
@@ -653,10 +695,28 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
     if type(kernels) is not list or not kernels:
         raise _Slow
     n = len(kernels)
-    if set(map(type, kernels)) != {dict} or set(map(frozenset, kernels)) != {_KERNEL_KEYS}:
+    if set(map(type, kernels)) != {dict} or set(map(len, kernels)) != {len(_KERNEL_FIELDS)}:
         raise _Slow
-    ids, families, params, archs, digests, sizes, entries, targets = (
-        list(map(operator.itemgetter(key), kernels)) for key in _KERNEL_FIELDS)
+    try:  # as many keys as fields, and each field there: the kernel keys exactly
+        ids, families, params, archs, digests, sizes, entries, targets = (
+            list(map(operator.itemgetter(key), kernels)) for key in _KERNEL_FIELDS)
+    except KeyError:
+        raise _Slow from None
+
+    # The entry tables to check: every kernel's, or, cut from the text, one per distinct (arch, text):
+    # besides its text, only a kernel's arch decides whether its table is valid (the offsets).
+    if cut is None:
+        tables, table_archs, table_text, table_colons = entries, archs, text, 0
+    else:
+        _, texts, by_text = cut
+        if len(texts) != n or set(entries) != {0}:
+            raise _Slow  # a cut value that is no kernel's own: it would not be put back
+        for _ in map(operator.setitem, kernels, itertools.repeat("entries"), map(by_text.__getitem__, texts)):
+            pass
+        table_archs, table_texts = zip(*dict.fromkeys(zip(archs, texts)))
+        tables = list(map(by_text.__getitem__, table_texts))
+        table_text = "".join(table_texts)
+        table_colons = table_text.count(":")
 
     if set(map(type, families)) != {str} or set(map(type, archs)) != {str} or set(map(type, params)) != {dict}:
         raise _Slow
@@ -711,25 +771,25 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
     distinct = set(digests)
     if _EMPTY_DIGEST in distinct or (len(distinct) != n and len(set(zip(digests, sizes))) != len(distinct)):
         raise _Slow  # the empty blob, or one digest with two sizes
-    joined = "\n".join(targets) + "\n"
-    if not _LABELS_RE.fullmatch(joined) or (".." in joined and any(
+    labels = "\n".join(targets) + "\n"
+    if not _LABELS_RE.fullmatch(labels) or (".." in labels and any(
             ".." in t.replace(":", "/").split("/") for t in targets if ".." in t)):
         raise _Slow
 
-    if set(map(type, entries)) != {dict} or not all(entries):
+    if set(map(type, tables)) != {dict} or not all(tables):
         raise _Slow
-    symbols = list(_chain(entries))
-    bodies = list(_chain(map(dict.values, entries)))
+    symbols = list(_chain(tables))
+    bodies = list(_chain(map(dict.values, tables)))
     if not _IDENTS_RE.fullmatch("\n".join(symbols) + "\n") or set(map(type, bodies)) != {dict}:
         raise _Slow
     if not set(map(frozenset, bodies)) <= {_ENTRY_KEYS_3, _ENTRY_KEYS}:
         raise _Slow
     names = [v["name"] for v in bodies]
-    joined = "".join(names)  # a TypeError for a name that is not a str
+    readable = "".join(names)  # a TypeError for a name that is not a str
     # [ -~]{1,1024} at C speed: printable ASCII is exactly 0x20..0x7e.
-    if not (joined.isascii() and joined.isprintable()) or min(map(len, names)) < 1 or max(map(len, names)) > 1024:
+    if not (readable.isascii() and readable.isprintable()) or min(map(len, names)) < 1 or max(map(len, names)) > 1024:
         raise _Slow
-    for e in entries:
+    for e in tables:
         if len(e) > 1 and len({v["name"] for v in e.values()}) != len(e):
             raise _Slow  # two entries of one kernel share a readable name
     types = [v["params"] for v in bodies]
@@ -744,30 +804,32 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
         raise _Slow
     geometries = [g for g in launches if g is not None]
     if geometries:
-        _launches_ok(_distinct_launches(text, len(geometries)))
-    entry_archs = archs if len(bodies) == n else [a for a, e in zip(archs, entries) for _ in e]
+        _launches_ok(_distinct_launches(table_text, len(geometries)))
+    entry_archs = (table_archs if len(bodies) == len(tables)
+                   else [a for a, e in zip(table_archs, tables) for _ in e])
     # Entries of one shape are checked once (offsets are ints by now; a tuple of types only
     # equals a checked tuple of strs).
     for arch, types_key, offsets_key in set(zip(entry_archs, map(tuple, types), map(tuple, offsets))):
         _entry_ok(types_key, offsets_key, parsed_archs[arch])
 
-    # Duplicate keys: json.loads keeps the last silently. With no backslash, every '"' delimits
-    # a string and no quote is followed by whitespace, so each '":' in the text is a key's
-    # closing quote or a string starting with ':' (of the checked strings, only a readable name
-    # can). The parsed document has fewer keys than the text exactly when a key was repeated.
+    # Duplicate keys: json.loads keeps the last silently. With no backslash a string's text is its
+    # value, and outside strings every ':' follows a key, so a text holds more ':' than its parse
+    # has keys and ':' in strings exactly when a key was repeated. Of the checked strings, ids,
+    # families, params, archs and symbols hold no ':' and a digest one; one not counted here (in
+    # a grid rule's comment) only sends the document to the full checker.
     keys = (len(doc) + len(_KERNEL_KEYS) * n + sum(map(len, params)) + len(bodies) + sum(map(len, bodies))
             + sum(map(len, geometries)))
-    colons = ("\n" + "\n".join(names)).count("\n:")
+    colons = n + labels.count(":") + readable.count(":") + "".join(_chain(types)).count(":")
     templates: dict[str, Any] = {}
     if _FAMILIES_KEY in doc:  # small and free-form: walked whole, checked by the one full checker
         family_keys, family_colons = _json_tokens(doc[_FAMILIES_KEY])
         keys += family_keys
         colons += family_colons
         templates = _jit_templates(_Checker("<fast path>"), doc[_FAMILIES_KEY], set(first))
-    if text.count('":') != keys + colons:
+    if outer.count(":") + table_colons != keys + colons:
         raise _Slow
 
-    by_stem = dict(zip(stems, map(_one, range(n))))
+    by_stem = dict(zip(stems, zip(range(n))))  # stem -> (i,)
     if len(by_stem) != n:  # several archs of one point
         by_stem = {}
         for i, stem in enumerate(stems):

@@ -22,6 +22,7 @@ from cubinstore import (
     Store,
     arch_compatible,
 )
+from cubinstore import manifest as manifest_module
 from cubinstore.manifest import dumps_canonical, kernel_id
 from cubinstore.store import MemoryStore
 
@@ -495,3 +496,130 @@ def test_v1_manifests_have_no_families_section() -> None:
     doc["families"] = {}
     with pytest.raises(ManifestError, match=r"^invalid manifest m\.json: top level: unknown key 'families'; allowed keys: kernels, schema"):
         parse(doc)
+
+
+# -- entry tables cut from the text ---------------------------------------------------------------
+# A canonical manifest whose kernels repeat their entry tables has each distinct table parsed and
+# checked once (manifest._cut_entries). These documents take that path; each edit must get the
+# answer the full checker gives.
+
+def _shared_tables_doc() -> dict[str, Any]:
+    entry = {"name": "ns::gemm<true>", "params": ["u32", "tensormap", "struct:12:4"], "offsets": [0, 112, 240],
+             "launch": {"block": [384, 1, 1], "shared_mem": 1024, "grid": ["min(sm_count, cdiv(args[0], 128))"]}}
+    kernels = []
+    for i in range(8):
+        arch = "sm_80" if i >= 6 else "sm_90a"
+        body = dict(entry, offsets=[0, 32, 160]) if arch == "sm_80" else entry
+        kernels.append({"id": f"tgemm/bf16/bm{64 * (i + 1)}/{arch}", "family": "tgemm",
+                        "params": {"dtype": "bf16", "bm": 64 * (i + 1)}, "arch": arch,
+                        "digest": "sha256:" + hashlib.sha256(bytes([i])).hexdigest(), "size": 100 + i,
+                        "target": f"//kernels/tgemm:t{i}", "entries": {"_Z4gemm": copy.deepcopy(body)}})
+    kernels.append({**good_kernel(), "entries": {
+        "axpy_f32": {"name": "axpy_f32", "params": ["i32", "f32", "ptr", "ptr"], "offsets": [0, 4, 8, 16]}}})
+    return {"schema": "cubinstore/manifest/v2", "kernels": kernels, "families": {"axpy": {"jit": _template()}}}
+
+
+def _text(doc: Any) -> str:
+    return dumps_canonical(doc).decode()
+
+
+def _answer(text: str) -> Any:
+    try:
+        m = Manifest.from_bytes(text.encode(), source="m.json")
+    except CubinstoreError as exc:
+        return ("error", str(exc))
+    return ("ok", [k.to_json() for k in m.kernels], m.blobs, m.archs, dict(m.jit_templates))
+
+
+def _always_slow(text: str) -> Any:
+    raise manifest_module._Slow
+
+
+@pytest.fixture
+def full_checker(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """_answer with the fast path off."""
+    def answer(text: str) -> Any:
+        with monkeypatch.context() as m:
+            m.setattr(manifest_module, "_fast_index", _always_slow)
+            return _answer(text)
+    return answer
+
+
+def test_repeated_entry_tables_are_parsed_once_and_give_the_full_checkers_specs(full_checker: Any) -> None:
+    for families in (True, False):
+        doc = _shared_tables_doc()
+        if not families:
+            del doc["families"]
+        text = _text(doc)
+        cut = manifest_module._cut_entries(text)
+        assert cut is not None and len(cut[1]) == 9 and len(cut[2]) == 3  # 9 kernels, 3 distinct tables
+        m = Manifest.from_bytes(text.encode())
+        objs, by_id = m._index._objs, m._index.by_id
+        assert objs is not None
+        assert objs[by_id["tgemm/bf16/bm64/sm_90a"]]["entries"] is objs[by_id["tgemm/bf16/bm128/sm_90a"]]["entries"]
+        assert _answer(text) == full_checker(text)
+        assert m.select("tgemm", (8, 0), dtype="bf16", bm=448).entry("ns::gemm<true>").offsets == (0, 32, 160)
+    # Canonical kernels, the families section last: its template's entries are past the kernels'.
+    doc = _shared_tables_doc()
+    compact = {"sort_keys": True, "separators": (",", ":")}
+    text = (f'{{"kernels":{json.dumps(doc["kernels"], **compact)},"schema":"{doc["schema"]}",'
+            f'"families":{json.dumps(doc["families"], **compact)}}}')
+    assert _answer(text) == full_checker(text) and _answer(text)[0] == "ok"
+
+
+def _every_field(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    children = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    return [path, *(p for key, value in children for p in _every_field(value, (*path, key)))]
+
+
+def test_each_field_changed_gets_the_full_checkers_answer(full_checker: Any) -> None:
+    base = _shared_tables_doc()
+    values: list[Any] = [0, 1, True, None, "x", "a:b", [], {}, {"a": 1}, [0, 4, 8, 16], "struct:12:4"]
+    rng = random.Random(5)
+    for path in _every_field(base)[1:]:
+        for value in rng.sample(values, 3):
+            doc = copy.deepcopy(base)
+            node = doc
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+            text = _text(doc)
+            assert _answer(text) == full_checker(text), (path, value)
+
+
+_SYMBOL = '"_Z4gemm":{'
+_TABLE_EDITS = [
+    ('"entries":{' + _SYMBOL, '"entries":{"family":{"name":"f","offsets":[],"params":[]},' + _SYMBOL),
+    ('"entries":{' + _SYMBOL, '"entries":{"entries":{"name":"e","offsets":[],"params":[]},' + _SYMBOL),
+    ('"entries":{' + _SYMBOL, '"entries":{' + _SYMBOL + '"name":"dup",'),        # a repeated key in a table
+    ('"entries":{' + _SYMBOL, '"entries":{"_Z4gemm":{},' + _SYMBOL),              # a repeated symbol
+    ('"entries":{' + _SYMBOL, '"entries": {' + _SYMBOL),
+    (',"family":"tgemm"', ',"entries":{},"family":"tgemm"'),                        # two entries in a kernel
+    (',"family":"tgemm"', ',"family":"tgemm","family":"tgemm"'),
+    (',"family":"tgemm"', ' ,"family":"tgemm"'),
+    (',"family":"tgemm"', ',"extra":1,"family":"tgemm"'),                  # more than the table before "family"
+    ('"params":{"bm":64,', '"params":{"bm":64,"entries":1,'),
+    ('"offsets":[0,112,240]', '"offsets":[0,112,true]'),
+    ('"offsets":[0,112,240]', '"offsets":[0,112,240.0]'),
+    ('"offsets":[0,112,240]', '"offsets":[0,112,[240]]'),
+    ('"offsets":[0,112,240]', '"offsets":[0,112,240'),
+    ('"name":"ns::gemm<true>"', '"name":"ns::gemm<{true}>"'),
+    ('"name":"ns::gemm<true>"', '"name":"ns::gemm\t<true>"'),
+    ('"grid":["min(sm_count, cdiv(args[0], 128))"]', '"grid":["cdiv(args[0], 128) # a: b"]'),
+    ('"shared_mem":1024', '"shared_mem":1024,"shared_mem":0'),
+    ('{"families":', '{"kernels":[],"families":'),
+    ('"families":{"axpy":{"jit":{', '"families":{"axpy":{"jit":{"entries":{},'),
+    ('"kernels":[', '"entries":{"_Z4gemm":{}},"kernels":['),
+    ('"offsets":[0,32,160]', '"offsets":[0,112,240]'),                    # an sm_80 kernel with an sm_90a table
+]
+
+
+@pytest.mark.parametrize("old, new", _TABLE_EDITS)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_text_edits_around_cut_tables_get_the_full_checkers_answer(full_checker: Any, old: str, new: str,
+                                                                   where: str) -> None:
+    text = _text(_shared_tables_doc())
+    assert old in text
+    at = text.index(old) if where == "first" else text.rindex(old)
+    edited = text[:at] + new + text[at + len(old):]
+    assert _answer(edited) == full_checker(edited)
