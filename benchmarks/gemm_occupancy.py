@@ -55,7 +55,7 @@ def main() -> int:
         kernel = lib.kernel(kernel_id, device=args.device)
         # prepare raises the function's shared-memory limit, which the occupancy query needs.
         kernel.prepare(gemm.ENTRY, grid=(launch.grid, 1, 1), block=(cfg.threads, 1, 1), shared_mem=cfg.smem_bytes,
-                       args=(None, None, None, 1, 1, 1, None, None, 1))
+                       args=(None, None, None, None, 1, 1, 1, None, None, 1))
         fn = kernel._function(gemm.ENTRY)
         # The cluster shape is compiled in (__cluster_dims__), so the query leaves it unset.
         config = _launch_config(drv, (launch.grid, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes, None, False)

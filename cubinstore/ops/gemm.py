@@ -602,7 +602,10 @@ def gemm(a: Any, b: Any, *, out: Any = None) -> Any:
     it is written and returned. Runs on the current torch stream of that device,
     with the instantiation and K-split chosen for (M, N, K) (once per shape).
     Raises `BadArgumentError` for bad dtypes, shapes, strides or devices, before
-    any launch. Under `torch.compile` (and on fake or other tensor subclasses) the
+    any launch. Rows of `a` and `b` that start on 128-byte lines (a row stride that
+    is a multiple of 64 elements, e.g. a weight stored padded: ``torch.empty(n,
+    k_pad)[:, :k]``) load up to 1.5x faster than rows off them (docs/gemm.md).
+    Under `torch.compile` (and on fake or other tensor subclasses) the
     call is the custom op `torch.ops.cubinstore.gemm` (`gemm_out` with `out`), which
     dynamo puts in the graph; eager calls on plain tensors skip torch's dispatcher.
     """
