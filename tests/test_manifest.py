@@ -25,6 +25,7 @@ from cubinstore import (
 from cubinstore import manifest as manifest_module
 from cubinstore.manifest import dumps_canonical, kernel_id
 from cubinstore.store import MemoryStore
+from _manifest_paths import full_checker as full_checker_of, outcome
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -524,25 +525,14 @@ def _text(doc: Any) -> str:
 
 
 def _answer(text: str) -> Any:
-    try:
-        m = Manifest.from_bytes(text.encode(), source="m.json")
-    except CubinstoreError as exc:
-        return ("error", str(exc))
-    return ("ok", [k.to_json() for k in m.kernels], m.blobs, m.archs, dict(m.jit_templates))
-
-
-def _always_slow(text: str) -> Any:
-    raise manifest_module._Slow
+    return outcome(text.encode())
 
 
 @pytest.fixture
 def full_checker(monkeypatch: pytest.MonkeyPatch) -> Any:
     """_answer with the fast path off."""
-    def answer(text: str) -> Any:
-        with monkeypatch.context() as m:
-            m.setattr(manifest_module, "_fast_index", _always_slow)
-            return _answer(text)
-    return answer
+    parse = full_checker_of(monkeypatch)
+    return lambda text: parse(text.encode())
 
 
 def test_repeated_entry_tables_are_parsed_once_and_give_the_full_checkers_specs(full_checker: Any) -> None:

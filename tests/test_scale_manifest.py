@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _manifest_paths import full_checker, outcome
 from _scale import assert_linear, count_work
 
 from cubinstore import Manifest, ManifestError
 from cubinstore import manifest as manifest_module
-from cubinstore.errors import CubinstoreError
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -66,26 +66,6 @@ def _doc_of(families: bool) -> dict[str, Any]:
     return doc
 
 
-def _slow_only(monkeypatch: pytest.MonkeyPatch) -> Callable[[bytes], Any]:
-    def parse(raw: bytes) -> Any:
-        with monkeypatch.context() as m:
-            m.setattr(manifest_module, "_fast_index", _always_slow)
-            return _outcome(raw)
-    return parse
-
-
-def _always_slow(text: str) -> Any:
-    raise manifest_module._Slow
-
-
-def _outcome(raw: bytes) -> Any:
-    try:
-        m = Manifest.from_bytes(raw, source="m.json")
-    except CubinstoreError as exc:
-        return ("error", type(exc).__name__, str(exc))
-    return ("ok", [k.to_json() for k in m.kernels], [(k.id, k.entry_specs) for k in m.kernels], m.blobs, m.archs)
-
-
 def _compact(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -105,8 +85,8 @@ def test_a_canonical_manifest_takes_the_fast_path(monkeypatch: pytest.MonkeyPatc
 
 def test_fast_and_full_paths_give_the_same_specs(monkeypatch: pytest.MonkeyPatch) -> None:
     raw = _compact(_doc())
-    fast = _outcome(raw)
-    assert fast[0] == "ok" and fast == _slow_only(monkeypatch)(raw)
+    fast = outcome(raw)
+    assert fast[0] == "ok" and fast == full_checker(monkeypatch)(raw)
     m = Manifest.from_bytes(raw)
     assert m._index._objs is not None, "expected the fast path"
 
@@ -147,7 +127,7 @@ _DELETE = object()
 @pytest.mark.parametrize("families", [True, False])
 def test_every_single_field_mutation_gets_the_same_answer_from_both_paths(monkeypatch: pytest.MonkeyPatch,
                                                                           families: bool) -> None:
-    slow = _slow_only(monkeypatch)
+    slow = full_checker(monkeypatch)
     doc = _doc_of(families)
     rng = random.Random(9)
     cases = 0
@@ -156,14 +136,14 @@ def test_every_single_field_mutation_gets_the_same_answer_from_both_paths(monkey
             if value is _DELETE and not path:
                 continue
             raw = _compact(_set(doc, path, value))
-            assert _outcome(raw) == slow(raw), (path, value)
+            assert outcome(raw) == slow(raw), (path, value)
             cases += 1
     assert cases > 1000
 
 
 @pytest.mark.parametrize("families", [True, False])
 def test_random_multi_field_mutations_get_the_same_answer(monkeypatch: pytest.MonkeyPatch, families: bool) -> None:
-    slow = _slow_only(monkeypatch)
+    slow = full_checker(monkeypatch)
     base = _doc_of(families)
     paths = _paths(base)
     rng = random.Random(23)
@@ -176,7 +156,7 @@ def test_random_multi_field_mutations_get_the_same_answer(monkeypatch: pytest.Mo
             except (KeyError, IndexError, TypeError):
                 continue
         raw = _compact(doc)
-        assert _outcome(raw) == slow(raw)
+        assert outcome(raw) == slow(raw)
 
 
 @pytest.mark.parametrize("where, extra", [
@@ -195,9 +175,9 @@ def test_a_repeated_key_anywhere_is_refused_by_both_paths(monkeypatch: pytest.Mo
     text = _compact(_doc()).decode()
     assert where in text
     raw = text.replace(where, where + extra, 1).encode()
-    expected = _slow_only(monkeypatch)(raw)
+    expected = full_checker(monkeypatch)(raw)
     assert expected[0] == "error" and "duplicate key" in expected[2]
-    assert _outcome(raw) == expected
+    assert outcome(raw) == expected
 
 
 @pytest.mark.parametrize("edit", [
@@ -213,7 +193,7 @@ def test_a_repeated_key_anywhere_is_refused_by_both_paths(monkeypatch: pytest.Mo
 ])
 def test_text_level_edits_get_the_same_answer(monkeypatch: pytest.MonkeyPatch, edit: Callable[[str], str]) -> None:
     raw = edit(_compact(_doc()).decode()).encode()
-    assert _outcome(raw) == _slow_only(monkeypatch)(raw)
+    assert outcome(raw) == full_checker(monkeypatch)(raw)
 
 
 @pytest.mark.parametrize("edit", [
@@ -228,7 +208,7 @@ def test_launch_objects_checked_from_the_text_get_the_same_answer(monkeypatch: p
     text = _compact(_doc_of(True)).decode()
     raw = edit(text).encode()
     assert raw != text.encode()
-    assert _outcome(raw) == _slow_only(monkeypatch)(raw)
+    assert outcome(raw) == full_checker(monkeypatch)(raw)
 
 
 def test_repeated_launch_objects_are_checked_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,7 +221,7 @@ def test_repeated_launch_objects_are_checked_once_each(monkeypatch: pytest.Monke
 
 
 def test_ids_in_another_param_order_and_ambiguous_renderings_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = _slow_only(monkeypatch)
+    slow = full_checker(monkeypatch)
     doc = _doc()
     # One kernel of the family renders its params in another order: refused either way.
     bad = _set(doc, ("kernels", 3, "id"), "gemm/f32/bm256/stages3/sm_90a")
@@ -256,7 +236,7 @@ def test_ids_in_another_param_order_and_ambiguous_renderings_agree(monkeypatch: 
     for d in (bad, {"schema": doc["schema"], "kernels": [twin, other]},
               {"schema": doc["schema"], "kernels": [*doc["kernels"], *clash]}):
         raw = _compact(d)
-        assert _outcome(raw) == slow(raw)
+        assert outcome(raw) == slow(raw)
     m = Manifest.from_bytes(_compact({"schema": doc["schema"], "kernels": clash}))
     assert m.select("c", (9, 0), p=4).id == "c/p4/sm_90a"
     assert m.select("c", (9, 0), p="p4").id == "c/p4/sm_90"
