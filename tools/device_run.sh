@@ -9,6 +9,7 @@
 #   judge       benchmarks/tune_gemm.py --judge-held-out (the model's picks on held-out shapes vs the best option)
 #   tgemm       benchmarks/bench_tgemm.py
 #   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
+#   rows        benchmarks/gemm_row_alignment.py (A's and B's rows off the 128-byte lines, each alone)
 # e.g. tools/device_run.sh tests runtime gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +47,8 @@ for what in "$@"; do
     judge) step judge "$PY" benchmarks/tune_gemm.py --judge-held-out --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/held_out_measurements.json" ;;
     tgemm) step tgemm "$PY" benchmarks/bench_tgemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, judge, tgemm, occupancy)" >&2; exit 2 ;;
+    rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, judge, tgemm, occupancy, rows)" >&2; exit 2 ;;
   esac
 done
 exit $status
