@@ -411,20 +411,20 @@ class LocalStore(Layer):
         hex_ = digest.hex
         name = hex_[:2]
         shard = self._shards.get(name)
+        if shard is None and name in self._shards_read:
+            shard = self._hold_shard(name)  # its second hit: held from now on
+            if shard is None:
+                return None
+        path = f"{self._cas_text}/{name}/{hex_}"
         try:
             if shard is not None:
-                data = read_at(shard, hex_, size, path=f"{self._cas_text}/{name}/{hex_}", touch=True)
-            elif name in self._shards_read:
-                shard = self._hold_shard(name)
-                if shard is None:
-                    return None
-                data = read_at(shard, hex_, size, path=f"{self._cas_text}/{name}/{hex_}", touch=True)
-            else:
+                data = read_at(shard, hex_, size, path=path, touch=True)
+            else:  # its first hit: open and close the shard (see __init__)
                 self._shards_read.add(name)
                 cas = self._fs.held_dir("v1", "cas")
                 if cas is None:
                     return None
-                data = read_below(cas, name, hex_, size, path=f"{self._cas_text}/{name}/{hex_}", touch=True)
+                data = read_below(cas, name, hex_, size, path=path, touch=True)
         except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
             return None
         if data is None or len(data) != size or hashlib.sha256(data).hexdigest() != hex_:
