@@ -3,8 +3,8 @@
 For shapes whose K is not a multiple of 64, times ops.gemm and torch.mm with A and B each in
 contiguous rows or in a row stride padded to a multiple of 64 elements (a view of a wider
 tensor): the same shape, so ops.gemm makes the same pick. Operands stay resident in L2; each
-figure is the median over batches of 20 calls enqueued behind a sleep, so the host never
-starves the GPU (device us per call). Results are checked against float32.
+figure is bench_gemm's device time (CUDA events around each call, the GPU kept busy while Python
+enqueues, median), in us. Results are checked against float32.
 
   PYTHONPATH=. python benchmarks/gemm_row_alignment.py --manifest bazel-bin/kernels/manifest.json
 """
@@ -16,28 +16,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run from a checkout without installing cubinstore
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_gemm as bench  # noqa: E402  (the sibling script: the checkout on sys.path, loading, timing)
 
 SHAPES = ((300, 2304, 1544), (1000, 3000, 2008), (2560, 2560, 520), (6000, 512, 3000), (4096, 4096, 4104))
 
 
-def device_us(torch, fn, reps: int = 30, batch: int = 20) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(3_000_000)  # the whole batch is enqueued before the GPU reaches `start`
-        start.record()
-        for _ in range(batch):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / batch)
-    return sorted(times)[len(times) // 2]
+def device_us(torch, fn, reps: int = 100, warmup: int = 5) -> float:
+    return bench.time_ms(torch, lambda _: fn(), 1, reps, warmup) * 1e3
 
 
 def operand(torch, rows: int, k: int, padded: bool):
@@ -52,15 +38,9 @@ def main() -> int:
     args = parser.parse_args()
     import torch
 
-    import cubinstore
     from cubinstore import ops
-    from cubinstore.manifest import Manifest
-    from cubinstore.store import DirectorySource, LocalStore, Store
 
-    manifest = args.manifest.resolve()
-    ops.set_library(cubinstore.open(Manifest.from_path(manifest),
-                                    Store([LocalStore(tempfile.mkdtemp(prefix="gemm-rows-")),
-                                           DirectorySource(manifest.parent)])))
+    ops.set_library(bench.open_library(args.manifest.resolve(), Path(tempfile.mkdtemp(prefix="gemm-rows-"))))
     print("| M x N x K | both contiguous | B padded | A padded | both padded | torch, both contiguous |")
     print("|---|---|---|---|---|---|")
     for m, n, k in SHAPES:
