@@ -21,7 +21,9 @@ machine's constants (launch, HBM rate, fetch latency, split-K costs, overlap, th
 unaligned rows) by a coordinate search on the log error of all timings. It prints the residuals per instantiation and, per shape, the
 measured best against the model's pick among the measured options, then the same judged
 out of sample (cross-validation: fitted on a random half of the shapes, picks judged on the
-other half, for a few halvings), and writes the calibration module.
+other half, for a few halvings), and writes the calibration module: the constants, and as
+PICKS the measured best of each shape where the fitted model's pick among the timed options was
+`_gemm_model.PICK_MARGIN` (3%) or more slower (`choose` returns it on exactly that shape).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["MACHINE", "PROVENANCE", "TILES"]
+__all__ = ["MACHINE", "PICKS", "PROVENANCE", "TILES"]
 
 #: Where and how the constants were measured (gpu, sm_count, date, torch, ...); None: not measured.
 PROVENANCE: Final[dict[str, str | int] | None] = {provenance}
@@ -92,6 +94,12 @@ MACHINE: Final[dict[str, float]] = {machine}
 #: kernel id -> (kblock_us, unit_us) measured on that GPU; ids not listed keep the defaults.
 TILES: Final[dict[str, tuple[float, float]]] = {{
 {tiles}
+}}
+
+#: (M, N, K) -> (kernel id, splits) measured fastest on that shape where it beat the fitted
+#: model's pick by at least _gemm_model.PICK_MARGIN (measured time of the pick / of this one).
+PICKS: Final[dict[tuple[int, int, int], tuple[str, int]]] = {{
+{picks}
 }}
 '''
 
@@ -348,7 +356,21 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
     return bench.geomean(regrets)
 
 
-def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, TileCosts]) -> str:
+def measured_picks(model: Model, timings: Sequence[Timing], sm_count: int,
+                   margin: float = _gemm_model.PICK_MARGIN) -> dict[tuple[int, int, int], tuple[tuple[str, int], float]]:
+    """Per shape, the measured best option and how much slower the model's pick among the timed was,
+    where that is at least `margin` (what `render` writes as PICKS)."""
+    out = {}
+    for mnk, measured in sorted(_by_shape(timings).items()):
+        best = min(measured, key=lambda o: (measured[o], o))
+        slower = measured[_pick(model, mnk, measured, sm_count)] / measured[best]
+        if slower >= 1 + margin:
+            out[mnk] = (best, slower)
+    return out
+
+
+def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, TileCosts],
+           picks: dict[tuple[int, int, int], tuple[tuple[str, int], float]] | None = None) -> str:
     def num(x: float) -> str:
         return repr(float(f"{x:.6g}"))
 
@@ -358,7 +380,9 @@ def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, T
     machine_text = "{\n" + "".join(f"    {name!r}: {num(v)},\n" for name, v in fitted.items()) + "}"
     rows = "\n".join(f"    {kid!r}: ({num(c.kblock_us)}, {num(c.unit_us)})," for kid, c in sorted(tiles.items()))
     provenance_text = "{\n" + "".join(f"    {key!r}: {value!r},\n" for key, value in sorted(provenance.items())) + "}"
-    return TEMPLATE.format(provenance=provenance_text, machine=machine_text, tiles=rows,
+    pick_rows = "\n".join(f"    {mnk!r}: {pick!r},  # the model's pick {slower - 1:.1%} slower"
+                           for mnk, (pick, slower) in sorted((picks or {}).items()))
+    return TEMPLATE.format(provenance=provenance_text, machine=machine_text, tiles=rows, picks=pick_rows,
                            **{k: provenance[k] for k in ("gpu", "sm_count", "date", "torch", "reps", "rotation",
                                                          "shapes", "timings")})
 
@@ -377,7 +401,14 @@ def calibrate(timings: list[Timing], provenance: dict[str, Any], write: Path | N
         shapes = len(_by_shape(timings))
         print(f"cross-validated (fitted on a random half of the {shapes} shapes, picks judged on the other half; "
               f"{cv_repeats} halvings): {_summary(cross_validate(timings, sms, l2, cv_repeats), 'picks')}")
-    text = render(provenance, machine, tiles)
+    picks = measured_picks(model, timings, sms)
+    # after ** shapes is the product of the model's regrets; the measured picks take theirs out.
+    with_picks = math.exp((len(_by_shape(timings)) * math.log(after) - sum(math.log(s) for _, s in picks.values()))
+                          / len(_by_shape(timings)))
+    print(f"measured picks (the timed best where it beat the model's pick by {_gemm_model.PICK_MARGIN:.0%} or more): "
+          f"{len(picks)} shapes; with them the tuning shapes' picks are {with_picks - 1:.1%} slower than the measured "
+          f"best in geometric mean")
+    text = render(provenance, machine, tiles, picks)
     if after > before and not force:
         print(f"the fitted picks ({after - 1:.1%} slower than the measured best) are worse than the defaults' "
               f"({before - 1:.1%}): not written (--force writes it anyway)")

@@ -126,7 +126,7 @@ def test_a_nearly_empty_last_wave_is_avoided() -> None:
     large = G.GemmConfig(128, 256, 64, 4, 1).kernel_id
     naive = _plan(m, n, k, (large, 1))
     assert naive.units == 140
-    choice = _gemm_model.choose(m, n, k, H200_SMS, BUILT)
+    choice = _gemm_model.choose(m, n, k, H200_SMS, BUILT, measured=False)  # the model's reasoning, not a timing
     chosen = _plan(m, n, k, choice)
     assert choice[1] > 1 or _wave_fill(chosen) > _wave_fill(naive), (
         f"{m}x{n}x{k}: {choice} fills {_wave_fill(chosen):.2f} of its waves, 128x256 unsplit {_wave_fill(naive):.2f}"
@@ -358,6 +358,98 @@ def test_a_calibration_naming_unknown_machine_fields_is_refused() -> None:
     with pytest.raises(BadArgumentError, match=r"^bad_calibration.MACHINE: expected fields of MachineCosts "
                                                r"\[.*\], got \['warp_speed'\]"):
         _gemm_model.calibrated_model(calibration)
+
+
+# -- measured picks (the calibration's winners on the exact shapes it timed) ----------------------
+
+
+def _not_the_models(model: Model, m: int, n: int, k: int) -> tuple[str, int]:
+    """An option the model does not choose at M x N x K (so a test can tell a pick from the model)."""
+    own = model.choose(m, n, k, H200_SMS, BUILT, measured=False)
+    return next((kid, 3) for kid in sorted(BUILT) if kid != own[0])
+
+
+def test_a_measured_pick_is_chosen_only_for_its_exact_shape_and_sm_count() -> None:
+    plain = Model()
+    pick = _not_the_models(plain, 300, 2304, 1544)
+    model = Model(picks={(300, 2304, 1544): pick}, picks_sm_count=H200_SMS)
+    assert model.choose(300, 2304, 1544, H200_SMS, BUILT) == pick
+    # Its neighbours, another GPU, a library without its kernel and the model alone: the model's choice.
+    for m, n, k in ((301, 2304, 1544), (300, 2304, 1552), (300, 2312, 1544)):
+        assert model.choose(m, n, k, H200_SMS, BUILT) == plain.choose(m, n, k, H200_SMS, BUILT)
+    assert model.choose(300, 2304, 1544, 114, BUILT) == plain.choose(300, 2304, 1544, 114, BUILT)
+    assert model.choose(300, 2304, 1544, H200_SMS, BUILT - {pick[0]})[0] != pick[0]
+    assert model.choose(300, 2304, 1544, H200_SMS, BUILT, measured=False) == plain.choose(300, 2304, 1544,
+                                                                                          H200_SMS, BUILT)
+    # A bool is not a shape, even where True == 1 would find an entry.
+    one = Model(picks={(1, 4096, 4096): pick}, picks_sm_count=H200_SMS)
+    with pytest.raises(BadArgumentError, match=r"expected M a positive int, got True"):
+        one.choose(True, 4096, 4096, H200_SMS, BUILT)
+
+
+def test_measured_picks_are_written_only_where_they_beat_the_models_pick_by_the_margin(tmp_path: Path) -> None:
+    model = Model()
+    timings = []
+    faster = {(300, 2304, 1544): 1.10, (4096, 4096, 4096): 1.01}  # the model's pick / the other option
+    for (m, n, k), factor in faster.items():
+        own = model.choose(m, n, k, H200_SMS, BUILT, measured=False)
+        other = _not_the_models(model, m, n, k)
+        timings += [tune_gemm.Timing(m, n, k, *own, 100.0), tune_gemm.Timing(m, n, k, *other, 100.0 / factor)]
+    picks = tune_gemm.measured_picks(model, timings, H200_SMS)
+    assert set(picks) == {(300, 2304, 1544)}
+    pick, slower = picks[(300, 2304, 1544)]
+    assert pick == _not_the_models(model, 300, 2304, 1544) and slower == pytest.approx(1.10)
+    provenance = {"gpu": "NVIDIA H200", "sm_count": H200_SMS, "l2_bytes": 50 * 2**20, "date": "2026-12-02",
+                  "torch": "2.11.0+cu130", "cuda": "13.0", "reps": 15, "rotation": 4, "shapes": 2, "timings": 4}
+    path = tmp_path / "calibration.py"
+    path.write_text(tune_gemm.render(provenance, model.machine, {}, picks))
+    spec = importlib.util.spec_from_file_location("calibration_with_picks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.PICKS == {(300, 2304, 1544): pick}
+    loaded = _gemm_model.calibrated_model(module)
+    assert loaded.choose(300, 2304, 1544, H200_SMS, BUILT) == pick
+    assert loaded.choose(4096, 4096, 4096, H200_SMS, BUILT) == model.choose(4096, 4096, 4096, H200_SMS, BUILT)
+
+
+GOOD_ID = G.GemmConfig(128, 256, 64, 4, 1).kernel_id
+
+
+@pytest.mark.parametrize(("picks", "provenance", "message"), [
+    ({(0, 16, 16): (GOOD_ID, 1)}, {"sm_count": 132}, r"PICKS\[\(0, 16, 16\)\]: expected the key \(M, N, K\)"),
+    ({(16, 16): (GOOD_ID, 1)}, {"sm_count": 132}, r"PICKS\[\(16, 16\)\]: expected the key \(M, N, K\)"),
+    ({(16, 16, 16): "gemm"}, {"sm_count": 132}, r"PICKS\[\(16, 16, 16\)\]: expected \(kernel id, splits\)"),
+    ({(16, 16, 16): ("gemm/bogus", 1)}, {"sm_count": 132}, r"PICKS\[\(16, 16, 16\)\]: invalid gemm kernel id"),
+    ({(16, 16, 16): (GOOD_ID, 17)}, {"sm_count": 132}, r"PICKS\[\(16, 16, 16\)\]: expected splits 1\.\.16 or 0 \(stream-K\), got 17"),
+    ({(16, 16, 16): (GOOD_ID, True)}, {"sm_count": 132}, r"PICKS\[\(16, 16, 16\)\]: expected splits 1\.\.16 or 0 \(stream-K\), got True"),
+    ({(16, 16, 16): (GOOD_ID, 1)}, None, r"PICKS: expected PROVENANCE to name the sm_count"),
+])
+def test_a_calibration_with_a_bad_pick_is_refused(picks: dict, provenance: dict | None, message: str) -> None:
+    calibration = types.ModuleType("bad_calibration")
+    calibration.MACHINE, calibration.TILES = {}, {}  # type: ignore[attr-defined]
+    calibration.PICKS, calibration.PROVENANCE = picks, provenance  # type: ignore[attr-defined]
+    with pytest.raises(BadArgumentError, match=r"^bad_calibration\." + message):
+        _gemm_model.calibrated_model(calibration)
+
+
+def _built_skinny_ids() -> frozenset[str]:
+    if not MANIFEST.is_file():
+        pytest.skip(f"no manifest at {MANIFEST}: run `bazel build //kernels:all` (CI does before pytest)")
+    return frozenset(k.id for k in Manifest.from_path(MANIFEST) if k.family == G.SKINNY_FAMILY)
+
+
+def test_the_shipped_picks_are_tuning_shapes_and_kernels_the_library_builds() -> None:
+    picks = getattr(_gemm_calibration, "PICKS", {})
+    tuning = {s.mnk for s in gemm_shapes.TUNING}
+    held_out = {s.mnk for s in gemm_shapes.HELD_OUT}
+    # A held-out shape must never be measured into the selection: it judges the model alone.
+    assert set(picks) <= tuning and not set(picks) & held_out
+    built = BUILT | _built_skinny_ids()
+    for shape, (kernel_id, splits) in picks.items():
+        assert kernel_id in built, (shape, kernel_id)
+        if kernel_id in BUILT:
+            assert _plan(*shape, (kernel_id, splits)).splits == splits, f"{shape}: plan() changes {splits}"
 
 
 # -- errors ---------------------------------------------------------------------------------------

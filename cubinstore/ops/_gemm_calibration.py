@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["MACHINE", "PROVENANCE", "TILES"]
+__all__ = ["MACHINE", "PICKS", "PROVENANCE", "TILES"]
 
 #: Where and how the constants were measured (gpu, sm_count, date, torch, ...); None: not measured.
 PROVENANCE: Final[dict[str, str | int] | None] = {
@@ -30,40 +30,53 @@ PROVENANCE: Final[dict[str, str | int] | None] = {
 
 #: MachineCosts fields measured on that GPU; fields not listed keep the model's defaults.
 MACHINE: Final[dict[str, float]] = {
-    'launch_us': 2.09431,
-    'hbm_bytes_per_us': 3546960.0,
-    'fetch_latency_us': 1.68915,
-    'split_unit_us': 1.94514,
+    'launch_us': 2.33027,
+    'hbm_bytes_per_us': 3684700.0,
+    'fetch_latency_us': 1.6195,
+    'split_unit_us': 1.82519,
     'partial_bytes_per_us': 128622.0,
-    'overlap_loss': 0.422591,
-    'unaligned_feed_bytes_per_us': 68628.6,
+    'overlap_loss': 0.437207,
+    'unaligned_feed_bytes_per_us': 70751.1,
     'l2_bytes': 62914600.0,
 }
 
 #: kernel id -> (kblock_us, unit_us) measured on that GPU; ids not listed keep the defaults.
 TILES: Final[dict[str, tuple[float, float]]] = {
-    'gemm/bm128/bn128/bk128/stages3/cluster1/sm_90a': (0.639448, 3.04601),
-    'gemm/bm128/bn128/bk128/stages3/cluster2/sm_90a': (0.733285, 3.45163),
-    'gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a': (0.295371, 2.77376),
-    'gemm/bm128/bn128/bk64/stages5/cluster2/sm_90a': (0.325953, 3.52839),
-    'gemm/bm128/bn192/bk64/stages5/cluster1/sm_90a': (0.391154, 3.11323),
-    'gemm/bm128/bn192/bk64/stages5/cluster2/sm_90a': (0.411385, 3.77724),
-    'gemm/bm128/bn256/bk64/stages3/cluster1/sm_90a': (0.5354, 4.81579),
-    'gemm/bm128/bn256/bk64/stages3/cluster2/sm_90a': (0.558241, 4.53219),
-    'gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a': (0.476289, 5.25915),
-    'gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a': (0.503591, 5.068),
-    'gemm/bm128/bn64/bk64/stages8/cluster1/sm_90a': (0.266029, 1.9655),
-    'gemm/bm128/bn64/bk64/stages8/cluster2/sm_90a': (0.266544, 2.44049),
-    'gemm/bm256/bn128/bk64/stages4/cluster1/sm_90a': (0.549583, 5.95992),
-    'gemm/bm256/bn128/bk64/stages4/cluster2/sm_90a': (0.636864, 5.49034),
-    'gemm/bm256/bn64/bk64/stages4/cluster1/sm_90a': (0.496945, 3.59445),
-    'gemm/bm256/bn64/bk64/stages4/cluster2/sm_90a': (0.539301, 3.29393),
-    'gemm/bm64/bn128/bk64/stages8/cluster1/sm_90a': (0.174641, 2.54949),
-    'gemm/bm64/bn256/bk64/stages5/cluster1/sm_90a': (0.266469, 4.52568),
-    'gemm/bm64/bn64/bk64/stages10/cluster1/sm_90a': (0.151504, 1.93657),
-    'skinny/bm16/bn16/warps8/unroll2/sm_90a': (0.705393, 0.0),
-    'skinny/bm16/bn32/warps8/unroll2/sm_90a': (1.17633, 0.0),
-    'skinny/bm16/bn8/warps16/unroll4/sm_90a': (0.886439, 1.06696),
-    'skinny/bm16/bn8/warps8/unroll4/sm_90a': (1.03802, 0.0),
-    'skinny/bm32/bn16/warps8/unroll2/sm_90a': (0.941249, 0.0),
+    'gemm/bm128/bn128/bk128/stages3/cluster1/sm_90a': (0.636675, 2.98047),
+    'gemm/bm128/bn128/bk128/stages3/cluster2/sm_90a': (0.734061, 3.27651),
+    'gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a': (0.292246, 2.70048),
+    'gemm/bm128/bn128/bk64/stages5/cluster2/sm_90a': (0.32391, 3.48018),
+    'gemm/bm128/bn192/bk64/stages5/cluster1/sm_90a': (0.390781, 2.99649),
+    'gemm/bm128/bn192/bk64/stages5/cluster2/sm_90a': (0.408914, 3.74089),
+    'gemm/bm128/bn256/bk64/stages3/cluster1/sm_90a': (0.534744, 4.68211),
+    'gemm/bm128/bn256/bk64/stages3/cluster2/sm_90a': (0.555022, 4.45955),
+    'gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a': (0.473218, 5.11895),
+    'gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a': (0.501164, 4.92783),
+    'gemm/bm128/bn64/bk64/stages8/cluster1/sm_90a': (0.264465, 1.91992),
+    'gemm/bm128/bn64/bk64/stages8/cluster2/sm_90a': (0.267367, 2.28861),
+    'gemm/bm256/bn128/bk64/stages4/cluster1/sm_90a': (0.549066, 5.76171),
+    'gemm/bm256/bn128/bk64/stages4/cluster2/sm_90a': (0.6343, 5.45986),
+    'gemm/bm256/bn64/bk64/stages4/cluster1/sm_90a': (0.496639, 3.46216),
+    'gemm/bm256/bn64/bk64/stages4/cluster2/sm_90a': (0.538618, 3.18411),
+    'gemm/bm64/bn128/bk64/stages8/cluster1/sm_90a': (0.171627, 2.50318),
+    'gemm/bm64/bn256/bk64/stages5/cluster1/sm_90a': (0.262557, 4.48271),
+    'gemm/bm64/bn64/bk64/stages10/cluster1/sm_90a': (0.152359, 1.79841),
+    'skinny/bm16/bn16/warps8/unroll2/sm_90a': (0.744679, 0.0),
+    'skinny/bm16/bn32/warps8/unroll2/sm_90a': (0.695184, 3.57328),
+    'skinny/bm16/bn8/warps16/unroll4/sm_90a': (0.887326, 1.0204),
+    'skinny/bm16/bn8/warps8/unroll4/sm_90a': (1.0277, 0.0),
+    'skinny/bm32/bn16/warps8/unroll2/sm_90a': (0.943598, 0.0),
+}
+
+#: (M, N, K) -> (kernel id, splits) measured fastest on that shape where it beat the fitted
+#: model's pick by at least _gemm_model.PICK_MARGIN (measured time of the pick / of this one).
+PICKS: Final[dict[tuple[int, int, int], tuple[str, int]]] = {
+    (1, 14336, 4096): ('skinny/bm16/bn32/warps8/unroll2/sm_90a', 1),  # the model's pick 8.8% slower
+    (64, 4096, 4096): ('gemm/bm64/bn64/bk64/stages10/cluster1/sm_90a', 2),  # the model's pick 10.0% slower
+    (64, 4096, 14336): ('gemm/bm64/bn64/bk64/stages10/cluster1/sm_90a', 2),  # the model's pick 5.1% slower
+    (128, 4096, 14336): ('gemm/bm64/bn128/bk64/stages8/cluster1/sm_90a', 2),  # the model's pick 8.9% slower
+    (300, 2304, 1544): ('gemm/bm64/bn128/bk64/stages8/cluster1/sm_90a', 1),  # the model's pick 13.4% slower
+    (1280, 3584, 4096): ('gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a', 0),  # the model's pick 21.2% slower
+    (8192, 8192, 8192): ('gemm/bm128/bn256/bk64/stages3/cluster2/sm_90a', 1),  # the model's pick 5.1% slower
+    (8192, 14336, 4096): ('gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a', 1),  # the model's pick 4.2% slower
 }

@@ -39,6 +39,13 @@ The per-instantiation constants (``TileCosts``) and the machine's (``MachineCost
 from ``_gemm_calibration.py`` (written by ``benchmarks/tune_gemm.py --calibrate``) where it
 has them, else from defaults derived from the H200's specifications and the 2026-11-29
 tuning table. No numpy: this runs in serving processes.
+
+**Measured picks.** On the exact shapes the calibration timed, where an option it timed beat
+the fitted model's pick by at least ``PICK_MARGIN`` (the calibration's ``PICKS``), `choose`
+returns that option, on a GPU with the calibration's SM count and when the library has its
+kernel: an autotuning cache for the shapes a server runs, which a model of the work cannot
+match to the last few percent. Every other shape, a neighbour of a measured one included, is
+the model's.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from types import ModuleType
-from typing import Final
+from typing import Any, Final
 
 from cubinstore.errors import BadArgumentError
 from cubinstore.ops import _gemm_calibration as _calibration
@@ -58,6 +65,7 @@ __all__ = [
     "Estimate",
     "MAX_SPLITS",
     "MachineCosts",
+    "PICK_MARGIN",
     "Model",
     "TileCosts",
     "calibrated_model",
@@ -74,6 +82,9 @@ _gemm = importlib.import_module("cubinstore.ops.gemm")
 #: The most K splits the model weighs: the bound plan() clamps to.
 MAX_SPLITS: Final = _gemm._MAX_SPLITS
 _STREAM_K: Final = _gemm.STREAM_K
+# A measured option replaces the model's pick on its shape only when it was this much faster:
+# below it the calibration's medians differ by about their run-to-run noise (1-2% on the H200).
+PICK_MARGIN: Final = 0.03
 # Beyond this many waves of units a further split only adds reduction work.
 _MAX_SPLIT_WAVES: Final = 4
 
@@ -253,14 +264,25 @@ def _check_shape(m: int, n: int, k: int, sm_count: int) -> None:
             )
 
 
+Shape = tuple[int, int, int]
+
+
 class Model:
-    """The cost model with one set of constants; `tiles` overrides the defaults per kernel id."""
+    """The cost model with one set of constants; `tiles` overrides the defaults per kernel id.
+
+    `picks` maps exact M x N x K shapes to the (kernel id, splits) measured fastest there on a
+    GPU of `picks_sm_count` SMs; `choose` returns them (see the module's docstring).
+    """
 
     def __init__(self, machine: MachineCosts = DEFAULT_MACHINE,
-                 tiles: Mapping[str, TileCosts] | None = None) -> None:
+                 tiles: Mapping[str, TileCosts] | None = None,
+                 picks: Mapping[Shape, tuple[str, int]] | None = None,
+                 picks_sm_count: int | None = None) -> None:
         self.machine = machine
         self._tiles = dict(tiles or {})
         self._costs: dict[str, TileCosts] = {}
+        self._picks = dict(picks or {})
+        self._picks_sm_count = picks_sm_count
 
     def tile_costs(self, kernel_id: str) -> TileCosts:
         costs = self._costs.get(kernel_id)
@@ -400,8 +422,21 @@ class Model:
                 out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)))
         return out
 
-    def choose(self, m: int, n: int, k: int, sm_count: int, candidates: frozenset[str]) -> tuple[str, int]:
-        """(kernel id, splits) with the least predicted time; ties go to the smaller id, then fewer splits."""
+    def measured_pick(self, m: int, n: int, k: int, sm_count: int) -> tuple[str, int] | None:
+        """The calibration's measured (kernel id, splits) for exactly this shape and SM count, if any."""
+        if sm_count != self._picks_sm_count:
+            return None
+        return self._picks.get((m, n, k))
+
+    def choose(self, m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
+               measured: bool = True) -> tuple[str, int]:
+        """(kernel id, splits): the measured pick of this exact shape where the library has its kernel
+        (unless `measured` is False), else the option with the least predicted time; ties go to the
+        smaller id, then fewer splits."""
+        _check_shape(m, n, k, sm_count)
+        pick = self.measured_pick(m, n, k, sm_count) if measured else None
+        if pick is not None and pick[0] in candidates:
+            return pick
         options = self.options(m, n, k, sm_count, sorted(candidates))
         if not options:
             raise BadArgumentError(
@@ -413,7 +448,7 @@ class Model:
 
 
 def calibrated_model(calibration: ModuleType = _calibration) -> Model:
-    """The model with a calibration module's constants (MACHINE, TILES) over the defaults."""
+    """The model with a calibration module's constants (MACHINE, TILES) over the defaults, and its PICKS."""
     known = {f.name for f in fields(MachineCosts)}
     unknown = sorted(set(calibration.MACHINE) - known)
     if unknown:
@@ -422,18 +457,44 @@ def calibrated_model(calibration: ModuleType = _calibration) -> Model:
         )
     machine = replace(DEFAULT_MACHINE, **calibration.MACHINE)
     tiles = {kid: TileCosts(kblock_us=kb, unit_us=unit) for kid, (kb, unit) in calibration.TILES.items()}
-    return Model(machine, tiles)
+    picks = getattr(calibration, "PICKS", {})  # absent in calibrations written before 2026-12-02's seventh session
+    provenance = calibration.PROVENANCE or {}
+    for shape, pick in picks.items():
+        _check_pick(calibration.__name__, shape, pick)
+    if picks and not isinstance(provenance.get("sm_count"), int):
+        raise BadArgumentError(f"{calibration.__name__}.PICKS: expected PROVENANCE to name the sm_count they were "
+                               f"measured on, got {provenance.get('sm_count')!r}")
+    return Model(machine, tiles, picks, provenance.get("sm_count") if picks else None)
+
+
+def _check_pick(where: str, shape: Any, pick: Any) -> None:
+    """A PICKS entry must be (M, N, K) of positive ints -> (a kernel id of either family, a split plan() takes)."""
+    what = f"{where}.PICKS[{shape!r}]"
+    if (not isinstance(shape, tuple) or len(shape) != 3
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shape)):
+        raise BadArgumentError(f"{what}: expected the key (M, N, K), positive ints, got {shape!r}")
+    if not isinstance(pick, tuple) or len(pick) != 2 or not isinstance(pick[0], str):
+        raise BadArgumentError(f"{what}: expected (kernel id, splits), got {pick!r}")
+    kernel_id, splits = pick
+    try:
+        _config(kernel_id)
+    except BadArgumentError as e:
+        raise BadArgumentError(f"{what}: {e}") from None
+    if isinstance(splits, bool) or not isinstance(splits, int) or not (splits == _STREAM_K or 1 <= splits <= MAX_SPLITS):
+        raise BadArgumentError(f"{what}: expected splits 1..{MAX_SPLITS} or {_STREAM_K} (stream-K), got {splits!r}")
 
 
 _MODEL: Final = calibrated_model()
 
 
-def choose(m: int, n: int, k: int, sm_count: int, candidates: frozenset[str]) -> tuple[str, int]:
-    """(kernel id, splits) for an M x N x K problem on `sm_count` SMs, the id among `candidates`.
+def choose(m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
+           measured: bool = True) -> tuple[str, int]:
+    """(kernel id, splits) for an M x N x K problem on `sm_count` SMs, the id among `candidates`;
+    `measured=False` leaves out the calibration's measured picks (the model alone).
 
     Deterministic; raises `BadArgumentError` naming the shape if no candidate fits.
     """
-    return _MODEL.choose(m, n, k, sm_count, candidates)
+    return _MODEL.choose(m, n, k, sm_count, candidates, measured)
 
 
 def predict_us(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
