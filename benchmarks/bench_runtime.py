@@ -16,8 +16,11 @@ Prints, side by side in one run:
      check, load), each module unloaded again so every sample is a fresh load | Library.kernel()
      of bytes this process verified before ("verified before": Store.from_env's memory layer,
      as a second device's load of one CUBIN: no read, no hash) | the layout check alone;
-  4. the load phase (every runnable kernel through Library.kernel) of 1 process and of --procs
-     processes started together on one local store.
+  4. the load phase (every runnable kernel) of 1 process and of --procs processes started
+     together on one local store: Library.kernel() of each, with the store's modules imported
+     in the first call (as a serving process does) and with the store opened before the timed
+     part (as the peer imports hashlib before it) | the plain peer (read + sha256 + load of
+     each) | raw (read + load, nothing verified), with the time per kernel against raw's.
 Sections 3 and 4 need a CUDA device and are skipped with the reason when there is none;
 --host-only runs section 2b alone.
 The package is byte-compiled first, as pip leaves an installed package: a checkout carried to a
@@ -327,9 +330,13 @@ import cubinstore
 from cubinstore import _cuda
 from cubinstore.manifest import arch_compatible
 lib = cubinstore.open(sys.argv[1])
-_cuda.primary_context(0)
+drv = _cuda.driver()
+# The primary context current, as in a torch process (and as the peer sets it): no switch per load.
+_cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent")
 cc = _cuda.compute_capability(0)
 ids = [k.id for k in lib.manifest if arch_compatible(k.arch, cc)]
+if sys.argv[2] == "store-first":
+    lib.store  # the store and its modules (hashlib among them) before the timed part, as the peer imports hashlib
 print("ready", flush=True)
 sys.stdin.readline()  # all children start loading together
 t = time.perf_counter()
@@ -352,10 +359,11 @@ drv.cuCtxSetCurrent(ctx)
 print("ready", flush=True)
 sys.stdin.readline()
 t = time.perf_counter()
+verify = sys.argv[2] == "verify"
 for path, hex_, entries in paths:
     with open(path, "rb") as f:
         data = f.read()
-    if hashlib.sha256(data).hexdigest() != hex_:
+    if verify and hashlib.sha256(data).hexdigest() != hex_:
         raise SystemExit(path + ": bytes do not verify")
     err, lib = drv.cuLibraryLoadData(data, None, None, 0, None, None, 0)
     for entry in entries:
@@ -365,14 +373,24 @@ print(json.dumps({"load_s": time.perf_counter() - t, "kernels": len(paths)}), fl
 """
 
 
-def concurrent(manifest_path: Path, home: Path, procs: int, specs: list[Any] | None = None) -> dict[str, Any]:
+# The load phase's paths: (label, child code, its mode argument); the peers get the CUBINs' paths.
+LOAD_PHASES = (
+    ("Library.kernel() of each (the store's modules imported in the first)", "ours", "first"),
+    ("Library.kernel() of each, the store opened before", "ours", "store-first"),
+    ("plain peer: read + sha256 + cuLibraryLoadData", "peer", "verify"),
+    ("raw: read + cuLibraryLoadData (nothing verified)", "peer", "raw"),
+)
+
+
+def concurrent(manifest_path: Path, home: Path, procs: int, specs: list[Any]) -> dict[str, Any]:
+    """Per path of LOAD_PHASES: one fresh process (median of 3), then `procs` started together."""
     from cubinstore.store import LocalStore
 
     local = LocalStore(home)
-    raw_arg = json.dumps([[str(local.path_for(s.digest)), s.digest.hex, list(s.entries)] for s in specs or []])
+    raw_arg = json.dumps([[str(local.path_for(s.digest)), s.digest.hex, list(s.entries)] for s in specs])
 
-    def run(n: int, code: str = CHILD, arg: str = str(manifest_path)) -> list[float]:
-        children = [subprocess.Popen([sys.executable, "-c", code, arg], env=env_for(home),
+    def run(n: int, code: str, arg: str, mode: str) -> list[float]:
+        children = [subprocess.Popen([sys.executable, "-c", code, arg, mode], env=env_for(home),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for _ in range(n)]
         for c in children:
@@ -386,16 +404,27 @@ def concurrent(manifest_path: Path, home: Path, procs: int, specs: list[Any] | N
             c.wait(timeout=120)
         return out
 
-    one = [run(1)[0] for _ in range(3)]
-    many = run(procs)
-    out = {"one_s": statistics.median(one), "procs": procs, "many_median_s": statistics.median(many),
-           "many_max_s": max(many)}
-    if specs:
-        raw_one = [run(1, CHILD_RAW, raw_arg)[0] for _ in range(3)]
-        raw_many = run(procs, CHILD_RAW, raw_arg)
-        out.update(raw_one_s=statistics.median(raw_one), raw_many_median_s=statistics.median(raw_many),
-                   raw_many_max_s=max(raw_many))
-    return out
+    rows = {}
+    for label, who, mode in LOAD_PHASES:
+        code, arg = (CHILD, str(manifest_path)) if who == "ours" else (CHILD_RAW, raw_arg)
+        one = [run(1, code, arg, mode)[0] for _ in range(3)]
+        many = run(procs, code, arg, mode)
+        rows[label] = {"one_s": statistics.median(one), "many_median_s": statistics.median(many),
+                       "many_max_s": max(many)}
+    return {"procs": procs, "kernels": len(specs), "rows": rows}
+
+
+def print_concurrent(conc: dict[str, Any]) -> None:
+    raw = conc["rows"][LOAD_PHASES[-1][0]]["one_s"]
+    print(f"\n## load phase ({conc['kernels']} runnable kernels, fresh processes started together, one local "
+          "store)\n")
+    print(f"| path | 1 process ms | per kernel ms | / raw | {conc['procs']} at once: median ms | max ms | median / 1 "
+          "| max / 1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, r in conc["rows"].items():
+        one_s, med, top = r["one_s"], r["many_median_s"], r["many_max_s"]
+        print(f"| {label} | {one_s * 1e3:.1f} | {one_s * 1e3 / conc['kernels']:.3f} | {one_s / raw:.2f} "
+              f"| {med * 1e3:.1f} | {top * 1e3:.1f} | {med / one_s:.2f} | {top / one_s:.2f} |")
 
 
 def print_import_time(runs: int, results: dict[str, Any]) -> None:
@@ -481,13 +510,7 @@ def main() -> None:
         print_rows(loads, load_row)
         conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs, specs)
         results["concurrent"] = conc
-        print("\n## load phase (every runnable kernel, fresh processes started together, one local store)\n")
-        print("| path | 1 process ms | %d at once: median ms | max ms | median / 1 | max / 1 |" % conc["procs"])
-        print("|---|---|---|---|---|---|")
-        for label, key in (("Library.kernel()", ""), ("plain peer: read + sha256 + cuLibraryLoadData", "raw_")):
-            if key + "one_s" in conc:
-                one_s, med, top = conc[key + "one_s"], conc[key + "many_median_s"], conc[key + "many_max_s"]
-                print(f"| {label} | {one_s * 1e3:.1f} | {med * 1e3:.1f} | {top * 1e3:.1f} | {med / one_s:.2f} | {top / one_s:.2f} |")
+        print_concurrent(conc)
     finally:
         if opts.json:
             opts.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
