@@ -472,6 +472,28 @@ def test_large_dynamic_shared_memory_and_clusters(lib: launch.Library, torch: An
 
 
 @gpu
+def test_a_launch_from_no_current_context_switches_to_the_device_and_back(lib: launch.Library, torch: Any,
+                                                                          hopper: None) -> None:
+    drv = _cuda.driver()
+    kernel = lib.kernel("axpy/f32/vec4/sm_90a", device=0)
+    primary = _cuda.primary_context(0)
+    _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(0)), "cuCtxSetCurrent(NULL)")
+    try:
+        _axpy_run(torch, kernel, 100_003)  # torch makes its own context current for its copies
+        _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(0)), "cuCtxSetCurrent(NULL)")
+        x = torch.ones(1024, device="cuda:0")
+        y = torch.zeros(1024, device="cuda:0")
+        _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(0)), "cuCtxSetCurrent(NULL)")
+        kernel.launch("axpy_f32", grid=(1,), block=(256,), args=(1024, 3.0, x, y))
+        current = _cuda.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        assert current is None or int(current) == 0  # the caller's (none) again, not the primary
+    finally:
+        _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(primary)), "cuCtxSetCurrent(primary)")
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(y, 3.0))
+
+
+@gpu
 def test_threads_share_one_loaded_module(lib: launch.Library, torch: Any, hopper: None) -> None:
     errors: list[BaseException] = []
     kernels: list[launch.Kernel] = []
