@@ -344,29 +344,33 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
         rms = math.sqrt(sum(x * x for x in e) / len(e))
         print(f"{kid:50s} {len(e):7d} {statistics.median(e):+8.1%} {rms:7.1%} {max(e, key=abs):+7.1%}")
     print(f"\n{'M x N x K':>18s} {'measured best (splits)':>52s} {'model pick among the timed':>52s} {'slower':>7s}")
-    regrets = []
-    for (m, n, k), measured in _by_shape(timings).items():
-        best = min(measured, key=measured.__getitem__)
-        pick = _pick(model, (m, n, k), measured, sm_count)
-        regret = measured[pick] / measured[best]
-        regrets.append(regret)
+    judged = _judged(model, timings, sm_count)
+    for (m, n, k), (best, pick, regret) in judged.items():
         print(f"{f'{m}x{n}x{k}':>18s} {f'{best[0]} ({best[1]})':>52s} {f'{pick[0]} ({pick[1]})':>52s} "
               f"{regret - 1:7.1%}")
+    regrets = [regret for _, _, regret in judged.values()]
     print(f"model {_summary(regrets, 'shapes')}")
     return bench.geomean(regrets)
+
+
+def _judged(model: Model, timings: Sequence[Timing],
+            sm_count: int) -> dict[tuple[int, int, int], tuple[tuple[str, int], tuple[str, int], float]]:
+    """Per shape (in the timings' order): the measured best option, the model's pick among the
+    timed ones, and the pick's measured time over the best's."""
+    out = {}
+    for mnk, measured in _by_shape(timings).items():
+        best = min(measured, key=lambda o: (measured[o], o))
+        pick = _pick(model, mnk, measured, sm_count)
+        out[mnk] = (best, pick, measured[pick] / measured[best])
+    return out
 
 
 def measured_picks(model: Model, timings: Sequence[Timing], sm_count: int,
                    margin: float = _gemm_model.PICK_MARGIN) -> dict[tuple[int, int, int], tuple[tuple[str, int], float]]:
     """Per shape, the measured best option and how much slower the model's pick among the timed was,
     where that is at least `margin` (what `render` writes as PICKS)."""
-    out = {}
-    for mnk, measured in sorted(_by_shape(timings).items()):
-        best = min(measured, key=lambda o: (measured[o], o))
-        slower = measured[_pick(model, mnk, measured, sm_count)] / measured[best]
-        if slower >= 1 + margin:
-            out[mnk] = (best, slower)
-    return out
+    return {mnk: (best, slower) for mnk, (best, _, slower) in sorted(_judged(model, timings, sm_count).items())
+            if slower >= 1 + margin}
 
 
 def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, TileCosts],
@@ -402,9 +406,8 @@ def calibrate(timings: list[Timing], provenance: dict[str, Any], write: Path | N
         print(f"cross-validated (fitted on a random half of the {shapes} shapes, picks judged on the other half; "
               f"{cv_repeats} halvings): {_summary(cross_validate(timings, sms, l2, cv_repeats), 'picks')}")
     picks = measured_picks(model, timings, sms)
-    # after ** shapes is the product of the model's regrets; the measured picks take theirs out.
-    with_picks = math.exp((len(_by_shape(timings)) * math.log(after) - sum(math.log(s) for _, s in picks.values()))
-                          / len(_by_shape(timings)))
+    with_picks = bench.geomean([1.0 if mnk in picks else regret
+                                for mnk, (_, _, regret) in _judged(model, timings, sms).items()])
     print(f"measured picks (the timed best where it beat the model's pick by {_gemm_model.PICK_MARGIN:.0%} or more): "
           f"{len(picks)} shapes; with them the tuning shapes' picks are {with_picks - 1:.1%} slower than the measured "
           f"best in geometric mean")
