@@ -153,7 +153,8 @@ class on_device:  # noqa: N801 -- used as `with on_device(n):`, as the function 
 
     Restoring matters: the runtime (torch, CuPy) reads its current device from
     the thread's current context, so a launch must not move it. A class, not a generator
-    context manager: every load and launch enters one, and this costs about half as much.
+    context manager: every load and launch enters one, and this makes no generator and
+    wrapper object each time (no difference measurable in a whole load on the H200).
     """
 
     __slots__ = ("_ordinal", "_before")
