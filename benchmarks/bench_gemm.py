@@ -47,14 +47,15 @@ SOURCE = "kernels/gemm/sm90_bf16_gemm.cu"
 log = logging.getLogger("bench_gemm")
 
 # The instantiation grid; mirrors kernels/gemm/BUILD.bazel (tests/test_gemm_model.py checks), for
-# building without Bazel. Each row: (bm, bn, bk, stages, cluster).
-GRID: tuple[tuple[int, int, int, int, int], ...] = tuple(
-    [(128, 256, 64, s, c) for s in (3, 4) for c in (1, 2)]
-    + [(128, bn, 64, 5, c) for bn in (128, 192) for c in (1, 2)]
-    + [(128, 64, 64, 8, c) for c in (1, 2)]
-    + [(256, bn, 64, 4, c) for bn in (64, 128) for c in (1, 2)]
-    + [(128, 128, 128, 3, c) for c in (1, 2)]
-    + [(64, 64, 64, 10, 1), (64, 128, 64, 8, 1), (64, 256, 64, 5, 1)]
+# building without Bazel. Each row: (bm, bn, bk, stages, cluster, swap).
+GRID: tuple[tuple[int, int, int, int, int, int], ...] = tuple(
+    [(128, 256, 64, s, c, 0) for s in (3, 4) for c in (1, 2)]
+    + [(128, bn, 64, 5, c, 0) for bn in (128, 192) for c in (1, 2)]
+    + [(128, 64, 64, 8, c, 0) for c in (1, 2)]
+    + [(256, bn, 64, 4, c, 0) for bn in (64, 128) for c in (1, 2)]
+    + [(128, 128, 128, 3, c, 0) for c in (1, 2)]
+    + [(64, 64, 64, 10, 1, 0), (64, 128, 64, 8, 1, 0), (64, 256, 64, 5, 1, 0)]
+    + [(128, 104, 64, 6, 1, 1), (128, 152, 64, 5, 1, 1), (64, 104, 64, 10, 1, 1)]
 )
 
 # (M, N, K) of the LLM projections the issue names; 4096^3 first.

@@ -37,8 +37,8 @@ import importlib  # noqa: E402
 _gemm = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 GEMM_FILES = ("kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh")
 GEMM_ENTRY = {_gemm.ENTRY: list(_gemm.ENTRY_TYPES)}
-GEMM_POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1}
-GEMM_DEFINES = ("BM={bm}", "BN={bn}", "BK={bk}", "STAGES={stages}", "CLUSTER_M={cluster}")
+GEMM_POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1, "swap": 0}
+GEMM_DEFINES = ("BM={bm}", "BN={bn}", "BK={bk}", "STAGES={stages}", "CLUSTER_M={cluster}", "SWAP={swap}")
 TINY_TU = ('extern "C" __global__ void scale(int n, float a, float* x) {\n'
            '  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= a; }\n')
 TINY_ENTRY = {"scale": ["i32", "f32", "ptr"]}

@@ -172,14 +172,17 @@ def test_set_library_accepts_a_manifest_path_without_touching_cuda(tmp_path: Pat
 
 
 def test_kernel_id_round_trips_and_renders_params_in_grid_order() -> None:
-    cfg = G.GemmConfig.from_id("gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a")
+    cfg = G.GemmConfig.from_id("gemm/bm128/bn256/bk64/stages4/cluster1/swap0/sm_90a")
     assert cfg == G.GemmConfig(128, 256, 64, 4, 1)
-    assert cfg.kernel_id == "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a"
-    assert list(cfg.params) == ["bm", "bn", "bk", "stages", "cluster"]
-    assert cfg.defines == ("-DBM=128", "-DBN=256", "-DBK=64", "-DSTAGES=4", "-DCLUSTER_M=1")
+    assert cfg.kernel_id == "gemm/bm128/bn256/bk64/stages4/cluster1/swap0/sm_90a"
+    assert list(cfg.params) == ["bm", "bn", "bk", "stages", "cluster", "swap"]
+    assert cfg.defines == ("-DBM=128", "-DBN=256", "-DBK=64", "-DSTAGES=4", "-DCLUSTER_M=1", "-DSWAP=0")
+    swapped = G.GemmConfig.from_id("gemm/bm128/bn104/bk64/stages6/cluster1/swap1/sm_90a")
+    assert swapped == G.GemmConfig(128, 104, 64, 6, 1, 1) and swapped.defines[-1] == "-DSWAP=1"
 
 
 @pytest.mark.parametrize("bad", ["gemm/bm128/bn256/bk64/stages4/sm_90a", "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90",
+                                 "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a",
                                  "axpy/f32/vec4/sm_90a", 42])
 def test_malformed_kernel_id_is_a_typed_error(bad: object) -> None:
     with pytest.raises(BadArgumentError, match=r"^invalid gemm kernel id "):
@@ -191,6 +194,11 @@ def test_malformed_kernel_id_is_a_typed_error(bad: object) -> None:
     ((128, 256, 64, 5, 1), "shared memory 263248 > 232448 bytes"),
     ((128, 96, 64, 4, 1), "bn 96 not in"),
     ((128, 128, 64, 4, 4), "cluster 4 not in"),
+    # Swapped, BN is wgmma's N along the caller's M: a multiple of 8, and so is a cluster CTA's share.
+    ((128, 100, 64, 4, 1, 1), "bn 100 not a multiple of 8"),
+    ((128, 264, 64, 2, 1, 1), "bn 264 not a multiple of 8 up to 256"),
+    ((128, 104, 64, 4, 2, 1), "bn 104 not a multiple of 8 up to 256 whose share of a cluster of 2"),
+    ((128, 104, 64, 4, 1, 2), "swap 2 not in"),
 ])
 def test_instantiations_the_kernel_cannot_build_are_refused(row: tuple[int, ...], why: str) -> None:
     with pytest.raises(BadArgumentError, match=r"^invalid gemm instantiation .*" + why):
@@ -206,6 +214,10 @@ def test_shared_memory_formula_matches_the_kernel() -> None:
     # Two do not fit beside this ring; a 128 x 64 tile is one box a consumer (odd).
     assert G.GemmConfig(128, 192, 64, 5, 1).smem_bytes == 1024 + 5 * 320 * 128 + 80 + 2 * 8192
     assert G.GemmConfig(128, 64, 64, 8, 1).d_boxes == 1 and G.GemmConfig(256, 64, 64, 4, 1).d_boxes == 2
+    # Swapped (kDBoxBytes = BN * 128): one box a consumer of the tile's BN rows of D by 64 columns.
+    assert G.GemmConfig(128, 104, 64, 6, 1, 1).smem_bytes == 1024 + 6 * 232 * 128 + 96 + 2 * 104 * 128
+    assert G.GemmConfig(64, 104, 64, 10, 1, 1).smem_bytes == 1024 + 10 * 168 * 128 + 160 + 104 * 128
+    assert G.GemmConfig(128, 104, 64, 6, 1, 1).d_box == (104, 64) and G.GemmConfig(128, 128, 64, 5, 1).d_box == (64, 64)
 
 
 def test_block_has_one_consumer_warpgroup_for_64_row_tiles_else_two() -> None:
@@ -222,10 +234,10 @@ def test_cluster_halves_the_b_box() -> None:
 
 
 def test_plan_is_persistent_and_a_multiple_of_the_cluster() -> None:
-    p = G.plan(4096, 4096, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a", 1)
+    p = G.plan(4096, 4096, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a", 1)
     assert (p.tiles_m, p.tiles_n, p.units, p.grid, p.splits) == (32, 16, 256, 132, 1)
     assert p.workspace_floats == 0 and p.counters == 0
-    small = G.plan(100, 100, 64, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/sm_90a", 1)
+    small = G.plan(100, 100, 64, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a", 1)
     assert (small.units, small.grid) == (1, 2)  # one cluster; its second CTA has no rows
 
 
@@ -236,18 +248,26 @@ def test_d_goes_through_tma_only_with_16_byte_rows_and_start() -> None:
     assert not G.stores_by_tma(4096, 0x7F00_0000_0008)  # an out view 8 bytes into its storage
 
 
+def test_a_swapped_plan_tiles_n_by_m() -> None:
+    # 200 rows of A in two tiles of 104 (not 128) along the kernel's n; N's 7168 in 56 of 128 along its m.
+    p = G.plan(200, 7168, 2048, 132, "gemm/bm128/bn104/bk64/stages6/cluster1/swap1/sm_90a", 1)
+    assert (p.tiles_m, p.tiles_n, p.units, p.grid) == (56, 2, 112, 112)
+    assert G.GemmConfig(128, 104, 64, 6, 1, 1).kernel_dims(200, 7168) == (7168, 200)
+    assert G.GemmConfig(128, 128, 64, 5, 1).kernel_dims(200, 7168) == (200, 7168)
+
+
 def test_plan_clamps_splits_to_the_k_blocks() -> None:
-    p = G.plan(128, 4096, 200, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 8)
+    p = G.plan(128, 4096, 200, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/swap0/sm_90a", 8)
     assert p.splits == 4  # ceil(200 / 64) K blocks
     assert p.workspace_floats == 1 * 32 * 3 * 128 * 128 and p.counters == 32  # no partial of the last split
-    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", -3).splits == 1
-    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", G.STREAM_K).stream_k
+    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/swap0/sm_90a", -3).splits == 1
+    assert G.plan(8, 8, 8, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/swap0/sm_90a", G.STREAM_K).stream_k
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(0, 8, 8), (8, 8, 2**31)])
 def test_plan_refuses_sizes_outside_i32(m: int, n: int, k: int) -> None:
     with pytest.raises(BadArgumentError, match=r"^gemm [mnk]: expected 1 <= "):
-        G.plan(m, n, k, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/sm_90a", 1)
+        G.plan(m, n, k, 132, "gemm/bm128/bn128/bk64/stages5/cluster1/swap0/sm_90a", 1)
 
 
 # -- tensor maps -----------------------------------------------------------------------------------

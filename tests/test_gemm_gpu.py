@@ -117,6 +117,25 @@ def test_d_through_tma_writes_nothing_past_m_and_n(lib: launch.Library, torch: A
     assert bool(torch.isnan(storage[m * n :]).all()), "a TMA store wrote past D"
 
 
+@pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if G.GemmConfig.from_id(i).swap])
+@pytest.mark.parametrize(("m", "n", "offset"), [(200, 1000, 0), (97, 1000, 0), (200, 1000, 4), (105, 999, 0)],
+                         ids=["tma", "one-row-past-a-tile", "scalar-off-16-bytes", "scalar-odd-n"])
+def test_a_swapped_instantiation_writes_d_transposed_and_nothing_past_it(
+    lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, offset: int
+) -> None:
+    # The kernel's tile runs BN rows of D by BM columns; its store (a (64, BN) TMA box or one
+    # element at a time) must land at D[row][col] and stop at M and N.
+    k = 520
+    a, b = gemm_operands(torch, m, n, k)
+    storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    d = storage[offset : offset + m * n].view(m, n)
+    assert G.stores_by_tma(n, d.data_ptr()) == (n % 8 == 0 and offset == 0)
+    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
+    check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}, D {offset * 2} bytes in")
+    assert bool(torch.isnan(storage[:offset]).all() and torch.isnan(storage[offset + m * n :]).all()), \
+        "a store wrote outside D"
+
+
 def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, torch: Any) -> None:
     m, n, k = 300, 512, 1000
     a, b = gemm_operands(torch, m, n, k)

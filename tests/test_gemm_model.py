@@ -89,7 +89,7 @@ def test_a_candidate_set_without_the_preferred_id_still_gets_a_valid_choice() ->
 
 
 def test_cluster2_only_candidates_are_chosen_when_nothing_else_is_offered() -> None:
-    pairs = frozenset(i for i in BUILT if i.endswith("/cluster2/sm_90a"))
+    pairs = frozenset(i for i in BUILT if i.endswith("/cluster2/swap0/sm_90a"))
     kernel_id, _ = _gemm_model.choose(4096, 4096, 4096, H200_SMS, pairs)
     assert kernel_id in pairs
 
@@ -494,3 +494,16 @@ def test_stream_k_is_weighed_only_where_the_last_wave_is_partly_idle() -> None:
     whole = model.estimate(1280, 3584, 4096, H200_SMS, kernel_id, 1)
     dealt = model.estimate(1280, 3584, 4096, H200_SMS, kernel_id, G.STREAM_K)
     assert dealt.busy_kblocks < whole.busy_kblocks and dealt.busy_extra_us > 0
+
+
+def test_a_swapped_point_is_weighed_only_once_the_calibration_has_measured_it() -> None:
+    swapped = G.GemmConfig(128, 104, 64, 6, 1, 1).kernel_id
+    plain = G.GemmConfig(128, 128, 64, 5, 1).kernel_id
+    bare = _gemm_model.Model()
+    assert [kid for _, kid, _ in bare.options(200, 7168, 2048, 132, [swapped, plain])] == [plain] * len(
+        bare.options(200, 7168, 2048, 132, [plain]))
+    measured = _gemm_model.Model(tiles={swapped: _gemm_model.default_tile_costs(G.GemmConfig.from_id(swapped))})
+    options = measured.options(200, 7168, 2048, 132, [swapped])
+    assert options and {kid for _, kid, _ in options} == {swapped}
+    # Weighed as the N x M launch: two tiles of 104 rows of A, 56 of 128 along N.
+    assert measured.estimate(200, 7168, 2048, 132, swapped, 1).units == 112

@@ -98,13 +98,13 @@ def test_make_fx_traces_the_forced_instantiation_into_the_graph() -> None:
     module = sys.modules["cubinstore.ops.gemm"]
 
     def f(a: Any, b: Any) -> Any:
-        return module.gemm_with(a, b, kernel_id="gemm/bm128/bn64/bk64/stages8/cluster1/sm_90a", splits=2)
+        return module.gemm_with(a, b, kernel_id="gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a", splits=2)
 
     with FakeTensorMode():
         gm = make_fx(f, tracing_mode="fake")(fake_cuda(2, 128), fake_cuda(64, 128))
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert [str(n.target) for n in calls] == ["cubinstore.gemm.default"]
-    assert calls[0].args[2:] == ("gemm/bm128/bn64/bk64/stages8/cluster1/sm_90a", 2)
+    assert calls[0].args[2:] == ("gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a", 2)
 
 
 @pytest.mark.parametrize(("make", "message"), [

@@ -112,9 +112,9 @@ def test_a_full_last_wave_deals_whole_tiles() -> None:
 
 
 def test_plan_sizes_the_stream_k_workspace_by_the_grid() -> None:
-    p = G.plan(1280, 3584, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster1/sm_90a", G.STREAM_K)
+    p = G.plan(1280, 3584, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster1/swap0/sm_90a", G.STREAM_K)
     assert (p.stream_k, p.units, p.grid) == (True, 140, 132)
     assert p.workspace_floats == 132 * 128 * 256 and p.counters == 10 * 14
     # Fewer K blocks in the whole problem than SMs: one cluster a K block, no idle cluster.
-    tiny = G.plan(100, 100, 128, 132, "gemm/bm128/bn128/bk64/stages5/cluster2/sm_90a", G.STREAM_K)
+    tiny = G.plan(100, 100, 128, 132, "gemm/bm128/bn128/bk64/stages5/cluster2/swap0/sm_90a", G.STREAM_K)
     assert (tiny.units, tiny.grid) == (1, 4)

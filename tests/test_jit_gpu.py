@@ -29,7 +29,7 @@ GEMM_FILES = ["kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh
 _G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 GEMM_ENTRY = {_G.ENTRY: list(_G.ENTRY_TYPES)}
 # Two stages: a point the family's grid (kernels/gemm/BUILD.bazel) does not have.
-POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1}
+POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1, "swap": 0}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def gemm_spec(store: Store):
         pytest.skip(str(exc))
     template = template_for_sources(
         "gemm", list(POINT), "kernels/gemm/sm90_bf16_gemm.cu", {p: (REPO / p).read_text() for p in GEMM_FILES}, store,
-        defines=["BM={bm}", "BN={bn}", "BK={bk}", "STAGES={stages}", "CLUSTER_M={cluster}"],
+        defines=["BM={bm}", "BN={bn}", "BK={bk}", "STAGES={stages}", "CLUSTER_M={cluster}", "SWAP={swap}"],
         entries=GEMM_ENTRY, archs=["sm_90a"], includes=["cutlass"], package="kernels/gemm",
     )
     return jit.compile_family_point(template, POINT, "sm_90a", store=store, include_roots={"cutlass": cutlass})
@@ -61,7 +61,7 @@ def gemm_spec(store: Store):
 def test_jit_compiled_gemm_point_matches_torch(store: Store, gemm_spec, splits: int) -> None:
     from cubinstore import ops
 
-    assert gemm_spec.id == "gemm/bm128/bn128/bk64/stages2/cluster1/sm_90a"
+    assert gemm_spec.id == "gemm/bm128/bn128/bk64/stages2/cluster1/swap0/sm_90a"
     previous = ops._library  # restored after: other GPU tests use the default library
     ops.set_library(cubinstore.open(Manifest.build([gemm_spec]), store))
     try:

@@ -27,6 +27,9 @@ shape, and ``choose`` takes the fastest:
   small M bandwidth bound and why split-K helps it;
 - the time is ``launch_us`` plus the larger of the two and ``overlap_loss`` of the smaller.
 
+A swapped ``gemm`` point (``GemmConfig.swap``: its tile's BN rows run along M) is the same
+launch of the N x M problem, and is weighed only where the calibration has its constants.
+
 A ``skinny`` point (``kernels/skinny``: few rows of A, no tensor maps, no split) is weighed
 where M fits its BM rows. It launches one CTA per BN columns of D, ``SkinnyConfig.ctas_per_sm``
 an SM at a time; each CTA's warps walk K in batches of ``k_step``, so the busiest SM runs
@@ -251,7 +254,9 @@ def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int) -> tuple[in
 
     plan() gives units = these units x splits and grid = min(units, slots) x cluster;
     tests/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
+    A swapped point tiles N x M.
     """
+    m, n = config.kernel_dims(m, n)
     tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)
     return tiles_m * tiles_n, -(-tiles_m // config.cluster) * tiles_n, sm_count // config.cluster
 
@@ -309,8 +314,9 @@ class Model:
         partial_us = cfg.bm * cfg.bn * 4 / mc.partial_bytes_per_us
         kblocks = -(-k // cfg.bk)
         hbm = 2.0 * (m * k + n * k + m * n)
-        # The bytes a CTA loads a K block: its A rows and its share of the B tile.
-        feed_bytes = (min(cfg.bm, m) + min(cfg.bn, n) / cfg.cluster) * cfg.bk * 2
+        # The bytes a CTA loads a K block: its A rows and its share of the B tile (swapped: B's and A's).
+        km, kn = cfg.kernel_dims(m, n)
+        feed_bytes = (min(cfg.bm, km) + min(cfg.bn, kn) / cfg.cluster) * cfg.bk * 2
         if launch.stream_k:
             busy_units, busy_kblocks, written, read = _stream_k_work(launch.units, clusters, kblocks)
             extra = written * mc.split_unit_us + (written + read) * partial_us
@@ -374,7 +380,8 @@ class Model:
         partial_us = partial / mc.partial_bytes_per_us
         operand_bytes = 2.0 * (m * k + n * k + m * n)
         workspace_limit = mc.l2_bytes / 2
-        feed_bytes = (min(cfg.bm, m) + min(cfg.bn, n) / cluster) * cfg.bk * 2
+        km, kn = cfg.kernel_dims(m, n)
+        feed_bytes = (min(cfg.bm, km) + min(cfg.bn, kn) / cluster) * cfg.bk * 2
         cta_rate = cfg.stages * feed_bytes / mc.fetch_latency_us
         hbm_rate, launch_us, overlap_loss = mc.hbm_bytes_per_us, mc.launch_us, mc.overlap_loss
         unit_us, kblock_us = costs.unit_us, costs.kblock_us
@@ -418,6 +425,8 @@ class Model:
             if isinstance(cfg, _gemm.SkinnyConfig):
                 if m <= cfg.bm and k <= cfg.max_k:  # one block of rows: B is read once
                     out.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
+            elif cfg.swap and kernel_id not in self._tiles:
+                continue  # the defaults come from unswapped tiles: a swapped one is weighed once measured
             elif sm_count >= cfg.cluster:
                 out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)))
         return out

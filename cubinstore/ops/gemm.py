@@ -74,7 +74,7 @@ _MAX_SPLITS: Final = 16
 #: `splits` value that asks for stream-K: the last one to two waves of tiles dealt out as equal
 #: ranges of K blocks (see kernels/gemm/README.md).
 STREAM_K: Final = 0
-_ID_RE: Final = re.compile(r"gemm/bm(\d+)/bn(\d+)/bk(\d+)/stages(\d+)/cluster(\d+)/sm_90a")
+_ID_RE: Final = re.compile(r"gemm/bm(\d+)/bn(\d+)/bk(\d+)/stages(\d+)/cluster(\d+)/swap(\d+)/sm_90a")
 
 SKINNY_FAMILY: Final = "skinny"
 SKINNY_ENTRY: Final = "skinny_bf16_tn"
@@ -89,19 +89,29 @@ _SKINNY_THREADS_PER_SM: Final = 512  # resident on an SM at least (kernels/skinn
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One instantiation of ``kernels/gemm/sm90_bf16_gemm.cu`` and its launch contract."""
+    """One instantiation of ``kernels/gemm/sm90_bf16_gemm.cu`` and its launch contract.
+
+    ``swap = 1``: the kernel is given B as its A and A as its B (its m is the caller's N, its
+    n the caller's M) and stores D transposed, so ``bn`` (any multiple of 8 up to 256) runs
+    along the caller's M: few or odd rows of A pad to less.
+    """
 
     bm: int
     bn: int
     bk: int
     stages: int
     cluster: int
+    swap: int = 0
 
     def __post_init__(self) -> None:
         problems = []
         if self.bm not in (64, 128, 256):
             problems.append(f"bm {self.bm} not in (64, 128, 256)")
-        if self.bn not in (64, 128, 192, 256):
+        if self.swap not in (0, 1):
+            problems.append(f"swap {self.swap} not in (0, 1)")
+        elif self.swap and not (self.bn % 8 == 0 and 8 <= self.bn <= 256 and self.bn // self.cluster % 8 == 0):
+            problems.append(f"bn {self.bn} not a multiple of 8 up to 256 whose share of a cluster of {self.cluster} is too")
+        elif not self.swap and self.bn not in (64, 128, 192, 256):
             problems.append(f"bn {self.bn} not in (64, 128, 192, 256)")
         if self.bk not in (64, 128):
             problems.append(f"bk {self.bk} not in (64, 128)")
@@ -121,30 +131,44 @@ class GemmConfig:
         match = _ID_RE.fullmatch(kernel_id) if isinstance(kernel_id, str) else None
         if match is None:
             raise BadArgumentError(
-                f"invalid gemm kernel id {kernel_id!r}: expected 'gemm/bm<M>/bn<N>/bk<K>/stages<S>/cluster<C>/sm_90a'"
+                f"invalid gemm kernel id {kernel_id!r}: expected "
+                "'gemm/bm<M>/bn<N>/bk<K>/stages<S>/cluster<C>/swap<0|1>/sm_90a'"
             )
-        bm, bn, bk, stages, cluster = (int(g) for g in match.groups())
-        return cls(bm, bn, bk, stages, cluster)
+        bm, bn, bk, stages, cluster, swap = (int(g) for g in match.groups())
+        return cls(bm, bn, bk, stages, cluster, swap)
 
     @property
     def params(self) -> dict[str, int]:
         """Manifest params, in grid order."""
-        return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "cluster": self.cluster}
+        return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "cluster": self.cluster,
+                "swap": self.swap}
 
     @property
     def kernel_id(self) -> str:
-        return f"gemm/bm{self.bm}/bn{self.bn}/bk{self.bk}/stages{self.stages}/cluster{self.cluster}/{ARCH}"
+        return (f"gemm/bm{self.bm}/bn{self.bn}/bk{self.bk}/stages{self.stages}/cluster{self.cluster}"
+                f"/swap{self.swap}/{ARCH}")
 
     @property
     def defines(self) -> tuple[str, ...]:
         """nvcc ``-D`` flags of this instantiation."""
         return (f"-DBM={self.bm}", f"-DBN={self.bn}", f"-DBK={self.bk}",
-                f"-DSTAGES={self.stages}", f"-DCLUSTER_M={self.cluster}")
+                f"-DSTAGES={self.stages}", f"-DCLUSTER_M={self.cluster}", f"-DSWAP={self.swap}")
+
+    def kernel_dims(self, m: int, n: int) -> tuple[int, int]:
+        """The kernel's (m, n) for the caller's M x N: swapped when ``swap`` is 1."""
+        return (n, m) if self.swap else (m, n)
+
+    @property
+    def d_box(self) -> tuple[int, int]:
+        """(rows, cols) of D that one TMA store writes: a 64 x 64 box, or, swapped, the tile's BN rows of D by 64."""
+        return (self.bn, _SWIZZLE_ELEMS) if self.swap else _D_BOX
 
     @property
     def d_boxes(self) -> int:
         """D staging boxes a consumer (the kernel's kDBoxes): two where they fit and a consumer's
-        rows of a tile make an even number of boxes, else one."""
+        rows of a tile make an even number of boxes, else one (always one when swapped)."""
+        if self.swap:
+            return 1
         boxes_a_tile = (self.bm // self.consumers // _D_BOX[0]) * (self.bn // _D_BOX[1])
         fits = self._fixed_smem_bytes + 2 * self.consumers * _D_BOX_BYTES <= _MAX_SMEM
         return 2 if fits and boxes_a_tile % 2 == 0 else 1
@@ -156,7 +180,8 @@ class GemmConfig:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, the D boxes."""
-        return self._fixed_smem_bytes + self.d_boxes * self.consumers * _D_BOX_BYTES
+        box_bytes = self.d_box[0] * self.d_box[1] * 2  # bf16
+        return self._fixed_smem_bytes + self.d_boxes * self.consumers * box_bytes
 
     @property
     def consumers(self) -> int:
@@ -170,12 +195,13 @@ class GemmConfig:
 
     @property
     def box_a(self) -> tuple[int, int]:
-        """(rows, cols) of one TMA box of A."""
+        """(rows, cols) of one TMA box of the kernel's A (the caller's B when swapped)."""
         return self.bm, _SWIZZLE_ELEMS
 
     @property
     def box_b(self) -> tuple[int, int]:
-        """(rows, cols) of one TMA box of B: each CTA of a cluster loads (and multicasts) a slice."""
+        """(rows, cols) of one TMA box of the kernel's B (the caller's A when swapped): each CTA of
+        a cluster loads (and multicasts) a slice."""
         return self.bn // self.cluster, _SWIZZLE_ELEMS
 
 
@@ -264,7 +290,7 @@ class Plan:
 
     config: GemmConfig | SkinnyConfig
     splits: int  # K splits, or STREAM_K (a skinny point: 1)
-    tiles_m: int
+    tiles_m: int  # tiles along the kernel's m (the caller's N when the config is swapped)
     tiles_n: int
     units: int  # work units: cluster tiles x splits (stream-K: cluster tiles)
     grid: int
@@ -301,8 +327,9 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
 
     `splits` is STREAM_K, or clamped to [1, number of K blocks] (and to 16); the grid is
     persistent: at most one CTA per SM, a multiple of the cluster size; with stream-K at
-    most one cluster per K block of the problem. A skinny point takes no split (`splits`
-    must be 1) and launches one CTA per BM x BN block of D, N's blocks fastest.
+    most one cluster per K block of the problem. A swapped gemm point tiles N x M (its m is
+    N). A skinny point takes no split (`splits` must be 1) and launches one CTA per BM x BN
+    block of D, N's blocks fastest.
     """
     config = config_of(kernel_id)
     for name, value in (("m", m), ("n", n), ("k", k)):
@@ -312,6 +339,7 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
         return _skinny_plan(m, n, k, config, kernel_id, splits)
     if sm_count < config.cluster:
         raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
+    m, n = config.kernel_dims(m, n)
     kblocks = -(-k // config.bk)
     splits = int(splits)
     if splits != STREAM_K:
@@ -569,6 +597,7 @@ class _Call:
     maps_a: _TensorMaps | None  # None: a skinny kernel, which takes pointers
     maps_b: _TensorMaps | None
     maps_d: _TensorMaps | None  # None: N is not a multiple of 8, D is stored element pairs at a time
+    swap: bool = False  # the kernel takes B's map first (GemmConfig.swap)
 
 
 def _counter_buffer(torch: Any, device: int, stream: int, count: int) -> Any:
@@ -664,6 +693,8 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
         return out
     tma_a = call.maps_a.get(address_a)
     tma_b = call.maps_b.get(address_b)
+    if call.swap:
+        tma_a, tma_b = tma_b, tma_a
     address_d, n_d = out.data_ptr(), call.shape[1]
     tma_d = call.maps_d.get(address_d) if call.maps_d is not None and stores_by_tma(n_d, address_d) else _NO_MAP
     launch = call.plan
@@ -720,21 +751,25 @@ def _prepare(
         )
         call = _Call(library, device, torch.device("cuda", device), (m, n), launch, prepared, None, None, None)
         return _remember(key, call)
+    kernel_m, kernel_n = cfg.kernel_dims(m, n)
     prepared = kernel.prepare(
         ENTRY,
         grid=(launch.grid, 1, 1),
         block=(cfg.threads, 1, 1),
         # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
         shared_mem=cfg.smem_bytes,
-        args=(None, None, None, None, m, n, k, None, None, launch.splits),
+        args=(None, None, None, None, kernel_m, kernel_n, k, None, None, launch.splits),
     )
+    # Swapped, the kernel's A is the caller's B (and its B the caller's A): each gets the other's box.
+    box_a, box_b = (cfg.box_b, cfg.box_a) if cfg.swap else (cfg.box_a, cfg.box_b)
     call = _Call(
         library, device, torch.device("cuda", device), (m, n), launch, prepared,
-        _TensorMaps(encoder_2d_bf16(a_op.address, m, k, stride_a, *cfg.box_a, swizzle=_SWIZZLE_BYTES, device=device)),
-        _TensorMaps(encoder_2d_bf16(b_op.address, n, k, stride_b, *cfg.box_b, swizzle=_SWIZZLE_BYTES, device=device)),
+        _TensorMaps(encoder_2d_bf16(a_op.address, m, k, stride_a, *box_a, swizzle=_SWIZZLE_BYTES, device=device)),
+        _TensorMaps(encoder_2d_bf16(b_op.address, n, k, stride_b, *box_b, swizzle=_SWIZZLE_BYTES, device=device)),
         # D's address comes with each call; 16, an aligned stand-in, lets the encoder check the rest.
-        _TensorMaps(encoder_2d_bf16(16, m, n, n, *_D_BOX, swizzle=_SWIZZLE_BYTES, device=device))
+        _TensorMaps(encoder_2d_bf16(16, m, n, n, *cfg.d_box, swizzle=_SWIZZLE_BYTES, device=device))
         if stores_by_tma(n, 16) else None,
+        bool(cfg.swap),
     )
     return _remember(key, call)
 

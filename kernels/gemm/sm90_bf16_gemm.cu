@@ -1,11 +1,12 @@
 // gemm_bf16_tn: D = A * B^T on Hopper (sm_90a), bf16 in, fp32 accumulate,
 // bf16 out. One translation unit per instantiation: the defines BM, BN, BK,
 // STAGES and CLUSTER_M pick the block tile, the pipeline depth and the
-// cluster size along M (see kernels/gemm/README.md).
+// cluster size along M, and SWAP (0 or 1) whether the host passes B and A swapped and the
+// kernel stores D transposed (see kernels/gemm/README.md).
 #include "kernels/gemm/sm90_bf16_gemm.cuh"
 
-#if !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || !defined(CLUSTER_M)
-#error "define BM, BN, BK, STAGES and CLUSTER_M (e.g. -DBM=128 -DBN=256 -DBK=64 -DSTAGES=4 -DCLUSTER_M=1)"
+#if !defined(BM) || !defined(BN) || !defined(BK) || !defined(STAGES) || !defined(CLUSTER_M) || !defined(SWAP)
+#error "define BM, BN, BK, STAGES, CLUSTER_M and SWAP (e.g. -DBM=128 -DBN=256 -DBK=64 -DSTAGES=4 -DCLUSTER_M=1 -DSWAP=0)"
 #endif
 
 // wgmma and setmaxnreg exist only in the arch-specific target: refuse to build
@@ -14,7 +15,7 @@
 #error "gemm_bf16_tn needs -arch=sm_90a (wgmma, setmaxnreg)"
 #endif
 
-using GemmConfig = cubinstore::gemm::Config<BM, BN, BK, STAGES, CLUSTER_M>;
+using GemmConfig = cubinstore::gemm::Config<BM, BN, BK, STAGES, CLUSTER_M, SWAP>;
 
 // The cluster shape is compiled in, so a plain launch (no cluster attribute)
 // runs with it; the grid must be a multiple of CLUSTER_M.

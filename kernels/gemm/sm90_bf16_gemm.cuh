@@ -28,6 +28,7 @@
 #include <utility>
 
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
 
 #include "kernels/gemm/sm90_ptx.cuh"
 
@@ -37,22 +38,21 @@ using cute::SM90::GMMA::Major;
 
 template <int N>
 struct WgmmaOp;
-template <>
-struct WgmmaOp<64> {
-  using type = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<Major::K, Major::K>;
-};
-template <>
-struct WgmmaOp<128> {
-  using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<Major::K, Major::K>;
-};
-template <>
-struct WgmmaOp<192> {
-  using type = cute::SM90::GMMA::MMA_64x192x16_F32BF16BF16_SS<Major::K, Major::K>;
-};
-template <>
-struct WgmmaOp<256> {
-  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<Major::K, Major::K>;
-};
+// m64 x N x k16, both operands K-major in shared memory. N beyond the multiples of 64 (the
+// swapped tiles' rows of A) come from CuTe's extended atoms.
+#define CUBINSTORE_GEMM_WGMMA(N)                                                            \
+  template <>                                                                               \
+  struct WgmmaOp<N> {                                                                       \
+    using type = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<Major::K, Major::K>;      \
+  };
+CUBINSTORE_GEMM_WGMMA(64)
+CUBINSTORE_GEMM_WGMMA(104)
+CUBINSTORE_GEMM_WGMMA(128)
+CUBINSTORE_GEMM_WGMMA(152)
+CUBINSTORE_GEMM_WGMMA(192)
+CUBINSTORE_GEMM_WGMMA(200)
+CUBINSTORE_GEMM_WGMMA(256)
+#undef CUBINSTORE_GEMM_WGMMA
 
 // Expands the accumulator array into the atom's N/2 register operands.
 template <class Op, std::size_t... I>
@@ -61,13 +61,17 @@ __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float* a
   Op::fma(desc_a, desc_b, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
-template <int BM_, int BN_, int BK_, int STAGES_, int CLUSTER_M_>
+template <int BM_, int BN_, int BK_, int STAGES_, int CLUSTER_M_, int SWAP_ = 0>
 struct Config {
   static constexpr int kBM = BM_;
   static constexpr int kBN = BN_;
   static constexpr int kBK = BK_;
   static constexpr int kStages = STAGES_;
   static constexpr int kClusterM = CLUSTER_M_;
+  // SWAP = 1: the host passes B as the kernel's A and A as its B (m = N, n = M), so the tile's
+  // BN runs along the caller's M (any multiple of 8: few or odd rows of A pad less), and the
+  // kernel stores its result transposed, D[col][row] with rows of m elements.
+  static constexpr bool kSwap = SWAP_ != 0;
 
   // BM = 64 (small-M problems): one consumer warpgroup, so no padded rows are multiplied.
   static constexpr int kConsumers = BM_ == 64 ? 1 : 2;
@@ -87,15 +91,17 @@ struct Config {
   // D leaves through shared memory in 64 x 64 boxes (8 KiB): two a consumer, taking turns so
   // that one is filled while TMA reads the other, where they fit and a tile has an even number
   // of them (the turns then restart at each tile without a counter); else one.
-  static constexpr int kDBoxBytes = 64 * 128;
+  // Swapped: one box of BN rows of D (the tile's columns) by 64 of its columns (an m64 block).
+  static constexpr int kDBoxBytes = kSwap ? kBN * 128 : 64 * 128;
   static constexpr int kFixedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
   static constexpr int kDBoxes =
-      kFixedBytes + 2 * kConsumers * kDBoxBytes <= 232448 && (kMmaM * kBN / 64) % 2 == 0 ? 2 : 1;
+      !kSwap && kFixedBytes + 2 * kConsumers * kDBoxBytes <= 232448 && (kMmaM * kBN / 64) % 2 == 0 ? 2 : 1;
   // Must match the formula in README.md and cubinstore/ops/gemm.py.
   static constexpr int kSmemBytes = kFixedBytes + kDBoxes * kConsumers * kDBoxBytes;
 
   static_assert(kBM == 64 || kBM == 128 || kBM == 256, "BM must be 64, 128 or 256");
-  static_assert(kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256, "BN must be 64, 128, 192 or 256");
+  static_assert(kSwap ? kBN % 8 == 0 && kBN <= 256 : kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256,
+                "BN must be 64, 128, 192 or 256 (with SWAP = 1, a multiple of 8 up to 256)");
   static_assert(kBK == 64 || kBK == 128, "BK must be 64 or 128");
   static_assert(kClusterM == 1 || kClusterM == 2, "CLUSTER_M must be 1 or 2");
   static_assert(kAcc <= 128, "accumulator tile too large for 232 registers per thread");
@@ -307,6 +313,66 @@ __device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorM
   }
 }
 
+// SWAP = 1: the tile is D's columns [row0, row0 + BM) by its rows [col0, col0 + BN), so a
+// thread's accumulator (r, c) is D[c][r]; D's rows have `m` elements. Element by element.
+template <class C>
+__device__ __forceinline__ void store_tile_swapped(const float* acc, __nv_bfloat16* d, int m, int n,
+                                                   int row0, int col0, int lane, int warp) {
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+#pragma unroll
+    for (int j = 0; j < C::kBN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + mi * 64 + warp * 16 + lane / 4 + 8 * h;
+        const int col = col0 + 8 * j + 2 * (lane % 4);
+        if (row >= m) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col + e < n) {
+            d[static_cast<size_t>(col + e) * static_cast<size_t>(m) + row] =
+                __float2bfloat16_rn(acc[mi * C::kAccPerMma + 4 * j + 2 * h + e]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// SWAP = 1 through TMA: per m64 block, the consumer writes its 64 tile rows as the 64
+// columns of a BN-row box of D (128-byte swizzle: the 8 tile rows a quad of lanes holds
+// are one 16-byte chunk) and one thread stores the box at (row0 + 64 mi, col0); `tma_d` maps D
+// with a (64, BN) box, so the store ends at this tile's last row of D and is clipped at M and N.
+template <class C>
+__device__ __forceinline__ void store_tile_swapped_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
+                                                       int row0, int col0, int lane, int warp, int tid, int cw) {
+  const uint32_t barrier = 2 + static_cast<uint32_t>(cw);
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+    if (tid == 0) sm90::bulk_wait_group_read<0>();
+    sm90::named_barrier_sync(barrier, 128);
+#pragma unroll
+    for (int j = 0; j < C::kBN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = warp * 16 + lane / 4 + 8 * h;  // D's column within the block
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * j + 2 * (lane % 4) + e;  // D's row within the tile
+          const int byte = c * 128 + (((r >> 3) ^ (c & 7)) << 4) + (r & 7) * 2;
+          *reinterpret_cast<__nv_bfloat16*>(box + byte) = __float2bfloat16_rn(acc[mi * C::kAccPerMma + 4 * j + 2 * h + e]);
+        }
+      }
+    }
+    sm90::fence_proxy_async_smem();
+    sm90::named_barrier_sync(barrier, 128);
+    if (tid == 0) {
+      sm90::tma_store_2d(&tma_d, box, row0 + 64 * mi, col0);
+      sm90::bulk_commit_group();
+    }
+  }
+}
+
 template <class C>
 __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensorMap& tma_b, const CUtensorMap& tma_d,
                                         __nv_bfloat16* d, int m, int n, int k, float* workspace,
@@ -341,7 +407,8 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   const Schedule<C> sched(m, n, k, splits);
   // TMA stores D when its rows are 16-byte multiples and it starts on 16 bytes (README: the
   // host then passes tma_d); otherwise the consumers store it element pairs at a time.
-  const bool tma_store = (n & 7) == 0 && (reinterpret_cast<uintptr_t>(d) & 15) == 0;
+  // Swapped, D's rows have m elements.
+  const bool tma_store = ((C::kSwap ? m : n) & 7) == 0 && (reinterpret_cast<uintptr_t>(d) & 15) == 0;
   const int cluster_id = static_cast<int>(blockIdx.x) / C::kClusterM;
   const int clusters = static_cast<int>(gridDim.x) / C::kClusterM;
 
@@ -496,7 +563,14 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           }
         }
       }
-      if (tma_store) {
+      if constexpr (C::kSwap) {
+        if (tma_store) {
+          store_tile_swapped_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN,
+                                    lane, warp, tid, cw);
+        } else {
+          store_tile_swapped<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
+        }
+      } else if (tma_store) {
         store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxes * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane,
                           warp, tid, cw);
       } else {
