@@ -30,57 +30,58 @@ PROVENANCE: Final[dict[str, str | int] | None] = {
 
 #: MachineCosts fields measured on that GPU; fields not listed keep the model's defaults.
 MACHINE: Final[dict[str, float]] = {
-    'launch_us': 2.54959,
-    'hbm_bytes_per_us': 3473190.0,
-    'fetch_latency_us': 1.68239,
-    'split_unit_us': 1.77203,
-    'partial_bytes_per_us': 132600.0,
-    'overlap_loss': 0.420863,
+    'launch_us': 1.91905,
+    'hbm_bytes_per_us': 3546960.0,
+    'fetch_latency_us': 1.33927,
+    'split_unit_us': 1.85428,
+    'partial_bytes_per_us': 134154.0,
+    'overlap_loss': 0.454186,
     'unaligned_feed_bytes_per_us': 70751.1,
     'l2_bytes': 62914600.0,
 }
 
 #: kernel id -> (kblock_us, unit_us) measured on that GPU; ids not listed keep the defaults.
 TILES: Final[dict[str, tuple[float, float]]] = {
-    'gemm/bm128/bn104/bk64/stages6/cluster1/swap1/sm_90a': (0.263233, 3.3924),
-    'gemm/bm128/bn128/bk128/stages3/cluster1/swap0/sm_90a': (0.636978, 2.88939),
-    'gemm/bm128/bn128/bk128/stages3/cluster2/swap0/sm_90a': (0.732659, 3.30199),
-    'gemm/bm128/bn128/bk64/stages5/cluster1/swap0/sm_90a': (0.290408, 2.67278),
-    'gemm/bm128/bn128/bk64/stages5/cluster2/swap0/sm_90a': (0.324386, 3.45336),
-    'gemm/bm128/bn152/bk64/stages5/cluster1/swap1/sm_90a': (0.330401, 4.37429),
-    'gemm/bm128/bn192/bk64/stages5/cluster1/swap0/sm_90a': (0.386788, 2.98505),
-    'gemm/bm128/bn192/bk64/stages5/cluster2/swap0/sm_90a': (0.409183, 3.60625),
-    'gemm/bm128/bn256/bk64/stages3/cluster1/swap0/sm_90a': (0.536552, 4.70118),
-    'gemm/bm128/bn256/bk64/stages3/cluster2/swap0/sm_90a': (0.557004, 4.42797),
-    'gemm/bm128/bn256/bk64/stages4/cluster1/swap0/sm_90a': (0.469918, 5.18081),
-    'gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a': (0.494788, 4.93698),
-    'gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a': (0.264935, 1.75836),
-    'gemm/bm128/bn64/bk64/stages8/cluster2/swap0/sm_90a': (0.262967, 2.34752),
-    'gemm/bm256/bn128/bk64/stages4/cluster1/swap0/sm_90a': (0.548421, 5.62218),
-    'gemm/bm256/bn128/bk64/stages4/cluster2/swap0/sm_90a': (0.633076, 5.45996),
-    'gemm/bm256/bn64/bk64/stages4/cluster1/swap0/sm_90a': (0.489612, 3.5427),
-    'gemm/bm256/bn64/bk64/stages4/cluster2/swap0/sm_90a': (0.537336, 3.2131),
-    'gemm/bm64/bn104/bk64/stages10/cluster1/swap1/sm_90a': (0.200738, 2.09624),
-    'gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a': (0.170442, 2.48339),
-    'gemm/bm64/bn256/bk64/stages5/cluster1/swap0/sm_90a': (0.259332, 4.53658),
-    'gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a': (0.150934, 1.79155),
-    'skinny/bm16/bn16/warps8/unroll2/sm_90a': (1.04598, 0.0),
-    'skinny/bm16/bn32/warps8/unroll2/sm_90a': (1.17977, 0.0),
-    'skinny/bm16/bn8/warps16/unroll4/sm_90a': (0.847544, 1.04391),
-    'skinny/bm16/bn8/warps8/unroll4/sm_90a': (1.00602, 0.0),
-    'skinny/bm32/bn16/warps8/unroll2/sm_90a': (0.845917, 0.0),
+    'gemm/bm128/bn104/bk64/stages6/cluster1/swap1/sm_90a': (0.271227, 3.27338),
+    'gemm/bm128/bn128/bk128/stages3/cluster1/swap0/sm_90a': (0.639894, 3.0123),
+    'gemm/bm128/bn128/bk128/stages3/cluster2/swap0/sm_90a': (0.733748, 3.38276),
+    'gemm/bm128/bn128/bk64/stages5/cluster1/swap0/sm_90a': (0.290734, 2.81471),
+    'gemm/bm128/bn128/bk64/stages5/cluster2/swap0/sm_90a': (0.323592, 3.62519),
+    'gemm/bm128/bn152/bk64/stages5/cluster1/swap1/sm_90a': (0.334875, 3.90405),
+    'gemm/bm128/bn192/bk64/stages5/cluster1/swap0/sm_90a': (0.386419, 3.11502),
+    'gemm/bm128/bn192/bk64/stages5/cluster2/swap0/sm_90a': (0.408199, 3.73226),
+    'gemm/bm128/bn256/bk64/stages3/cluster1/swap0/sm_90a': (0.543456, 4.82505),
+    'gemm/bm128/bn256/bk64/stages3/cluster2/swap0/sm_90a': (0.561138, 4.56374),
+    'gemm/bm128/bn256/bk64/stages4/cluster1/swap0/sm_90a': (0.471345, 5.28603),
+    'gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a': (0.496304, 5.09607),
+    'gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a': (0.264393, 1.87108),
+    'gemm/bm128/bn64/bk64/stages8/cluster2/swap0/sm_90a': (0.264942, 2.3948),
+    'gemm/bm256/bn128/bk64/stages4/cluster1/swap0/sm_90a': (0.552666, 5.74574),
+    'gemm/bm256/bn128/bk64/stages4/cluster2/swap0/sm_90a': (0.638984, 5.59485),
+    'gemm/bm256/bn64/bk64/stages4/cluster1/swap0/sm_90a': (0.495301, 3.63828),
+    'gemm/bm256/bn64/bk64/stages4/cluster2/swap0/sm_90a': (0.539612, 3.44726),
+    'gemm/bm64/bn104/bk64/stages10/cluster1/swap1/sm_90a': (0.205089, 2.01964),
+    'gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a': (0.166679, 2.67432),
+    'gemm/bm64/bn256/bk64/stages5/cluster1/swap0/sm_90a': (0.246048, 4.93192),
+    'gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a': (0.15062, 1.91891),
+    'skinny/bm16/bn16/warps8/unroll2/sm_90a': (0.656351, 0.0),
+    'skinny/bm16/bn32/warps8/unroll2/sm_90a': (1.11849, 0.0),
+    'skinny/bm16/bn8/warps16/unroll4/sm_90a': (0.8356, 1.0877),
+    'skinny/bm16/bn8/warps8/unroll4/sm_90a': (1.01399, 0.0),
+    'skinny/bm32/bn16/warps8/unroll2/sm_90a': (0.851497, 0.0),
 }
 
 #: (M, N, K) -> (kernel id, splits) measured fastest on that shape where it beat the fitted
 #: model's pick by at least _gemm_model.PICK_MARGIN (measured time of the pick / of this one).
 PICKS: Final[dict[tuple[int, int, int], tuple[str, int]]] = {
-    (1, 4096, 4096): ('skinny/bm16/bn16/warps8/unroll2/sm_90a', 1),  # the model's pick 3.3% slower
-    (1, 14336, 4096): ('skinny/bm16/bn32/warps8/unroll2/sm_90a', 1),  # the model's pick 7.0% slower
-    (64, 4096, 4096): ('gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a', 2),  # the model's pick 8.4% slower
-    (64, 4096, 14336): ('gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a', 2),  # the model's pick 4.8% slower
-    (128, 4096, 14336): ('gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a', 2),  # the model's pick 7.5% slower
-    (300, 2304, 1544): ('gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a', 1),  # the model's pick 3.5% slower
-    (1280, 3584, 4096): ('gemm/bm128/bn152/bk64/stages5/cluster1/swap1/sm_90a', 1),  # the model's pick 24.5% slower
-    (8192, 4096, 14336): ('gemm/bm256/bn128/bk64/stages4/cluster1/swap0/sm_90a', 1),  # the model's pick 3.6% slower
-    (8192, 14336, 4096): ('gemm/bm128/bn152/bk64/stages5/cluster1/swap1/sm_90a', 1),  # the model's pick 8.4% slower
+    (1, 14336, 4096): ('skinny/bm16/bn32/warps8/unroll2/sm_90a', 1),  # the model's pick 8.7% slower
+    (64, 4096, 4096): ('gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a', 2),  # the model's pick 9.6% slower
+    (64, 4096, 14336): ('gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a', 2),  # the model's pick 4.4% slower
+    (96, 8192, 2048): ('gemm/bm64/bn104/bk64/stages10/cluster1/swap1/sm_90a', 1),  # the model's pick 3.7% slower
+    (128, 4096, 14336): ('gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a', 2),  # the model's pick 8.8% slower
+    (300, 2304, 1544): ('gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a', 1),  # the model's pick 5.0% slower
+    (1280, 3584, 4096): ('gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a', 0),  # the model's pick 8.3% slower
+    (8192, 4096, 14336): ('gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a', 1),  # the model's pick 3.3% slower
+    (8192, 8192, 8192): ('gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a', 1),  # the model's pick 5.8% slower
+    (8192, 14336, 4096): ('gemm/bm256/bn128/bk64/stages4/cluster2/swap0/sm_90a', 1),  # the model's pick 4.9% slower
 }

@@ -339,30 +339,45 @@ __device__ __forceinline__ void store_tile_swapped(const float* acc, __nv_bfloat
   }
 }
 
-// SWAP = 1 through TMA: per m64 block, the consumer writes its 64 tile rows as the 64
-// columns of a BN-row box of D (128-byte swizzle: the 8 tile rows a quad of lanes holds
-// are one 16-byte chunk) and one thread stores the box at (row0 + 64 mi, col0); `tma_d` maps D
-// with a (64, BN) box, so the store ends at this tile's last row of D and is clipped at M and N.
+// SWAP = 1 through TMA: per m64 block, the consumer's 64 tile rows become the 64 columns of a
+// BN-row box of D in the 128-byte swizzle, and one thread stores the box at (row0 + 64 mi, col0);
+// `tma_d` maps D with a (64, BN) box, so the store ends at this tile's last row of D and is
+// clipped at M and N. The accumulators of one warp's 8 x 8 block (8 tile rows, 8 tile columns)
+// go transposed with stmatrix: stored row c (D's row 8 j + c) is the 8 tile rows of that block
+// as 16 bytes, the chunk (2 warp + h) ^ (c & 7) of box row 8 j + c.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 template <class C>
 __device__ __forceinline__ void store_tile_swapped_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
                                                        int row0, int col0, int lane, int warp, int tid, int cw) {
   const uint32_t barrier = 2 + static_cast<uint32_t>(cw);
+  const uint32_t base = sm90::smem_addr(box);
+  // Lane 8 i + r addresses row r of matrix i; matrix i of a store is (column block j + i / 2, h = i % 2).
+  const int r = lane % 8;
+  const int half = (lane / 8) % 2;
+  const int jstep = lane / 16;
+  auto row_addr = [&](int j, int h) -> uint32_t {
+    const int c = 8 * j + r;
+    return base + static_cast<uint32_t>(c * 128 + (((2 * warp + h) ^ r) << 4));
+  };
 #pragma unroll
   for (int mi = 0; mi < C::kMmaM; ++mi) {
+    const float* a = acc + mi * C::kAccPerMma;
     if (tid == 0) sm90::bulk_wait_group_read<0>();
     sm90::named_barrier_sync(barrier, 128);
 #pragma unroll
-    for (int j = 0; j < C::kBN / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = warp * 16 + lane / 4 + 8 * h;  // D's column within the block
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = 8 * j + 2 * (lane % 4) + e;  // D's row within the tile
-          const int byte = c * 128 + (((r >> 3) ^ (c & 7)) << 4) + (r & 7) * 2;
-          *reinterpret_cast<__nv_bfloat16*>(box + byte) = __float2bfloat16_rn(acc[mi * C::kAccPerMma + 4 * j + 2 * h + e]);
-        }
-      }
+    for (int j = 0; j + 1 < C::kBN / 8; j += 2) {
+      sm90::stmatrix_x4_trans(row_addr(j + jstep, half), pack_bf16x2(a[4 * j], a[4 * j + 1]),
+                              pack_bf16x2(a[4 * j + 2], a[4 * j + 3]), pack_bf16x2(a[4 * j + 4], a[4 * j + 5]),
+                              pack_bf16x2(a[4 * j + 6], a[4 * j + 7]));
+    }
+    if constexpr ((C::kBN / 8) % 2 == 1) {
+      constexpr int j = C::kBN / 8 - 1;
+      sm90::stmatrix_x2_trans(row_addr(j, half), pack_bf16x2(a[4 * j], a[4 * j + 1]),
+                              pack_bf16x2(a[4 * j + 2], a[4 * j + 3]));
     }
     sm90::fence_proxy_async_smem();
     sm90::named_barrier_sync(barrier, 128);

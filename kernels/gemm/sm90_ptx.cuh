@@ -1,6 +1,6 @@
 // Thin inline-PTX wrappers for the Hopper (sm_90a) features the GEMM uses:
 // mbarriers, TMA bulk tensor loads (with cluster multicast) and stores, cluster
-// barriers, wgmma fences and register reallocation. Each wrapper is one or a
+// barriers, wgmma fences, register reallocation and transposing matrix stores. Each wrapper is one or a
 // few PTX instructions; the PTX ISA section is named where it is not obvious.
 #pragma once
 
@@ -120,6 +120,21 @@ __device__ __forceinline__ void bulk_wait_group_read() {
 template <int N>
 __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Stores 8 x 8 b16 matrices from mma accumulator fragments (a thread holds row lane / 4,
+// columns 2 (lane % 4) and + 1 of each, packed in one register) transposed: row r of the
+// stored matrix is column r of the fragment, written as 16 bytes at the address that lane
+// 8 i + r gives for matrix i (PTX ISA "stmatrix"). x4: four matrices, x2: lanes 0-15's two.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(r0), "r"(r1)
+               : "memory");
 }
 
 // Orders this thread's ordinary shared-memory writes before later async-proxy (TMA) reads.
