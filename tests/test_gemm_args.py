@@ -195,9 +195,9 @@ def test_malformed_kernel_id_is_a_typed_error(bad: object) -> None:
     ((128, 96, 64, 4, 1), "bn 96 not in"),
     ((128, 128, 64, 4, 4), "cluster 4 not in"),
     # Swapped, BN is wgmma's N along the caller's M: a multiple of 8, and so is a cluster CTA's share.
-    ((128, 100, 64, 4, 1, 1), "bn 100 not a multiple of 8"),
-    ((128, 264, 64, 2, 1, 1), "bn 264 not a multiple of 8 up to 256"),
-    ((128, 104, 64, 4, 2, 1), "bn 104 not a multiple of 8 up to 256 whose share of a cluster of 2"),
+    ((128, 100, 64, 4, 1, 1), "bn 100 with swap 1: expected a multiple of 8"),
+    ((128, 264, 64, 2, 1, 1), "bn 264 with swap 1: expected a multiple of 8 up to 256"),
+    ((128, 104, 64, 4, 2, 1), r"bn 104 with swap 1: expected .* cluster of 2 \(bn / cluster\) is a multiple of 8"),
     ((128, 104, 64, 4, 1, 2), "swap 2 not in"),
 ])
 def test_instantiations_the_kernel_cannot_build_are_refused(row: tuple[int, ...], why: str) -> None:

@@ -148,7 +148,7 @@ def test_the_defaults_cost_a_cluster2_point_no_more_than_its_twin() -> None:
         cfg = G.GemmConfig.from_id(kernel_id)
         if cfg.cluster == 2:
             pair = _gemm_model.default_tile_costs(cfg)
-            twin = _gemm_model.default_tile_costs(G.GemmConfig(cfg.bm, cfg.bn, cfg.bk, cfg.stages, 1))
+            twin = _gemm_model.default_tile_costs(G.GemmConfig(cfg.bm, cfg.bn, cfg.bk, cfg.stages, 1, cfg.swap))
             assert pair.kblock_us <= twin.kblock_us and pair.unit_us == twin.unit_us, kernel_id
 
 

@@ -110,7 +110,8 @@ class GemmConfig:
         if self.swap not in (0, 1):
             problems.append(f"swap {self.swap} not in (0, 1)")
         elif self.swap and not (self.bn % 8 == 0 and 8 <= self.bn <= 256 and self.bn // self.cluster % 8 == 0):
-            problems.append(f"bn {self.bn} not a multiple of 8 up to 256 whose share of a cluster of {self.cluster} is too")
+            problems.append(f"bn {self.bn} with swap 1: expected a multiple of 8 up to 256 whose share of a "
+                            f"cluster of {self.cluster} (bn / cluster) is a multiple of 8 too")
         elif not self.swap and self.bn not in (64, 128, 192, 256):
             problems.append(f"bn {self.bn} not in (64, 128, 192, 256)")
         if self.bk not in (64, 128):
