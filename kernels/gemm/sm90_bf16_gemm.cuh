@@ -261,6 +261,12 @@ __device__ __forceinline__ void store_tile(const float* acc, __nv_bfloat16* d, i
         const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
         const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
         if (row >= m) continue;
+        if constexpr (C::kSwap) {
+          // The tile is D's columns by its rows: (row, col) is D[col][row], rows of m elements.
+          if (col < n) d[static_cast<size_t>(col) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v0);
+          if (col + 1 < n) d[static_cast<size_t>(col + 1) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v1);
+          continue;
+        }
         __nv_bfloat16* p = d + static_cast<size_t>(row) * static_cast<size_t>(n) + col;
         if ((n & 1) == 0) {
           // n even and col even: the pair is 4-byte aligned and col + 1 < n.
@@ -310,32 +316,6 @@ __device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorM
       if (tid == 0) {
         sm90::tma_store_2d(&tma_d, box, col0 + 64 * c, row0 + 64 * mi);
         sm90::bulk_commit_group();
-      }
-    }
-  }
-}
-
-// SWAP = 1: the tile is D's columns [row0, row0 + BM) by its rows [col0, col0 + BN), so a
-// thread's accumulator (r, c) is D[c][r]; D's rows have `m` elements. Element by element.
-template <class C>
-__device__ __forceinline__ void store_tile_swapped(const float* acc, __nv_bfloat16* d, int m, int n,
-                                                   int row0, int col0, int lane, int warp) {
-#pragma unroll
-  for (int mi = 0; mi < C::kMmaM; ++mi) {
-#pragma unroll
-    for (int j = 0; j < C::kBN / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + mi * 64 + warp * 16 + lane / 4 + 8 * h;
-        const int col = col0 + 8 * j + 2 * (lane % 4);
-        if (row >= m) continue;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (col + e < n) {
-            d[static_cast<size_t>(col + e) * static_cast<size_t>(m) + row] =
-                __float2bfloat16_rn(acc[mi * C::kAccPerMma + 4 * j + 2 * h + e]);
-          }
-        }
       }
     }
   }
@@ -580,13 +560,9 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           }
         }
       }
-      if constexpr (C::kSwap) {
-        if (tma_store) {
-          store_tile_swapped_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN,
-                                    lane, warp, tid, cw);
-        } else {
-          store_tile_swapped<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
-        }
+      if (C::kSwap && tma_store) {
+        store_tile_swapped_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN,
+                                  lane, warp, tid, cw);
       } else if (tma_store) {
         store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxes * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane,
                           warp, tid, cw);
