@@ -294,9 +294,9 @@ def _by_shape(timings: Sequence[Timing]) -> dict[tuple[int, int, int], dict[tupl
 
 def _pick(model: Model, mnk: tuple[int, int, int], measured: dict[tuple[str, int], float],
           sm_count: int) -> tuple[str, int]:
-    """The model's choice among the measured options of one shape that it weighs (`Model.options`)."""
-    offered = {(kid, s) for _, kid, s in model.options(*mnk, sm_count, sorted({kid for kid, _ in measured}))}
-    return min((o for o in measured if o in offered), key=lambda o: (model.predict_us(*mnk, sm_count, *o), o))
+    """The model's choice (`_gemm_model.prefer`) among the measured options of one shape that it weighs."""
+    options = model.options(*mnk, sm_count, sorted({kid for kid, _ in measured}))
+    return _gemm_model.prefer(o for o in options if (o[1], o[2]) in measured)
 
 
 def _summary(regrets: Sequence[float], what: str) -> str:

@@ -507,3 +507,21 @@ def test_a_swapped_point_is_weighed_only_once_the_calibration_has_measured_it() 
     assert options and {kid for _, kid, _ in options} == {swapped}
     # Weighed as the N x M launch: two tiles of 104 rows of A, 56 of 128 along N.
     assert measured.estimate(200, 7168, 2048, 132, swapped, 1).units == 112
+
+
+def test_the_fewest_splits_win_among_options_estimated_within_the_margin() -> None:
+    margin = _gemm_model.SPLIT_MARGIN
+    assert _gemm_model.prefer([(10.0, "a", 8), (10.0 * (1 + margin) * 0.99, "b", 4), (11.0, "c", 1)]) == ("b", 4)
+    # Stream-K counts as the most splits; outside the margin the fastest wins whatever its splits.
+    assert _gemm_model.prefer([(10.0, "a", G.STREAM_K), (10.1, "b", 16)]) == ("b", 16)
+    assert _gemm_model.prefer([(10.0, "a", 4), (10.0 * (1 + margin) * 1.01, "b", 1)]) == ("a", 4)
+    # Equal splits: the faster, then the smaller id.
+    assert _gemm_model.prefer([(10.2, "a", 2), (10.0, "b", 2)]) == ("b", 2)
+    assert _gemm_model.prefer([(10.0, "b", 2), (10.0, "a", 2)]) == ("a", 2)
+
+
+def test_choose_is_prefer_of_the_options_where_no_measured_pick_applies() -> None:
+    model = _gemm_model.calibrated_model()
+    for m, n, k in [(128, 1024, 8192), (128, 8192, 8192), (1000, 3000, 2008), (4096, 4096, 4096)]:
+        options = model.options(m, n, k, H200_SMS, sorted(BUILT))
+        assert model.choose(m, n, k, H200_SMS, BUILT, measured=False) == _gemm_model.prefer(options)

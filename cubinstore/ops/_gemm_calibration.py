@@ -76,10 +76,7 @@ TILES: Final[dict[str, tuple[float, float]]] = {
 #: model's pick by at least _gemm_model.PICK_MARGIN (measured time of the pick / of this one).
 PICKS: Final[dict[tuple[int, int, int], tuple[str, int]]] = {
     (1, 14336, 4096): ('skinny/bm16/bn32/warps8/unroll2/sm_90a', 1),  # the model's pick 7.1% slower
-    (64, 4096, 4096): ('gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a', 2),  # the model's pick 8.2% slower
     (64, 4096, 14336): ('gemm/bm64/bn64/bk64/stages10/cluster1/swap0/sm_90a', 2),  # the model's pick 3.6% slower
-    (128, 4096, 14336): ('gemm/bm64/bn128/bk64/stages8/cluster1/swap0/sm_90a', 2),  # the model's pick 6.2% slower
-    (1280, 3584, 4096): ('gemm/bm128/bn152/bk64/stages5/cluster1/swap1/sm_90a', 1),  # the model's pick 23.6% slower
     (2560, 2560, 520): ('gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a', 1),  # the model's pick 4.1% slower
     (8192, 8192, 8192): ('gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a', 1),  # the model's pick 3.2% slower
     (8192, 14336, 4096): ('gemm/bm256/bn128/bk64/stages4/cluster1/swap0/sm_90a', 1),  # the model's pick 4.1% slower

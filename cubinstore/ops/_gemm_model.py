@@ -69,6 +69,7 @@ __all__ = [
     "MAX_SPLITS",
     "MachineCosts",
     "PICK_MARGIN",
+    "SPLIT_MARGIN",
     "Model",
     "TileCosts",
     "calibrated_model",
@@ -76,6 +77,7 @@ __all__ = [
     "default_tile_costs",
     "offers_stream_k",
     "predict_us",
+    "prefer",
     "weighs_stream_k",
 ]
 
@@ -88,6 +90,13 @@ _STREAM_K: Final = _gemm.STREAM_K
 # A measured option replaces the model's pick on its shape only when it was this much faster:
 # below it the calibration's medians differ by about their run-to-run noise (1-2% on the H200).
 PICK_MARGIN: Final = 0.03
+# Among options estimated within this fraction of the fastest, the one with the fewest K splits
+# (stream-K counted as the most) is chosen: the fit's error is about this size, and cross-CTA
+# reduction is what it predicts worst. Chosen on the tuning shapes' timings of the 2026-12-03
+# calibration (regret of the picks against the measured best: 1.9% with no margin, 1.35% at 1%,
+# 0.97% at 3%, 1.05% at 5%, 0.94% at 8%); on the held-out shapes, never used to choose it:
+# 3.1% -> 2.1%.
+SPLIT_MARGIN: Final = 0.03
 # Beyond this many waves of units a further split only adds reduction work.
 _MAX_SPLIT_WAVES: Final = 4
 
@@ -440,8 +449,8 @@ class Model:
     def choose(self, m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
                measured: bool = True) -> tuple[str, int]:
         """(kernel id, splits): the measured pick of this exact shape where the library has its kernel
-        (unless `measured` is False), else the option with the least predicted time; ties go to the
-        smaller id, then fewer splits."""
+        (unless `measured` is False), else `prefer` of the options: the fewest splits among those
+        predicted within `SPLIT_MARGIN` of the fastest."""
         _check_shape(m, n, k, sm_count)
         pick = self.measured_pick(m, n, k, sm_count) if measured else None
         if pick is not None and pick[0] in candidates:
@@ -452,8 +461,18 @@ class Model:
                 f"gemm {m}x{n}x{k} on {sm_count} SMs: expected at least one gemm candidate that fits, "
                 f"got {sorted(candidates)!r}"
             )
-        _, kernel_id, splits = min(options)
-        return kernel_id, splits
+        return prefer(options)
+
+
+def prefer(options: Iterable[tuple[float, str, int]]) -> tuple[str, int]:
+    """(kernel id, splits) of the model's choice among (estimated us, kernel id, splits) options: the
+    fewest K splits (stream-K counted as the most) among those within `SPLIT_MARGIN` of the fastest,
+    then the fastest; ties go to the smaller id."""
+    options = list(options)
+    limit = min(options)[0] * (1 + SPLIT_MARGIN)
+    _, _, kernel_id, splits = min((MAX_SPLITS + 1 if s == _STREAM_K else s, t, kid, s)
+                                  for t, kid, s in options if t <= limit)
+    return kernel_id, splits
 
 
 def calibrated_model(calibration: ModuleType = _calibration) -> Model:
