@@ -597,7 +597,7 @@ class _Call:
     launch: PreparedLaunch
     maps_a: _TensorMaps | None  # None: a skinny kernel, which takes pointers
     maps_b: _TensorMaps | None
-    maps_d: _TensorMaps | None  # None: N is not a multiple of 8, D is stored element pairs at a time
+    maps_d: _TensorMaps | None  # None: N not a multiple of 8; the kernel stores D itself (pairs, or swapped elements)
     swap: bool = False  # the kernel takes B's map first (GemmConfig.swap)
 
 

@@ -17,6 +17,8 @@
 // count to zero), adds them to its own in split order and writes D.
 // splits == 0 is stream-K: one to two waves of tiles are dealt out to the
 // clusters as equal ranges of K blocks (see Walk), reduced the same way.
+// With SWAP = 1 the host passes B and A in each other's place (m = N, n = M) and
+// the tiles are stored transposed into D (store_tile, store_tile_swapped_tma).
 // See kernels/gemm/README.md for the launch contract.
 #pragma once
 
@@ -321,17 +323,18 @@ __device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorM
   }
 }
 
+// Two floats as the bf16 pair of one 32-bit register (the low half holds `lo`).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // SWAP = 1 through TMA: per m64 block, the consumer's 64 tile rows become the 64 columns of a
 // BN-row box of D in the 128-byte swizzle, and one thread stores the box at (row0 + 64 mi, col0);
 // `tma_d` maps D with a (64, BN) box, so the store ends at this tile's last row of D and is
 // clipped at M and N. The accumulators of one warp's 8 x 8 block (8 tile rows, 8 tile columns)
 // go transposed with stmatrix: stored row c (D's row 8 j + c) is the 8 tile rows of that block
 // as 16 bytes, the chunk (2 warp + h) ^ (c & 7) of box row 8 j + c.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 template <class C>
 __device__ __forceinline__ void store_tile_swapped_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
                                                        int row0, int col0, int lane, int warp, int tid, int cw) {
