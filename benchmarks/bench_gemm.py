@@ -12,8 +12,9 @@ separate tables, the TFLOP/s of `ops.gemm` (with its selection) and of `torch.mm
 ratio, the geometric means (held-out also for M >= 128 alone) against the issue's goals;
 then the host time per call of both (2,000 back-to-back calls at 1x4096x4096 and
 128x4096x4096, the GPU kept ahead so no call waits on it) and the device time per call of
-both replayed from a CUDA graph. Timing: CUDA events around each call, median; the GPU is
-kept busy (torch.cuda._sleep) while Python enqueues, so host overhead is not in the device
+both replayed from a CUDA graph. Timing: CUDA events around each call, the median of a
+round's calls, and of `--rounds` rounds (3; ours and torch's taking turns); the GPU is kept
+busy (torch.cuda._sleep) while Python enqueues, so host overhead is not in the device
 times; inputs are fresh random data rotated over 4x the L2 (read from the device), so no
 call finds its operands in L2; every result is NaN-poisoned first and checked against a
 float32 reference (relative error < 1e-2). Repetitions are capped by `--shape-budget-ms`.
@@ -55,6 +56,7 @@ GRID: tuple[tuple[int, int, int, int, int, int], ...] = tuple(
     + [(256, bn, 64, 4, c, 0) for bn in (64, 128) for c in (1, 2)]
     + [(128, 128, 128, 3, c, 0) for c in (1, 2)]
     + [(64, 64, 64, 10, 1, 0), (64, 128, 64, 8, 1, 0), (64, 256, 64, 5, 1, 0)]
+    + [(64, 64, 128, 5, 1, 0), (64, 128, 128, 4, 1, 0)]
     + [(128, 104, 64, 6, 1, 1), (128, 152, 64, 5, 1, 1), (64, 104, 64, 10, 1, 1), (64, 112, 64, 9, 2, 1)]
 )
 
@@ -282,13 +284,20 @@ def bench_shape(torch: Any, library: Any, shape: Any, l2: int, args: argparse.Na
     ours, theirs = ours_mm(data), torch_mm(torch, data)
     error = checked_error(torch, ours, data, data.reference(0))
     reps = _reps(torch, theirs, args)
-    ours_ms = time_ms(torch, ours, data.sets, reps, args.warmup)
-    torch_ms = time_ms(torch, theirs, data.sets, reps, args.warmup)
-    choice, model = selection(library, m, n, k), None
+    choice, model_fn = selection(library, m, n, k), None
     own = model_choice(library, m, n, k)
     if own != choice:  # a measured pick: time the model's own choice beside it
-        model = (own, time_ms(torch, ours_mm(data, *own), data.sets, reps, args.warmup))
-    return Row(shape, choice, ours_ms, torch_ms, error, reps, model)
+        model_fn = ours_mm(data, *own)
+    # Rounds taking turns, each side's median over them: one round of a small shape (10 us) has
+    # read 0.74 of torch where 16 rounds in one process read 0.86-0.91 (docs/gemm.md).
+    ours_t, torch_t, model_t = [], [], []
+    for _ in range(args.rounds):
+        ours_t.append(time_ms(torch, ours, data.sets, reps, args.warmup))
+        torch_t.append(time_ms(torch, theirs, data.sets, reps, args.warmup))
+        if model_fn is not None:
+            model_t.append(time_ms(torch, model_fn, data.sets, reps, args.warmup))
+    model = (own, statistics.median(model_t)) if model_fn is not None else None
+    return Row(shape, choice, statistics.median(ours_t), statistics.median(torch_t), error, reps, model)
 
 
 def model_choice(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
@@ -414,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
     provenance = _gemm_calibration.PROVENANCE
     print(f"selection model calibration: {provenance if provenance else 'none (defaults from specifications)'}")
     print(f"timing: CUDA events, median of up to {args.reps} calls (about {args.shape_budget_ms:.0f} ms of "
-          f"torch.mm a shape, at least {args.min_reps}); inputs rotated over {ROTATE_L2}x the L2; every result "
+          f"torch.mm a shape, at least {args.min_reps}), then the median of {args.rounds} such rounds, ours and "
+          f"torch's taking turns; inputs rotated over {ROTATE_L2}x the L2; every result "
           f"NaN-poisoned and checked against float32 (relative error < {MAX_REL_ERROR})")
     # What ops.gemm will run on each shape, first: a selection that fails costs no GPU time.
     choices = {s.mnk: selection(library, *s.mnk) for s in gemm_shapes.TUNING + gemm_shapes.HELD_OUT}
@@ -496,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--min-reps", type=int, default=5, help="fewest timed calls a shape")
     r.add_argument("--shape-budget-ms", type=float, default=60.0, help="torch.mm device time a shape, about")
     r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--rounds", type=int, default=3, help="rounds of timings a shape, ours and torch's taking turns")
     r.add_argument("--host-calls", type=int, default=2000)
     r.add_argument("--instantiations", action="store_true",
                    help="also time every instantiation at 4096^3 with its load time from the local store")

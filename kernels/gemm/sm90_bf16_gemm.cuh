@@ -563,14 +563,13 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           }
         }
       }
-      if (C::kSwap && tma_store) {
-        store_tile_swapped_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN,
-                                  lane, warp, tid, cw);
-      } else if (tma_store) {
-        store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxes * C::kDBoxBytes, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane,
-                          warp, tid, cw);
+      const int row0 = tm * C::kBM + cw * C::kWgRows, col0 = tn * C::kBN;
+      if (!tma_store) {
+        store_tile<C>(acc, d, m, n, row0, col0, lane, warp);
+      } else if constexpr (C::kSwap) {  // each store path is compiled only for the tiles that use it
+        store_tile_swapped_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, row0, col0, lane, warp, tid, cw);
       } else {
-        store_tile<C>(acc, d, m, n, tm * C::kBM + cw * C::kWgRows, tn * C::kBN, lane, warp);
+        store_tile_tma<C>(acc, tma_d, s_d + cw * C::kDBoxes * C::kDBoxBytes, row0, col0, lane, warp, tid, cw);
       }
     }
     // The staging box must outlive the stores that read it; D is complete when the kernel is.
