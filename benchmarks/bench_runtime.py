@@ -16,6 +16,10 @@ Prints, side by side in one run:
      check, load), each module unloaded again so every sample is a fresh load | Library.kernel()
      of bytes this process verified before ("verified before": Store.from_env's memory layer,
      as a second device's load of one CUBIN: no read, no hash) | the layout check alone;
+  3b. where a fresh load's time goes, the peer's and Library.kernel()'s side by side (median us
+     per load over every CUBIN, interleaved): reading and hashing, the driver's load
+     (cuLibraryLoadData), its get function (cuLibraryGetKernel + cuKernelGetFunction), and the
+     rest (Python: selection, ELF check, module and Kernel objects, the context guard);
   4. the load phase (every runnable kernel) of 1 process and of --procs processes started
      together on one local store: Library.kernel() of each, with the store's modules imported
      in the first call (as a serving process does) and with the store opened before the timed
@@ -240,12 +244,21 @@ def print_rows(rows: list[dict[str, Any]], row: Callable[[str, object, dict[str,
 
 # -- 3. fresh loads on the GPU --------------------------------------------------------------------
 
+def _make_primary_current() -> None:
+    """GPU 0's primary context current, as in a torch process (and in the load-phase children): a
+    load then switches no context, ours and the peers' alike."""
+    from cubinstore import _cuda
+
+    drv = _cuda.driver()
+    _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent")
+
+
 def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
     from cubinstore import _cuda, _loader, launch
     from cubinstore.store import LocalStore, MemoryStore, Store
 
     drv = _cuda.driver()
-    _cuda.primary_context(0)
+    _make_primary_current()
     local = LocalStore(home)
     store = Store([local])
     # Store.from_env's layers: a blob this process verified before is a memory hit (no read, no hash).
@@ -320,6 +333,102 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                      (("raw", raw), ("peer", peer), ("ours", ours), ("again", again), ("layout", layout))
                      for q, p in (("p50", 0.5), ("p99", 0.99))}})
     return rows
+
+
+# -- 3b. where a fresh load's time goes -----------------------------------------------------------
+
+def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) -> dict[str, dict[str, float]]:
+    """Median us per fresh load of each part (and of the rest: each sample's total less its parts),
+    for the peer (read + sha256, load, get function) and for Library.kernel() (Store.get and the
+    same two driver calls, timed inside it). Medians: a load now and then takes the driver's
+    deferred work of earlier unloads, which would weigh on a mean."""
+    from cubinstore import _cuda, _loader, launch
+    from cubinstore.store import LocalStore, Store
+
+    drv = _cuda.driver()
+    _make_primary_current()
+    local = LocalStore(home)
+    store = Store([local])
+    inside: dict[str, float] = {"read + sha256": 0.0, "load": 0.0, "function": 0.0}
+    real = {"read + sha256": Store.get, "load": _cuda.load_library, "function": _cuda.library_function}
+
+    def timed(part: str) -> Callable[..., Any]:
+        fn = real[part]
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[part] += time.perf_counter() - t
+        return wrapper
+
+    def unload(library: int) -> None:
+        with _cuda.on_device(0):
+            _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
+
+    parts = ("read + sha256", "load", "function", "rest", "total")
+    peer: dict[str, list[float]] = {p: [] for p in parts}
+    ours: dict[str, list[float]] = {p: [] for p in parts}
+    Store.get, _cuda.load_library, _cuda.library_function = (  # type: ignore[method-assign]
+        timed("read + sha256"), timed("load"), timed("function"))
+    try:
+        for i in range(samples + 5):  # 5 warm-up rounds
+            for spec in specs:
+                path = local.path_for(spec.digest)
+                t0 = time.perf_counter()
+                with open(path, "rb") as f:
+                    data = f.read()
+                if hashlib.sha256(data).hexdigest() != spec.digest.hex:
+                    raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
+                t1 = time.perf_counter()
+                with _cuda.on_device(0):  # outside the parts: the rest, as in Library.kernel()
+                    t2 = time.perf_counter()
+                    library = real["load"](data, spec.id)
+                    t3 = time.perf_counter()
+                    for entry in spec.entries:
+                        real["function"](library, entry, spec.id)
+                    t4 = time.perf_counter()
+                t5 = time.perf_counter()
+                unload(library)
+                with _loader._modules_lock:
+                    _loader._modules.clear()  # a fresh load, as in a new process
+                fresh = launch.Library(manifest, store)
+                for part in inside:
+                    inside[part] = 0.0
+                t = time.perf_counter()
+                fresh.kernel(spec.id, device=0)
+                elapsed = time.perf_counter() - t
+                with _loader._modules_lock:
+                    for module in _loader._modules.values():
+                        unload(module.code[0])
+                    _loader._modules.clear()
+                if i < 5:
+                    continue
+                for out, sample in ((peer, {"read + sha256": t1 - t0, "load": t3 - t2, "function": t4 - t3,
+                                            "total": t5 - t0}),
+                                    (ours, {**inside, "total": elapsed})):
+                    sample["rest"] = sample["total"] - sample["read + sha256"] - sample["load"] - sample["function"]
+                    for part, seconds in sample.items():
+                        out[part].append(seconds)
+    finally:
+        Store.get, _cuda.load_library, _cuda.library_function = (  # type: ignore[method-assign]
+            real["read + sha256"], real["load"], real["function"])
+    return {name: {part: statistics.median(values) * 1e6 for part, values in got.items()}
+            for name, got in (("peer", peer), ("ours", ours))}
+
+
+def print_load_breakdown(parts: dict[str, dict[str, float]], kernels: int, samples: int) -> None:
+    print(f"\n## where a fresh load's time goes ({kernels} CUBINs x {samples} samples, interleaved; median us "
+          "per load of each part)\n")
+    print("| path | read + sha256 | cuLibraryLoadData | get function | rest (Python, context guard) | total |")
+    print("|---|---|---|---|---|---|")
+    for label, key in (("peer: read + sha256 + load", "peer"), ("Library.kernel()", "ours")):
+        r = parts[key]
+        print(f"| {label} | {r['read + sha256']:.1f} | {r['load']:.1f} | {r['function']:.1f} | {r['rest']:.1f} "
+              f"| {r['total']:.1f} |")
+    print("\nLibrary.kernel()'s parts are timed inside it (Store.get and _cuda's two driver wrappers); "
+          "medians of each part do not add up to the median total exactly")
 
 
 # -- 4. concurrent processes ----------------------------------------------------------------------
@@ -508,6 +617,9 @@ def main() -> None:
                     f"| {r['again_p50'] / r['raw_p50']:.2f} | {r['layout_p50']:.3f} |")
 
         print_rows(loads, load_row)
+        parts = load_breakdown(manifest, work / "home", specs, opts.samples)
+        results["load_breakdown"] = parts
+        print_load_breakdown(parts, len(specs), opts.samples)
         conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs, specs)
         results["concurrent"] = conc
         print_concurrent(conc)
