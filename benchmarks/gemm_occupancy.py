@@ -1,11 +1,12 @@
 """How many clusters of each gemm instantiation the GPU holds at once (prints a table; not a test).
 
-`ops.gemm` launches a persistent grid of min(units, SMs / cluster) clusters. If the driver
-cannot make all of them co-resident (clusters must fit inside one GPC, and a GPC with an odd
-number of free SMs strands one), the last clusters wait for a second wave and the instantiation
-runs at a fraction of its twin's speed. This asks the driver (`cuOccupancyMaxActiveClusters`,
-or blocks per SM x SMs for cluster 1) for every gemm instantiation of a manifest, beside the grid
-that `ops.gemm.plan` launches. On the H200 (2026-12-02) all 66 clusters of 2 fit in one wave.
+`ops.gemm` launches a persistent grid of min(units, SMs / cluster, co-resident clusters)
+clusters: clusters must fit inside one GPC, and a GPC with an odd number of free SMs strands
+one, so the driver may hold fewer than SMs / cluster at once, and a grid of more would run its
+last clusters as a second wave. This asks the driver (`Kernel.max_active_clusters`, or blocks
+per SM x SMs for cluster 1) for every gemm instantiation of a manifest, beside the grid that
+`ops.gemm` launches for a large problem (plan() capped at that count). On the H200 (2026-12-02)
+all 66 clusters of 2 fit in one wave; of 4, 30 (not 33).
 
   PYTHONPATH=. python benchmarks/gemm_occupancy.py --manifest bazel-bin/kernels/manifest.json
 """
@@ -23,7 +24,6 @@ if str(ROOT) not in sys.path:
 
 import cubinstore  # noqa: E402
 from cubinstore import _cuda  # noqa: E402
-from cubinstore.launch import _launch_config  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, Store  # noqa: E402
 import cubinstore.ops.gemm  # noqa: E402
@@ -50,24 +50,22 @@ def main() -> int:
     print(f"{'instantiation':44} {'cluster':>7} {'smem KiB':>8} {'grid CTAs':>9} {'max clusters':>12} "
           f"{'co-resident CTAs':>16} {'waves':>5}")
     for kernel_id in ids:
-        launch = gemm.plan(*SHAPE, sms, kernel_id, 1)
-        cfg = launch.config
+        cfg = gemm.config_of(kernel_id)
         kernel = lib.kernel(kernel_id, device=args.device)
-        # prepare raises the function's shared-memory limit, which the occupancy query needs.
-        kernel.prepare(gemm.ENTRY, grid=(launch.grid, 1, 1), block=(cfg.threads, 1, 1), shared_mem=cfg.smem_bytes,
-                       args=(None, None, None, None, 1, 1, 1, None, None, 1))
-        fn = kernel._function(gemm.ENTRY)
-        # The cluster shape is compiled in (__cluster_dims__), so the query leaves it unset.
-        config = _launch_config(drv, (launch.grid, 1, 1), (cfg.threads, 1, 1), cfg.smem_bytes, None, False)
-        with _cuda.on_device(args.device):  # the queries need a current context
-            if cfg.cluster > 1:
-                clusters = _cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
-                                       f"cuOccupancyMaxActiveClusters for {kernel_id}")
-            else:  # not a cluster launch: the driver counts no clusters, so count blocks per SM
+        if cfg.cluster > 1:
+            # The cluster shape is compiled in (__cluster_dims__), so the query leaves it unset.
+            clusters = kernel.max_active_clusters(gemm.ENTRY, grid=(cfg.cluster, 1, 1), block=(cfg.threads, 1, 1),
+                                                  shared_mem=cfg.smem_bytes)
+        else:  # not a cluster launch: the driver counts no clusters, so count blocks per SM
+            # prepare raises the function's shared-memory limit, which the query needs.
+            kernel.prepare(gemm.ENTRY, grid=(1, 1, 1), block=(cfg.threads, 1, 1), shared_mem=cfg.smem_bytes,
+                           args=(None, None, None, None, 1, 1, 1, None, None, 1))
+            with _cuda.on_device(args.device):  # the query needs a current context
                 per_sm = _cuda.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    drv.CUfunction(fn.handle), cfg.threads, cfg.smem_bytes),
+                    drv.CUfunction(kernel._function(gemm.ENTRY).handle), cfg.threads, cfg.smem_bytes),
                     f"cuOccupancyMaxActiveBlocksPerMultiprocessor for {kernel_id}")
-                clusters = per_sm * sms
+            clusters = per_sm * sms
+        launch = gemm.plan(*SHAPE, sms, kernel_id, 1, max_clusters=clusters if cfg.cluster > 1 and clusters else None)
         resident = clusters * cfg.cluster
         waves = -(-launch.grid // resident) if resident else float("inf")
         print(f"{kernel_id:44} {cfg.cluster:>7} {cfg.smem_bytes / 1024:>8.1f} {launch.grid:>9} {clusters:>12} "

@@ -326,6 +326,33 @@ class Kernel:
         what = self._launch_what(name, grid3, block3, shared_mem, cluster3, pdl)
         return PreparedLaunch(drv, fn.handle, _cuda.primary_context(self._device), config, buffer, what)
 
+    def max_active_clusters(
+        self,
+        entry: str,
+        *,
+        grid: int | Sequence[int],
+        block: int | Sequence[int] | None = None,
+        shared_mem: int | None = None,
+        cluster: int | Sequence[int] | None = None,
+    ) -> int:
+        """How many clusters of `entry` launched so (`grid` a multiple of the cluster) the device holds
+        at once (`cuOccupancyMaxActiveClusters`): a persistent grid of more runs the rest as a
+        second wave. Leave `cluster` None for a kernel whose cluster shape is compiled in. Sets the
+        function's shared-memory and cluster attributes as `prepare` does; 0 means it cannot run.
+        """
+        spec = self._spec
+        name = f"{spec.id!r} entry {entry!r}"
+        info = spec.entry(entry)
+        fn = self._function(info.symbol)
+        grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, (), grid, block, shared_mem, cluster)
+        drv = _cuda.driver()
+        config = _launch_config(drv, grid3, block3, shared_mem, cluster3, False)
+        with _cuda.on_device(self._device):
+            self._set_function_limits(fn, info.name, shared_mem, cluster3)
+            return int(_cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
+                                   f"cuOccupancyMaxActiveClusters for kernel {name} on device {self._device} "
+                                   f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3})"))
+
     def _launch_what(
         self,
         name: str,

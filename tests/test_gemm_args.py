@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -239,6 +240,57 @@ def test_plan_is_persistent_and_a_multiple_of_the_cluster() -> None:
     assert p.workspace_floats == 0 and p.counters == 0
     small = G.plan(100, 100, 64, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a", 1)
     assert (small.units, small.grid) == (1, 2)  # one cluster; its second CTA has no rows
+
+
+def test_plan_caps_the_grid_at_the_clusters_the_device_holds_at_once() -> None:
+    pair = "gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a"
+    # A GPU whose GPCs hold only 55 pairs at once (an odd SM count per GPC strands one each).
+    capped = G.plan(4096, 4096, 4096, 132, pair, 1, max_clusters=55)
+    assert (capped.units, capped.grid) == (256, 110)
+    assert G.plan(4096, 4096, 4096, 132, pair, 1, max_clusters=66).grid == 132  # the SMs bound it first
+    assert G.plan(100, 100, 64, 132, pair, 1, max_clusters=55).grid == 2  # the work bounds it first
+    stream_k = G.plan(4096, 4096, 4096, 132, pair, G.STREAM_K, max_clusters=55)
+    assert stream_k.grid == 110 and stream_k.workspace_floats == 110 * 128 * 256  # one partial a CTA
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "55"])
+def test_plan_refuses_a_bad_cluster_cap(bad: object) -> None:
+    with pytest.raises(BadArgumentError, match=r"^gemm: kernel gemm/\S+ max_clusters: expected a positive int "
+                                               r"\(the clusters the device holds at once\), got "):
+        G.plan(4096, 4096, 4096, 132, "gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a", 1,
+               max_clusters=bad)  # type: ignore[arg-type]
+
+
+class _HoldsClusters:
+    """A loaded kernel as _co_resident sees it: what the driver would answer, and how often it was asked."""
+
+    def __init__(self, held: int) -> None:
+        self.held, self.asked = held, []
+
+    def max_active_clusters(self, entry: str, **geometry: Any) -> int:
+        self.asked.append((entry, geometry))
+        return self.held
+
+
+def test_the_co_resident_count_is_asked_once_per_point_and_device() -> None:
+    pair = "gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a"
+    library, kernel = object(), _HoldsClusters(55)
+    try:
+        assert G._co_resident(library, kernel, pair, 0) == 55
+        assert G._co_resident(library, kernel, pair, 0) == 55
+        cfg = G.GemmConfig.from_id(pair)
+        assert kernel.asked == [(G.ENTRY, {"grid": (2, 1, 1), "block": (cfg.threads, 1, 1),
+                                           "shared_mem": cfg.smem_bytes})]
+        # Not launched in clusters: nothing to ask.
+        assert G._co_resident(library, kernel, "gemm/bm128/bn256/bk64/stages4/cluster1/swap0/sm_90a", 0) is None
+        assert G._co_resident(library, kernel, "skinny/bm16/bn16/warps8/unroll4/sm_90a", 0) is None
+        assert len(kernel.asked) == 1
+        with pytest.raises(BadArgumentError, match=r"^gemm: device 1 cannot hold one cluster of kernel "
+                                                   r"gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a \(2 CTAs of "):
+            G._co_resident(library, _HoldsClusters(0), pair, 1)
+    finally:
+        for key in [k for k in G._co_resident_counts if k[0] is library]:
+            del G._co_resident_counts[key]
 
 
 def test_d_goes_through_tma_only_with_16_byte_rows_and_start() -> None:

@@ -117,6 +117,25 @@ def test_d_through_tma_writes_nothing_past_m_and_n(lib: launch.Library, torch: A
     assert bool(torch.isnan(storage[m * n :]).all()), "a TMA store wrote past D"
 
 
+@pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if G.GemmConfig.from_id(i).cluster > 1])
+def test_a_cluster_points_grid_is_no_more_than_the_device_holds_at_once(
+    lib: launch.Library, torch: Any, kernel_id: str
+) -> None:
+    cfg = G.GemmConfig.from_id(kernel_id)
+    held = lib.kernel(kernel_id, device=0).max_active_clusters(
+        G.ENTRY, grid=(cfg.cluster, 1, 1), block=(cfg.threads, 1, 1), shared_mem=cfg.smem_bytes)
+    assert 1 <= held <= G.sm_count(0) // cfg.cluster
+    # More work units than SMs: the persistent grid is as large as plan() allows.
+    m, n, k = 4096, 4096, 256
+    a, b = gemm_operands(torch, m, n, k)
+    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=3)
+    check_gemm(torch, d, a, b, f"{kernel_id} splits=3 at {m}x{n}x{k}")
+    grids = {c.plan.grid for c in list(G._calls.values())
+             if c.shape == (m, n) and c.plan.config.kernel_id == kernel_id and c.plan.splits == 3}
+    assert grids == {min(held, G.sm_count(0) // cfg.cluster) * cfg.cluster}
+
+
 @pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if G.GemmConfig.from_id(i).swap])
 @pytest.mark.parametrize(("m", "n", "offset"), [(200, 1000, 0), (97, 1000, 0), (200, 1000, 4), (105, 999, 0)],
                          ids=["tma", "one-row-past-a-tile", "scalar-off-16-bytes", "scalar-odd-n"])

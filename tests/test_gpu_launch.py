@@ -325,6 +325,19 @@ def test_a_launch_with_no_tensor_argument_goes_to_torchs_current_stream(lib: lau
 
 
 @gpu
+def test_the_clusters_a_device_holds_at_once_are_asked_of_the_driver(lib: launch.Library, hopper: None) -> None:
+    kernel = lib.kernel("axpy", dtype="f32", vec=1)  # no cluster compiled in: the launch gives one
+    sms = _cuda.sm_count(0)
+    pairs = kernel.max_active_clusters("axpy_f32", grid=2, block=256, cluster=2)
+    fours = kernel.max_active_clusters("axpy_f32", grid=4, block=256, cluster=4)
+    # A small block fits several a SM; clusters must fit in one GPC, so never more CTAs than that allows.
+    assert 1 <= fours * 4 <= pairs * 2
+    assert pairs >= sms // 2
+    with pytest.raises(BadArgumentError, match=r"cluster: expected 1 to 3 positive ints"):
+        kernel.max_active_clusters("axpy_f32", grid=2, block=256, cluster=0)
+
+
+@gpu
 def test_programmatic_dependent_launch_gives_the_same_result(lib: launch.Library, torch: Any, hopper: None) -> None:
     _axpy_run(torch, lib.kernel("axpy", dtype="f32", vec=1), 1_000_003, pdl=True)
 

@@ -263,7 +263,9 @@ def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int) -> tuple[in
 
     plan() gives units = these units x splits and grid = min(units, slots) x cluster;
     tests/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
-    A swapped point tiles N x M.
+    A swapped point tiles N x M. Slots are SMs / cluster: where a device holds fewer clusters
+    at once, ops.gemm caps the grid there (plan's max_clusters), which the model does not see
+    (the H200 holds all 66 pairs).
     """
     m, n = config.kernel_dims(m, n)
     tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)

@@ -323,14 +323,17 @@ def stores_by_tma(n: int, address: int) -> bool:
     return n % 8 == 0 and address % 16 == 0
 
 
-def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> Plan:
+def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int, *,
+         max_clusters: int | None = None) -> Plan:
     """The launch of `kernel_id` for an M x N x K problem on a GPU of `sm_count` SMs.
 
     `splits` is STREAM_K, or clamped to [1, number of K blocks] (and to 16); the grid is
-    persistent: at most one CTA per SM, a multiple of the cluster size; with stream-K at
-    most one cluster per K block of the problem. A swapped gemm point tiles N x M (its m is
-    N). A skinny point takes no split (`splits` must be 1) and launches one CTA per BM x BN
-    block of D, N's blocks fastest.
+    persistent: at most one CTA per SM, a multiple of the cluster size, and at most
+    `max_clusters` clusters (the device's co-resident count, `Kernel.max_active_clusters`: a
+    cluster must fit in one GPC, so it may be below SMs / cluster; None: no such cap); with
+    stream-K at most one cluster per K block of the problem. A swapped gemm point tiles N x M
+    (its m is N). A skinny point takes no split (`splits` must be 1) and launches one CTA per
+    BM x BN block of D, N's blocks fastest.
     """
     config = config_of(kernel_id)
     for name, value in (("m", m), ("n", n), ("k", k)):
@@ -340,6 +343,10 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
         return _skinny_plan(m, n, k, config, kernel_id, splits)
     if sm_count < config.cluster:
         raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
+    if max_clusters is not None and (isinstance(max_clusters, bool) or not isinstance(max_clusters, int)
+                                     or max_clusters < 1):
+        raise BadArgumentError(f"gemm: kernel {kernel_id} max_clusters: expected a positive int (the clusters "
+                               f"the device holds at once), got {max_clusters!r}")
     m, n = config.kernel_dims(m, n)
     kblocks = -(-k // config.bk)
     splits = int(splits)
@@ -353,7 +360,7 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> 
         raise BadArgumentError(f"gemm {m}x{n}x{k}: too many tiles for kernel {kernel_id} ({units} work units)")
     # Stream-K deals out K blocks: more clusters than the problem has would idle.
     work = cluster_tiles * kblocks if splits == STREAM_K else units
-    clusters = min(work, sm_count // config.cluster)
+    clusters = min(work, sm_count // config.cluster, max_clusters or work)
     return Plan(config, splits, tiles_m, tiles_n, units, clusters * config.cluster)
 
 
@@ -475,6 +482,7 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
 _lock = threading.Lock()
 _kernels: dict[tuple[Library, str, int], Kernel] = {}  # the library itself: an id() may be reused
 _sm_counts: dict[int, int] = {}
+_co_resident_counts: dict[tuple[Library, str, int], int] = {}  # clusters a device holds at once, per point
 # Per (device, stream): split-K and stream-K publication counters. The kernel leaves them at zero, and
 # launches on one stream are ordered, so one buffer per stream is reused safely.
 _counters: dict[tuple[int, int], Any] = {}
@@ -512,6 +520,24 @@ def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
         with _lock:
             _kernels[key] = kernel
     return kernel
+
+
+def _co_resident(library: Library, kernel: Kernel, kernel_id: str, device: int) -> int | None:
+    """The clusters of a gemm point the device holds at once (cached); None for one not launched in clusters."""
+    config = config_of(kernel_id)
+    if isinstance(config, SkinnyConfig) or config.cluster == 1:
+        return None
+    key = (library, kernel_id, device)
+    count = _co_resident_counts.get(key)
+    if count is None:
+        count = kernel.max_active_clusters(ENTRY, grid=(config.cluster, 1, 1), block=(config.threads, 1, 1),
+                                           shared_mem=config.smem_bytes)
+        if count < 1:
+            raise BadArgumentError(f"gemm: device {device} cannot hold one cluster of kernel {kernel_id} "
+                                   f"({config.cluster} CTAs of {config.smem_bytes} bytes of shared memory)")
+        with _lock:
+            _co_resident_counts[key] = count
+    return count
 
 
 def _entry_of(kernel_id: str) -> tuple[str, tuple[str, ...]]:
@@ -738,8 +764,12 @@ def _prepare(
     if kernel_id is None:
         kernel_id, chosen_splits = select(library, device, m, n, k)
         splits = chosen_splits if splits is None else splits
-    launch = plan(m, n, k, sm_count(device), kernel_id, 1 if splits is None else splits)
+    splits = 1 if splits is None else splits
+    launch = plan(m, n, k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
     kernel = _kernel(library, kernel_id, device)
+    co_resident = _co_resident(library, kernel, kernel_id, device)
+    if co_resident is not None and launch.grid > co_resident * launch.config.cluster:
+        launch = plan(m, n, k, sm_count(device), kernel_id, splits, max_clusters=co_resident)
     cfg = launch.config
     logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d", m, n, k, kernel_id, launch.splits, launch.grid)
     # A 1-row operand's stride is never used to step; give the kernel (or the map) a dense one.
