@@ -58,6 +58,7 @@ GRID: tuple[tuple[int, int, int, int, int, int], ...] = tuple(
     + [(64, 64, 64, 10, 1, 0), (64, 128, 64, 8, 1, 0), (64, 256, 64, 5, 1, 0)]
     + [(64, 64, 128, 5, 1, 0), (64, 128, 128, 4, 1, 0)]
     + [(128, 104, 64, 6, 1, 1), (128, 152, 64, 5, 1, 1), (64, 104, 64, 10, 1, 1), (64, 112, 64, 9, 2, 1)]
+    + [(64, 104, 64, 10, 4, 1), (128, 200, 64, 4, 4, 1)]
 )
 
 # (M, N, K) of the LLM projections the issue names; 4096^3 first.
@@ -305,7 +306,8 @@ def model_choice(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
     from cubinstore.ops import _gemm_model
 
     g = gemm_module()
-    return _gemm_model.choose(m, n, k, g.sm_count(0), g.candidates(library), measured=False)
+    return _gemm_model.choose(m, n, k, g.sm_count(0), g.candidates(library), measured=False,
+                              cluster_slots=g.cluster_slots(library, 0))
 
 
 def selection(library: Any, m: int, n: int, k: int) -> tuple[str, int]:

@@ -253,11 +253,29 @@ def _make_primary_current() -> None:
     _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent")
 
 
+def _unload(library: int) -> None:
+    """cuLibraryUnload of a library loaded on GPU 0."""
+    from cubinstore import _cuda
+
+    drv = _cuda.driver()
+    with _cuda.on_device(0):
+        _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
+
+
+def _unload_loaded() -> None:
+    """Unload what Library.kernel() loaded and forget it, so that the next sample is a fresh load again."""
+    from cubinstore import _loader
+
+    with _loader._modules_lock:
+        for module in _loader._modules.values():
+            _unload(module.code[0])
+        _loader._modules.clear()
+
+
 def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
     from cubinstore import _cuda, _loader, launch
     from cubinstore.store import LocalStore, MemoryStore, Store
 
-    drv = _cuda.driver()
     _make_primary_current()
     local = LocalStore(home)
     store = Store([local])
@@ -271,17 +289,6 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                 _cuda.library_function(library, entry, spec.id)
         return library
 
-    def unload(library: int) -> None:
-        with _cuda.on_device(0):
-            _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
-
-    def unload_all() -> None:
-        """Unload what Library.kernel() loaded, so that the next sample is a fresh load again."""
-        with _loader._modules_lock:
-            for module in _loader._modules.values():
-                unload(module.code[0])
-            _loader._modules.clear()
-
     rows = []
     for spec in specs:
         path = local.path_for(spec.digest)
@@ -293,7 +300,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                 data = f.read()
             lib_raw = load(spec, data)
             a = time.perf_counter() - t
-            unload(lib_raw)
+            _unload(lib_raw)
 
             t = time.perf_counter()
             with open(path, "rb") as f:
@@ -302,7 +309,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                 raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
             lib_peer = load(spec, data)
             b = time.perf_counter() - t
-            unload(lib_peer)
+            _unload(lib_peer)
 
             with _loader._modules_lock:
                 _loader._modules.clear()  # a fresh load, as in a new process
@@ -317,12 +324,12 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
                 fn.layouts.clear()
                 _loader.check_function_layout(spec, symbol, fn, 0)
             d = time.perf_counter() - t
-            unload_all()
+            _unload_loaded()
             library = launch.Library(manifest, warm)  # a driver load of bytes verified earlier in the process
             t = time.perf_counter()
             library.kernel(spec.id, device=0)
             e = time.perf_counter() - t
-            unload_all()
+            _unload_loaded()
             if i >= 5:
                 raw.append(a)
                 peer.append(b)
@@ -345,7 +352,6 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     from cubinstore import _cuda, _loader, launch
     from cubinstore.store import LocalStore, Store
 
-    drv = _cuda.driver()
     _make_primary_current()
     local = LocalStore(home)
     store = Store([local])
@@ -362,10 +368,6 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
             finally:
                 inside[part] += time.perf_counter() - t
         return wrapper
-
-    def unload(library: int) -> None:
-        with _cuda.on_device(0):
-            _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
 
     parts = ("read + sha256", "load", "function", "rest", "total")
     peer: dict[str, list[float]] = {p: [] for p in parts}
@@ -390,7 +392,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                         real["function"](library, entry, spec.id)
                     t4 = time.perf_counter()
                 t5 = time.perf_counter()
-                unload(library)
+                _unload(library)
                 with _loader._modules_lock:
                     _loader._modules.clear()  # a fresh load, as in a new process
                 fresh = launch.Library(manifest, store)
@@ -399,10 +401,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                 t = time.perf_counter()
                 fresh.kernel(spec.id, device=0)
                 elapsed = time.perf_counter() - t
-                with _loader._modules_lock:
-                    for module in _loader._modules.values():
-                        unload(module.code[0])
-                    _loader._modules.clear()
+                _unload_loaded()
                 if i < 5:
                     continue
                 for out, sample in ((peer, {"read + sha256": t1 - t0, "load": t3 - t2, "function": t4 - t3,

@@ -49,7 +49,7 @@ import bench_gemm as bench  # noqa: E402  (the sibling script: timing, operands,
 import gemm_shapes  # noqa: E402  (the tuning and held-out shape sets)
 
 from cubinstore.ops import _gemm_model  # noqa: E402
-from cubinstore.ops._gemm_model import MachineCosts, Model, TileCosts  # noqa: E402
+from cubinstore.ops._gemm_model import ClusterSlots, MachineCosts, Model, TileCosts  # noqa: E402
 
 ROOT = bench.ROOT
 CALIBRATION = ROOT / "cubinstore" / "ops" / "_gemm_calibration.py"
@@ -119,31 +119,33 @@ class Timing:
 # -- what to time ---------------------------------------------------------------------------------
 
 
-def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: str) -> list[int]:
+def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: str,
+                slots: ClusterSlots = None) -> list[int]:
     """1, and the splits worth timing: SPLIT_TRIES and the model's pick, within two waves of units,
     and stream-K (STREAM_K, 0) where the model weighs it (`offers_stream_k`)."""
     g = bench.gemm_module()
-    options = model.options(m, n, k, sm_count, [kernel_id])
+    options = model.options(m, n, k, sm_count, [kernel_id], slots)
     cfg = g.config_of(kernel_id)
     if isinstance(cfg, g.SkinnyConfig):  # no split; timed where the model offers it (M fits BM)
         return [1] if options else []
     picked = min(options)[2] if options else 1
-    slots = sm_count // cfg.cluster
+    _, _, held = _gemm_model._layout(cfg, m, n, sm_count, slots)  # the clusters the grid may hold
     tries = {1}
     for splits in (*SPLIT_TRIES, picked):
-        estimate = model.estimate(m, n, k, sm_count, kernel_id, splits)
-        if estimate.units <= MAX_SPLIT_WAVES * slots:
+        estimate = model.estimate(m, n, k, sm_count, kernel_id, splits, slots)
+        if estimate.units <= MAX_SPLIT_WAVES * held:
             tries.add(estimate.splits)  # plan() clamps to the K blocks
-    if _gemm_model.offers_stream_k(m, n, k, sm_count, kernel_id):
+    if _gemm_model.offers_stream_k(m, n, k, sm_count, kernel_id, slots):
         tries.add(g.STREAM_K)
     return sorted(tries)
 
 
 def plan_timings(kernel_ids: Sequence[str], sm_count: int,
-                 shapes: Sequence[gemm_shapes.Shape] = gemm_shapes.TUNING) -> list[tuple[gemm_shapes.Shape, str, int]]:
+                 shapes: Sequence[gemm_shapes.Shape] = gemm_shapes.TUNING,
+                 slots: ClusterSlots = None) -> list[tuple[gemm_shapes.Shape, str, int]]:
     model = Model()
     return [(shape, kid, s) for shape in shapes for kid in kernel_ids
-            for s in split_tries(model, *shape.mnk, sm_count, kid)]
+            for s in split_tries(model, *shape.mnk, sm_count, kid, slots)]
 
 
 # -- measuring (GPU) ------------------------------------------------------------------------------
@@ -162,9 +164,10 @@ def measure(args: argparse.Namespace,
 
     ops.set_library(library)
     ids = sorted(spec.id for spec in bench.op_specs(library.manifest))
-    todo = plan_timings(ids, sms, shapes)
-    print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB; torch {torch.__version__}; "
-          f"{len(todo)} timings over {len(shapes)} shapes", flush=True)
+    slots = bench.gemm_module().cluster_slots(library, 0)
+    todo = plan_timings(ids, sms, shapes, slots)
+    print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB, clusters held at once {slots}; "
+          f"torch {torch.__version__}; {len(todo)} timings over {len(shapes)} shapes", flush=True)
     timings: list[Timing] = []
     by_shape: dict[tuple[int, int, int], list[tuple[str, int]]] = defaultdict(list)
     for shape, kid, splits in todo:
@@ -189,11 +192,18 @@ def measure(args: argparse.Namespace,
         print(f"{f'{m}x{n}x{k}':>18s} best {best[1]} ({best[2]}) {best[0]:9.1f} us = "
               f"{bench.tflops(m, n, k, best[0] / 1e3):6.1f} TFLOP/s; torch {torch_us:9.1f} us", flush=True)
     provenance = {
-        "gpu": props.name, "sm_count": sms, "l2_bytes": l2, "date": datetime.date.today().isoformat(),
+        "gpu": props.name, "sm_count": sms, "cluster_slots": slots, "l2_bytes": l2,
+        "date": datetime.date.today().isoformat(),
         "torch": torch.__version__, "cuda": str(torch.version.cuda), "reps": args.reps,
         "rotation": bench.ROTATE_L2, "shapes": len(by_shape), "timings": len(timings),
     }
     return timings, provenance
+
+
+def cluster_slots(provenance: dict[str, Any]) -> dict[int, int]:
+    """The clusters of each size the timed GPU held at once (JSON keys are strings); none recorded
+    (timings taken before 2026-12-04, when no point had clusters of 4): SMs / size."""
+    return {int(size): int(count) for size, count in (provenance.get("cluster_slots") or {}).items()}
 
 
 def save(path: Path, timings: list[Timing], provenance: dict[str, Any]) -> None:
@@ -207,30 +217,32 @@ def load(path: Path) -> tuple[list[Timing], dict[str, Any]]:
     if doc.get("schema") != SCHEMA:
         sys.exit(f"{path}: expected schema {SCHEMA!r}, got {doc.get('schema')!r}")
     timings = [Timing(**t) for t in doc["timings"]]
-    sms = int(doc["provenance"]["sm_count"])
+    sms, slots = int(doc["provenance"]["sm_count"]), cluster_slots(doc["provenance"])
+    if "cluster_slots" in doc["provenance"]:
+        doc["provenance"]["cluster_slots"] = slots  # int keys again, as measure() wrote them
     stream_k = bench.gemm_module().STREAM_K
     kept = [t for t in timings
-            if t.splits != stream_k or _gemm_model.offers_stream_k(t.m, t.n, t.k, sms, t.kernel_id)]
+            if t.splits != stream_k or _gemm_model.offers_stream_k(t.m, t.n, t.k, sms, t.kernel_id, slots)]
     return kept, doc["provenance"]
 
 
 # -- fitting (CPU, numpy) -------------------------------------------------------------------------
 
 
-def _log_error(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
-    return sum(math.log(model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits) / t.us) ** 2
+def _log_error(model: Model, timings: Sequence[Timing], sm_count: int, slots: ClusterSlots) -> float:
+    return sum(math.log(model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits, slots) / t.us) ** 2
                for t in timings)
 
 
 def _fit_tiles(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequence[Timing],
-               sm_count: int) -> dict[str, TileCosts]:
+               sm_count: int, slots: ClusterSlots) -> dict[str, TileCosts]:
     """Per id: unit_us, kblock_us by least squares (relative) on its compute-bound timings."""
     import numpy as np
 
     model = Model(machine, tiles)
     rows: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
     for t in timings:
-        e = model.estimate(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits)
+        e = model.estimate(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits, slots)
         # Memory bound, or K blocks held to the feed of unaligned rows: not the tile's costs.
         if e.busiest_us < e.memory_us or e.kblock_us > model.tile_costs(t.kernel_id).kblock_us:
             continue
@@ -255,9 +267,9 @@ def _fit_tiles(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequ
 
 
 def _fit_machine(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequence[Timing],
-                 sm_count: int) -> MachineCosts:
+                 sm_count: int, slots: ClusterSlots) -> MachineCosts:
     """Coordinate search over the machine constants, multiplicative steps, on the total log error."""
-    best = _log_error(Model(machine, tiles), timings, sm_count)
+    best = _log_error(Model(machine, tiles), timings, sm_count, slots)
     for _ in range(3):
         for name in FITTED_MACHINE:
             base = getattr(machine, name)
@@ -266,20 +278,20 @@ def _fit_machine(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Se
                 if not low <= base * factor <= high:
                     continue
                 trial = dataclasses.replace(machine, **{name: base * factor})
-                err = _log_error(Model(trial, tiles), timings, sm_count)
+                err = _log_error(Model(trial, tiles), timings, sm_count, slots)
                 if err < best:
                     best, machine = err, trial
     return machine
 
 
-def fit(timings: Sequence[Timing], sm_count: int, l2_bytes: float,
+def fit(timings: Sequence[Timing], sm_count: int, l2_bytes: float, slots: ClusterSlots,
         rounds: int = 4) -> tuple[MachineCosts, dict[str, TileCosts]]:
     machine = dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=float(l2_bytes))
     tiles: dict[str, TileCosts] = {}
     for _ in range(rounds):
-        tiles = _fit_tiles(machine, tiles, timings, sm_count)
-        machine = _fit_machine(machine, tiles, timings, sm_count)
-    return machine, _fit_tiles(machine, tiles, timings, sm_count)
+        tiles = _fit_tiles(machine, tiles, timings, sm_count, slots)
+        machine = _fit_machine(machine, tiles, timings, sm_count, slots)
+    return machine, _fit_tiles(machine, tiles, timings, sm_count, slots)
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -293,9 +305,9 @@ def _by_shape(timings: Sequence[Timing]) -> dict[tuple[int, int, int], dict[tupl
 
 
 def _pick(model: Model, mnk: tuple[int, int, int], measured: dict[tuple[str, int], float],
-          sm_count: int) -> tuple[str, int]:
+          sm_count: int, slots: ClusterSlots) -> tuple[str, int]:
     """The model's choice (`_gemm_model.prefer`) among the measured options of one shape that it weighs."""
-    options = model.options(*mnk, sm_count, sorted({kid for kid, _ in measured}))
+    options = model.options(*mnk, sm_count, sorted({kid for kid, _ in measured}), slots)
     return _gemm_model.prefer(o for o in options if (o[1], o[2]) in measured)
 
 
@@ -307,8 +319,8 @@ def _summary(regrets: Sequence[float], what: str) -> str:
             f"geometric mean, {max(regrets) - 1:.1%} at worst")
 
 
-def cross_validate(timings: Sequence[Timing], sm_count: int, l2_bytes: float, repeats: int = CV_REPEATS,
-                   seed: int = 0) -> list[float]:
+def cross_validate(timings: Sequence[Timing], sm_count: int, l2_bytes: float, slots: ClusterSlots,
+                   repeats: int = CV_REPEATS, seed: int = 0) -> list[float]:
     """Regrets (measured time of the pick / measured best) of picks on shapes the fit never saw.
 
     For each of `repeats` random halvings of the shapes (seeded: the same halvings every
@@ -321,22 +333,22 @@ def cross_validate(timings: Sequence[Timing], sm_count: int, l2_bytes: float, re
         order = sorted(shapes)
         random.Random(seed + r).shuffle(order)
         for held_out in (set(order[::2]), set(order[1::2])):
-            machine, tiles = fit([t for t in timings if (t.m, t.n, t.k) not in held_out], sm_count, l2_bytes)
+            machine, tiles = fit([t for t in timings if (t.m, t.n, t.k) not in held_out], sm_count, l2_bytes, slots)
             model = Model(machine, tiles)
             for mnk in sorted(held_out):
                 measured = shapes[mnk]
-                regrets.append(measured[_pick(model, mnk, measured, sm_count)] / min(measured.values()))
+                regrets.append(measured[_pick(model, mnk, measured, sm_count, slots)] / min(measured.values()))
     return regrets
 
 
-def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
+def report(model: Model, timings: Sequence[Timing], sm_count: int, slots: ClusterSlots) -> float:
     """Residuals per instantiation; per shape the measured best against the model's pick.
 
     Returns the geometric mean over shapes of (measured time of the pick / measured best).
     """
     errors: dict[str, list[float]] = defaultdict(list)
     for t in timings:
-        predicted = model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits)
+        predicted = model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits, slots)
         errors[t.kernel_id].append(predicted / t.us - 1)
     print(f"\n{'kernel id':50s} {'timings':>7s} {'median':>8s} {'rms':>7s} {'worst':>7s}  (predicted / measured - 1)")
     for kid in sorted(errors):
@@ -344,7 +356,7 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
         rms = math.sqrt(sum(x * x for x in e) / len(e))
         print(f"{kid:50s} {len(e):7d} {statistics.median(e):+8.1%} {rms:7.1%} {max(e, key=abs):+7.1%}")
     print(f"\n{'M x N x K':>18s} {'measured best (splits)':>52s} {'model pick among the timed':>52s} {'slower':>7s}")
-    judged = _judged(model, timings, sm_count)
+    judged = _judged(model, timings, sm_count, slots)
     for (m, n, k), (best, pick, regret) in judged.items():
         print(f"{f'{m}x{n}x{k}':>18s} {f'{best[0]} ({best[1]})':>52s} {f'{pick[0]} ({pick[1]})':>52s} "
               f"{regret - 1:7.1%}")
@@ -354,22 +366,22 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int) -> float:
 
 
 def _judged(model: Model, timings: Sequence[Timing],
-            sm_count: int) -> dict[tuple[int, int, int], tuple[tuple[str, int], tuple[str, int], float]]:
+            sm_count: int, slots: ClusterSlots) -> dict[tuple[int, int, int], tuple[tuple[str, int], tuple[str, int], float]]:
     """Per shape (in the timings' order): the measured best option, the model's pick among the
     timed ones, and the pick's measured time over the best's."""
     out = {}
     for mnk, measured in _by_shape(timings).items():
         best = min(measured, key=lambda o: (measured[o], o))
-        pick = _pick(model, mnk, measured, sm_count)
+        pick = _pick(model, mnk, measured, sm_count, slots)
         out[mnk] = (best, pick, measured[pick] / measured[best])
     return out
 
 
-def measured_picks(model: Model, timings: Sequence[Timing], sm_count: int,
+def measured_picks(model: Model, timings: Sequence[Timing], sm_count: int, slots: ClusterSlots,
                    margin: float = _gemm_model.PICK_MARGIN) -> dict[tuple[int, int, int], tuple[tuple[str, int], float]]:
     """Per shape, the measured best option and how much slower the model's pick among the timed was,
     where that is at least `margin` (what `render` writes as PICKS)."""
-    return {mnk: (best, slower) for mnk, (best, _, slower) in sorted(_judged(model, timings, sm_count).items())
+    return {mnk: (best, slower) for mnk, (best, _, slower) in sorted(_judged(model, timings, sm_count, slots).items())
             if slower >= 1 + margin}
 
 
@@ -393,21 +405,21 @@ def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, T
 
 def calibrate(timings: list[Timing], provenance: dict[str, Any], write: Path | None, force: bool,
               cv_repeats: int = CV_REPEATS) -> int:
-    sms, l2 = int(provenance["sm_count"]), float(provenance["l2_bytes"])
-    print(f"\ndefaults (specifications and the 2026-11-29 table), log error {_log_error(Model(), timings, sms):.2f}:")
-    before = report(Model(dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=l2)), timings, sms)
-    machine, tiles = fit(timings, sms, l2)
+    sms, l2, slots = int(provenance["sm_count"]), float(provenance["l2_bytes"]), cluster_slots(provenance)
+    print(f"\ndefaults (specifications and the 2026-11-29 table), log error {_log_error(Model(), timings, sms, slots):.2f}:")
+    before = report(Model(dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=l2)), timings, sms, slots)
+    machine, tiles = fit(timings, sms, l2, slots)
     model = Model(machine, tiles)
-    print(f"\nfitted, log error {_log_error(model, timings, sms):.2f}: {machine}")
-    after = report(model, timings, sms)
+    print(f"\nfitted, log error {_log_error(model, timings, sms, slots):.2f}: {machine}")
+    after = report(model, timings, sms, slots)
     if cv_repeats > 0:
         # The numbers above judge the fit on the shapes it was fitted to; these on shapes it never saw.
         shapes = len(_by_shape(timings))
         print(f"cross-validated (fitted on a random half of the {shapes} shapes, picks judged on the other half; "
-              f"{cv_repeats} halvings): {_summary(cross_validate(timings, sms, l2, cv_repeats), 'picks')}")
-    picks = measured_picks(model, timings, sms)
+              f"{cv_repeats} halvings): {_summary(cross_validate(timings, sms, l2, slots, cv_repeats), 'picks')}")
+    picks = measured_picks(model, timings, sms, slots)
     with_picks = bench.geomean([1.0 if mnk in picks else regret
-                                for mnk, (_, _, regret) in _judged(model, timings, sms).items()])
+                                for mnk, (_, _, regret) in _judged(model, timings, sms, slots).items()])
     print(f"measured picks (the timed best where it beat the model's pick by {_gemm_model.PICK_MARGIN:.0%} or more): "
           f"{len(picks)} shapes; with them the tuning shapes' picks are {with_picks - 1:.1%} slower than the measured "
           f"best in geometric mean")
@@ -455,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.measurements:
             save(args.measurements, timings, provenance)
         print("\nheld-out shapes, the shipped calibration (cubinstore/ops/_gemm_calibration.py):")
-        report(_gemm_model.calibrated_model(), timings, int(provenance["sm_count"]))
+        report(_gemm_model.calibrated_model(), timings, int(provenance["sm_count"]), cluster_slots(provenance))
     elif args.refit:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
     else:

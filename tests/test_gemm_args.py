@@ -194,11 +194,12 @@ def test_malformed_kernel_id_is_a_typed_error(bad: object) -> None:
     ((256, 256, 64, 2, 1), "accumulators of a 256x256 tile exceed 128 registers"),
     ((128, 256, 64, 5, 1), "shared memory 263248 > 232448 bytes"),
     ((128, 96, 64, 4, 1), "bn 96 not in"),
-    ((128, 128, 64, 4, 4), "cluster 4 not in"),
-    # Swapped, BN is wgmma's N along the caller's M: a multiple of 8, and so is a cluster CTA's share.
+    ((128, 128, 64, 4, 8), "cluster 8 not in"),
+    ((128, 128, 64, 4, 3), "cluster 3 not in"),
+    # Swapped, BN is wgmma's N along the caller's M: a multiple of 8 (so a cluster of 4 shares it in equal slices).
     ((128, 100, 64, 4, 1, 1), "bn 100 with swap 1: expected a multiple of 8"),
     ((128, 264, 64, 2, 1, 1), "bn 264 with swap 1: expected a multiple of 8 up to 256"),
-    ((128, 104, 64, 4, 2, 1), r"bn 104 with swap 1: expected .* cluster of 2 \(bn / cluster\) is a multiple of 8"),
+    ((64, 104, 64, 4, 8, 1), "cluster 8 not in"),
     ((128, 104, 64, 4, 1, 2), "swap 2 not in"),
 ])
 def test_instantiations_the_kernel_cannot_build_are_refused(row: tuple[int, ...], why: str) -> None:
@@ -289,6 +290,24 @@ def test_the_co_resident_count_is_asked_once_per_point_and_device() -> None:
                                                    r"gemm/bm128/bn256/bk64/stages4/cluster2/swap0/sm_90a \(2 CTAs of "):
             G._co_resident(library, _HoldsClusters(0), pair, 1)
     finally:
+        for key in [k for k in G._co_resident_counts if k[0] is library]:
+            del G._co_resident_counts[key]
+
+
+def test_cluster_slots_asks_the_first_point_of_each_cluster_size_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [G.GemmConfig(*row).kernel_id for row in ((128, 256, 64, 4, 1), (128, 256, 64, 4, 2), (128, 128, 64, 5, 2),
+                                                     (64, 104, 64, 10, 4, 1), (128, 200, 64, 4, 4, 1))]
+    library = object()
+    kernels = {kid: _HoldsClusters(66 if "/cluster2/" in kid else 30) for kid in ids}
+    monkeypatch.setattr(G, "candidates", lambda lib: frozenset(ids + ["skinny/bm16/bn16/warps8/unroll4/sm_90a"]))
+    monkeypatch.setattr(G, "_kernel", lambda lib, kid, device: kernels[kid])
+    try:
+        assert G.cluster_slots(library, 0) == {2: 66, 4: 30}
+        assert G.cluster_slots(library, 0) == {2: 66, 4: 30}
+        asked = sorted(kid for kid, kernel in kernels.items() for _ in kernel.asked)
+        assert asked == sorted([min(i for i in ids if "/cluster2/" in i), min(i for i in ids if "/cluster4/" in i)])
+    finally:
+        G._cluster_slots.pop((library, 0), None)
         for key in [k for k in G._co_resident_counts if k[0] is library]:
             del G._co_resident_counts[key]
 

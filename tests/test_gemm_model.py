@@ -34,6 +34,7 @@ import tune_gemm  # noqa: E402  (benchmarks/tune_gemm.py: the calibration's fit 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 MANIFEST = ROOT / "bazel-bin" / "kernels" / "manifest.json"
 H200_SMS = 132
+H200_SLOTS = {2: 66, 4: 30}  # the clusters of 2 and of 4 an H200 holds at once (Kernel.max_active_clusters)
 
 # The gemm family's points as bench_gemm.GRID lists them for builds without Bazel (the
 # manifest test checks that the built manifest has the same ids).
@@ -164,15 +165,16 @@ def test_unaligned_rows_bound_a_k_block_by_the_bytes_a_cta_loads() -> None:
         assert aligned.kblock_us == tile and unaligned.kblock_us == max(tile, feed), kernel_id
 
 
-def test_a_cluster2_point_wins_where_unaligned_rows_make_the_feed_the_bound() -> None:
+def test_a_cluster_point_wins_where_unaligned_rows_make_the_feed_the_bound() -> None:
     # 6000x512x3000 (H200, 2026-12-02): 128x256 cluster 2 took 41.6 us, its cluster-1 twin
     # 55.3 (every instantiation there drew 41-59 KB/us a CTA, about half the aligned rate).
     pair, twin = G.GemmConfig(128, 256, 64, 4, 2).kernel_id, G.GemmConfig(128, 256, 64, 4, 1).kernel_id
     for model in (Model(), _gemm_model.calibrated_model()):
         assert model.predict_us(6000, 512, 3000, H200_SMS, pair, 1) < model.predict_us(6000, 512, 3000, H200_SMS,
                                                                                          twin, 1)
-    kernel_id, _ = _gemm_model.choose(6000, 512, 3000, H200_SMS, BUILT)
-    assert G.GemmConfig.from_id(kernel_id).cluster == 2, kernel_id
+    # The choice shares the tile it loads: a pair, or (since 2026-12-04, measured fastest there) 4 CTAs.
+    kernel_id, _ = _gemm_model.choose(6000, 512, 3000, H200_SMS, BUILT, cluster_slots=H200_SLOTS)
+    assert G.GemmConfig.from_id(kernel_id).cluster > 1, kernel_id
 
 
 def test_the_2026_11_29_winners_are_predicted_near_the_models_best() -> None:
@@ -223,13 +225,29 @@ def test_more_sms_never_predict_a_longer_time() -> None:
 def test_the_fast_path_agrees_with_the_plan_based_estimate() -> None:
     model = _gemm_model.calibrated_model()
     for m, n, k in ALL_SHAPES[::5]:
-        for sms in (2, 66, H200_SMS):
-            options = model.options(m, n, k, sms, sorted(BUILT))
+        for sms, slots in ((2, None), (66, None), (H200_SMS, None), (H200_SMS, H200_SLOTS), (H200_SMS, {4: 7})):
+            options = model.options(m, n, k, sms, sorted(BUILT), slots)
             assert options
             for time, kernel_id, splits in options:
-                estimate = model.estimate(m, n, k, sms, kernel_id, splits)
+                estimate = model.estimate(m, n, k, sms, kernel_id, splits, slots)
                 assert estimate.splits == splits
                 assert time == pytest.approx(estimate.time_us, rel=1e-12), f"{m}x{n}x{k} {kernel_id} {splits}"
+
+
+def test_clusters_beyond_what_the_device_holds_at_once_run_as_another_wave() -> None:
+    # Swapped 128x200 in clusters of 4 at 800x4096: 4096 / 128 = 32 tile rows in 8 clusters of 4, by
+    # 800 / 200 = 4 tile columns: 32 cluster tiles, which 132 / 4 = 33 slots take in one wave and the
+    # H200's 30 co-resident clusters of 4 in two.
+    four = G.GemmConfig(128, 200, 64, 4, 4, 1).kernel_id
+    model = Model(tiles={four: _gemm_model.default_tile_costs(G.GemmConfig.from_id(four))})
+    naive = model.estimate(800, 4096, 4096, H200_SMS, four, 1)
+    held = model.estimate(800, 4096, 4096, H200_SMS, four, 1, H200_SLOTS)
+    assert (naive.units, naive.grid, naive.busy_units) == (32, 128, 1)
+    assert (held.units, held.grid, held.busy_units) == (32, 120, 2)
+    assert held.time_us > 1.5 * naive.time_us
+    # The fast path sees the same slots; a cluster size the mapping leaves out keeps SMs / size.
+    assert [t for t, _, s in model.options(800, 4096, 4096, H200_SMS, [four], H200_SLOTS) if s == 1] == [held.time_us]
+    assert model.estimate(800, 4096, 4096, H200_SMS, four, 1, {2: 60}).grid == 128
 
 
 def test_split_k_costs_its_partials() -> None:
@@ -289,27 +307,30 @@ def _truth() -> Model:
 def test_the_fit_recovers_a_known_gpu_from_its_timings() -> None:
     truth = _truth()
     shapes = set(gemm_shapes.TUNING[::3])  # a third of the tuning set keeps the fit to seconds
-    timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s))
-               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS) if shape in shapes]
-    machine, tiles = tune_gemm.fit(timings, H200_SMS, 50 * 2**20, rounds=2)
+    timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s, H200_SLOTS))
+               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS, slots=H200_SLOTS)
+               if shape in shapes]
+    machine, tiles = tune_gemm.fit(timings, H200_SMS, 50 * 2**20, H200_SLOTS, rounds=2)
     fitted = Model(machine, tiles)
-    errors = sorted(abs(fitted.predict_us(t.m, t.n, t.k, H200_SMS, t.kernel_id, t.splits) / t.us - 1)
+    errors = sorted(abs(fitted.predict_us(t.m, t.n, t.k, H200_SMS, t.kernel_id, t.splits, H200_SLOTS) / t.us - 1)
                     for t in timings)
     assert errors[len(errors) // 2] < 0.03 and errors[-1] < 0.15, f"median {errors[len(errors) // 2]:.3f}"
     # On shapes the fit never saw, its picks run (on the known GPU) within 5% of the best.
     good = 0
     for shape in gemm_shapes.HELD_OUT:
-        pick = fitted.choose(*shape.mnk, H200_SMS, BUILT)
-        best = truth.choose(*shape.mnk, H200_SMS, BUILT)
-        good += truth.predict_us(*shape.mnk, H200_SMS, *pick) <= 1.05 * truth.predict_us(*shape.mnk, H200_SMS, *best)
+        pick = fitted.choose(*shape.mnk, H200_SMS, BUILT, cluster_slots=H200_SLOTS)
+        best = truth.choose(*shape.mnk, H200_SMS, BUILT, cluster_slots=H200_SLOTS)
+        good += (truth.predict_us(*shape.mnk, H200_SMS, *pick, H200_SLOTS)
+                 <= 1.05 * truth.predict_us(*shape.mnk, H200_SMS, *best, H200_SLOTS))
     assert good >= 0.9 * len(gemm_shapes.HELD_OUT), f"{good} of {len(gemm_shapes.HELD_OUT)}"
 
 
 def test_cross_validation_judges_each_shape_on_a_fit_that_never_saw_it() -> None:
     truth = _truth()
     shapes = set(gemm_shapes.TUNING[::6])
-    timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s))
-               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS) if shape in shapes]
+    timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s, H200_SLOTS))
+               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS, slots=H200_SLOTS)
+               if shape in shapes]
     seen: list[set[tuple[int, int, int]]] = []
     fit = tune_gemm.fit
 
@@ -319,7 +340,7 @@ def test_cross_validation_judges_each_shape_on_a_fit_that_never_saw_it() -> None
 
     tune_gemm.fit = spy  # type: ignore[assignment]
     try:
-        regrets = tune_gemm.cross_validate(timings, H200_SMS, 50 * 2**20, repeats=2)
+        regrets = tune_gemm.cross_validate(timings, H200_SMS, 50 * 2**20, H200_SLOTS, repeats=2)
     finally:
         tune_gemm.fit = fit
     # Two halvings, each fitted both ways: every shape judged twice, by fits of the other half.
@@ -334,7 +355,8 @@ def test_cross_validation_judges_each_shape_on_a_fit_that_never_saw_it() -> None
 def test_the_written_calibration_module_loads_as_the_fitted_model(tmp_path: Path) -> None:
     truth = _truth()
     provenance = {"gpu": "NVIDIA H200", "sm_count": H200_SMS, "l2_bytes": 50 * 2**20, "date": "2026-12-02",
-                  "torch": "2.11.0+cu130", "cuda": "13.0", "reps": 15, "rotation": 4, "shapes": 38, "timings": 2}
+                  "torch": "2.11.0+cu130", "cuda": "13.0", "reps": 15, "rotation": 4, "shapes": 38, "timings": 2,
+                  "cluster_slots": H200_SLOTS}  # int keys, which JSON makes strings: load() makes them ints again
     timings = [tune_gemm.Timing(1, 4096, 4096, sorted(BUILT)[0], 4, 12.5),
                tune_gemm.Timing(4096, 4096, 4096, sorted(BUILT)[1], 1, 201.0)]
     tune_gemm.save(tmp_path / "timings.json", timings, provenance)
@@ -395,7 +417,7 @@ def test_measured_picks_are_written_only_where_they_beat_the_models_pick_by_the_
         own = model.choose(m, n, k, H200_SMS, BUILT, measured=False)
         other = _not_the_models(model, m, n, k)
         timings += [tune_gemm.Timing(m, n, k, *own, 100.0), tune_gemm.Timing(m, n, k, *other, 100.0 / factor)]
-    picks = tune_gemm.measured_picks(model, timings, H200_SMS)
+    picks = tune_gemm.measured_picks(model, timings, H200_SMS, H200_SLOTS)
     assert set(picks) == {(300, 2304, 1544)}
     pick, slower = picks[(300, 2304, 1544)]
     assert pick == _not_the_models(model, 300, 2304, 1544) and slower == pytest.approx(1.10)

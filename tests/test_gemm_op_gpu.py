@@ -68,7 +68,7 @@ def test_compiled_fullgraph_matches_eager(lib: launch.Library, torch: Any, backe
 def _gemm_tile(lib: launch.Library, m: int, n: int, k: int) -> str:
     """The selection's gemm tile for the shape (never a skinny point, which takes no K split)."""
     tiles = frozenset(i for i in G.candidates(lib) if i.startswith(G.FAMILY + "/"))
-    return _gemm_model.choose(m, n, k, G.sm_count(0), tiles)[0]
+    return _gemm_model.choose(m, n, k, G.sm_count(0), tiles, cluster_slots=G.cluster_slots(lib, 0))[0]
 
 
 @pytest.mark.parametrize(("splits", "m"), [(2, 1), (3, 1), (8, 1), (16, 1), (G.STREAM_K, 1), (G.STREAM_K, 1280)])

@@ -4,7 +4,8 @@ For every candidate instantiation and split count the model estimates the kernel
 from what the launch contract (``kernels/gemm/README.md``, ``gemm.plan``) makes of the
 shape, and ``choose`` takes the fastest:
 
-- **the busiest CTA**: a persistent grid of ``min(units, SMs / cluster)`` clusters runs
+- **the busiest CTA**: a persistent grid of ``min(units, SMs / cluster)`` clusters (fewer
+  where the device holds fewer at once: ``ClusterSlots``) runs
   ``ceil(units / clusters)`` work units on its busiest cluster (a partial last wave costs a
   whole unit); a unit costs ``unit_us`` (accumulator reset, pipeline drain, epilogue) plus
   ``kblock_us`` per K block it owns, plus, with split-K, the fp32 partial written and, on
@@ -174,6 +175,11 @@ def _config(kernel_id: str) -> _gemm.GemmConfig | _gemm.SkinnyConfig:
     return _gemm.config_of(kernel_id)
 
 
+#: Clusters of each size (2, 4) the device holds at once (``Kernel.max_active_clusters``; a
+#: cluster must fit in one GPC, so the H200 holds 30 of 4, not 132 / 4); None, or a size left
+#: out: SMs / size.
+ClusterSlots = Mapping[int, int] | None
+
 # plan() is pure; the fit (benchmarks/tune_gemm.py) estimates each timing hundreds of times.
 _plan: Final = functools.lru_cache(maxsize=8192)(_gemm.plan)
 
@@ -229,12 +235,13 @@ def weighs_stream_k(cluster_tiles: int, slots: int, kblocks: int) -> bool:
     return kblocks > 1 and slots <= cluster_tiles and 2 * cluster_tiles < 3 * slots
 
 
-def offers_stream_k(m: int, n: int, k: int, sm_count: int, kernel_id: str) -> bool:
+def offers_stream_k(m: int, n: int, k: int, sm_count: int, kernel_id: str,
+                    cluster_slots: ClusterSlots = None) -> bool:
     """Whether `Model.options` weighs stream-K for `kernel_id` at M x N x K (what the calibration times)."""
     cfg = _config(kernel_id)
     if isinstance(cfg, _gemm.SkinnyConfig):
         return False
-    _, cluster_tiles, slots = _layout(cfg, m, n, sm_count)
+    _, cluster_tiles, slots = _layout(cfg, m, n, sm_count, cluster_slots)
     return weighs_stream_k(cluster_tiles, slots, -(-k // cfg.bk))
 
 
@@ -258,18 +265,25 @@ def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int
     return whole + touched, whole * kblocks + share, written, read
 
 
-def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int) -> tuple[int, int, int]:
+def _max_clusters(config: _gemm.GemmConfig, cluster_slots: ClusterSlots) -> int | None:
+    """plan()'s max_clusters for `config` on a device holding `cluster_slots` (None: no cap known)."""
+    return cluster_slots.get(config.cluster) if cluster_slots and config.cluster > 1 else None
+
+
+def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int,
+            cluster_slots: ClusterSlots = None) -> tuple[int, int, int]:
     """(tiles, work units per K split, cluster slots) of plan()'s launch contract.
 
     plan() gives units = these units x splits and grid = min(units, slots) x cluster;
     tests/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
-    A swapped point tiles N x M. Slots are SMs / cluster: where a device holds fewer clusters
-    at once, ops.gemm caps the grid there (plan's max_clusters), which the model does not see
-    (the H200 holds all 66 pairs).
+    A swapped point tiles N x M. Slots are SMs / cluster, or fewer where `cluster_slots` says
+    the device holds fewer clusters of that size at once (the H200: all 66 pairs, 30 of 4).
     """
     m, n = config.kernel_dims(m, n)
     tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)
-    return tiles_m * tiles_n, -(-tiles_m // config.cluster) * tiles_n, sm_count // config.cluster
+    slots = sm_count // config.cluster
+    cap = _max_clusters(config, cluster_slots)
+    return tiles_m * tiles_n, -(-tiles_m // config.cluster) * tiles_n, slots if cap is None else min(slots, cap)
 
 
 def _check_shape(m: int, n: int, k: int, sm_count: int) -> None:
@@ -310,7 +324,8 @@ class Model:
     def is_calibrated(self, kernel_id: str) -> bool:
         return kernel_id in self._tiles
 
-    def estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> Estimate:
+    def estimate(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int,
+                 cluster_slots: ClusterSlots = None) -> Estimate:
         """The model's terms for `kernel_id` with `splits` (clamped as plan() does), from plan()'s launch.
 
         The readable definition of the model; `options` computes the same times faster
@@ -319,7 +334,8 @@ class Model:
         _check_shape(m, n, k, sm_count)
         if isinstance(_config(kernel_id), _gemm.SkinnyConfig):
             return self._skinny_estimate(m, n, k, sm_count, kernel_id, splits)
-        launch = _plan(m, n, k, sm_count, kernel_id, splits)
+        cap = _max_clusters(_config(kernel_id), cluster_slots)  # type: ignore[arg-type]
+        launch = _plan(m, n, k, sm_count, kernel_id, splits, max_clusters=cap)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
         clusters = launch.grid // cfg.cluster
         partial_us = cfg.bm * cfg.bn * 4 / mc.partial_bytes_per_us
@@ -369,12 +385,13 @@ class Model:
         time = _total_us(mc.launch_us, busiest, memory, mc.overlap_loss)
         return Estimate(kernel_id, 1, ctas, ctas, waves, waves * batches, costs.kblock_us, 0.0, busiest, memory, time)
 
-    def predict_us(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
+    def predict_us(self, m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int,
+                   cluster_slots: ClusterSlots = None) -> float:
         """Estimated kernel time of `kernel_id` with `splits` (clamped as plan() does)."""
-        return self.estimate(m, n, k, sm_count, kernel_id, splits).time_us
+        return self.estimate(m, n, k, sm_count, kernel_id, splits, cluster_slots).time_us
 
     def _times(self, m: int, n: int, k: int, sm_count: int, kernel_id: str,
-               last: int) -> list[tuple[float, str, int]]:
+               last: int, cluster_slots: ClusterSlots) -> list[tuple[float, str, int]]:
         """(time, kernel id, splits) for splits 1..last, stopping where units exceed the split-wave cap.
 
         `estimate` inlined: plan() parses the id (about 5 us, too slow for 16 candidates x 16
@@ -385,7 +402,7 @@ class Model:
         mc = self.machine
         cluster = cfg.cluster
         kblocks = -(-k // cfg.bk)
-        tiles, units_per_split, slots = _layout(cfg, m, n, sm_count)
+        tiles, units_per_split, slots = _layout(cfg, m, n, sm_count, cluster_slots)
         partial = cfg.bm * cfg.bn * 4
         split_fixed = mc.split_unit_us
         partial_us = partial / mc.partial_bytes_per_us
@@ -426,8 +443,8 @@ class Model:
             out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, _STREAM_K))
         return out
 
-    def options(self, m: int, n: int, k: int, sm_count: int,
-                candidates: Iterable[str]) -> list[tuple[float, str, int]]:
+    def options(self, m: int, n: int, k: int, sm_count: int, candidates: Iterable[str],
+                cluster_slots: ClusterSlots = None) -> list[tuple[float, str, int]]:
         """(predicted us, kernel id, splits) of every option the model weighs, unsorted."""
         _check_shape(m, n, k, sm_count)
         out: list[tuple[float, str, int]] = []
@@ -439,7 +456,7 @@ class Model:
             elif cfg.swap and kernel_id not in self._tiles:
                 continue  # the defaults come from unswapped tiles: a swapped one is weighed once measured
             elif sm_count >= cfg.cluster:
-                out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)))
+                out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)), cluster_slots)
         return out
 
     def measured_pick(self, m: int, n: int, k: int, sm_count: int) -> tuple[str, int] | None:
@@ -449,7 +466,7 @@ class Model:
         return self._picks.get((m, n, k))
 
     def choose(self, m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
-               measured: bool = True) -> tuple[str, int]:
+               measured: bool = True, cluster_slots: ClusterSlots = None) -> tuple[str, int]:
         """(kernel id, splits): the measured pick of this exact shape where the library has its kernel
         (unless `measured` is False), else `prefer` of the options: the fewest splits among those
         predicted within `SPLIT_MARGIN` of the fastest."""
@@ -457,7 +474,7 @@ class Model:
         pick = self.measured_pick(m, n, k, sm_count) if measured else None
         if pick is not None and pick[0] in candidates:
             return pick
-        options = self.options(m, n, k, sm_count, sorted(candidates))
+        options = self.options(m, n, k, sm_count, sorted(candidates), cluster_slots)
         if not options:
             raise BadArgumentError(
                 f"gemm {m}x{n}x{k} on {sm_count} SMs: expected at least one gemm candidate that fits, "
@@ -518,16 +535,18 @@ _MODEL: Final = calibrated_model()
 
 
 def choose(m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
-           measured: bool = True) -> tuple[str, int]:
+           measured: bool = True, cluster_slots: ClusterSlots = None) -> tuple[str, int]:
     """(kernel id, splits) for an M x N x K problem on `sm_count` SMs, the id among `candidates`;
-    `measured=False` leaves out the calibration's measured picks (the model alone).
+    `measured=False` leaves out the calibration's measured picks (the model alone);
+    `cluster_slots`: the clusters of each size the device holds at once (`ClusterSlots`).
 
     Deterministic; raises `BadArgumentError` naming the shape if no candidate fits.
     """
-    return _MODEL.choose(m, n, k, sm_count, candidates, measured)
+    return _MODEL.choose(m, n, k, sm_count, candidates, measured, cluster_slots)
 
 
-def predict_us(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int) -> float:
+def predict_us(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int,
+               cluster_slots: ClusterSlots = None) -> float:
     """The calibrated model's estimate of one launch, in microseconds."""
-    return _MODEL.predict_us(m, n, k, sm_count, kernel_id, splits)
+    return _MODEL.predict_us(m, n, k, sm_count, kernel_id, splits, cluster_slots)
 

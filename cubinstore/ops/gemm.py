@@ -109,15 +109,14 @@ class GemmConfig:
             problems.append(f"bm {self.bm} not in (64, 128, 256)")
         if self.swap not in (0, 1):
             problems.append(f"swap {self.swap} not in (0, 1)")
-        elif self.swap and not (self.bn % 8 == 0 and 8 <= self.bn <= 256 and self.bn // self.cluster % 8 == 0):
-            problems.append(f"bn {self.bn} with swap 1: expected a multiple of 8 up to 256 whose share of a "
-                            f"cluster of {self.cluster} (bn / cluster) is a multiple of 8 too")
+        elif self.swap and not (self.bn % 8 == 0 and 8 <= self.bn <= 256):
+            problems.append(f"bn {self.bn} with swap 1: expected a multiple of 8 up to 256")
         elif not self.swap and self.bn not in (64, 128, 192, 256):
             problems.append(f"bn {self.bn} not in (64, 128, 192, 256)")
         if self.bk not in (64, 128):
             problems.append(f"bk {self.bk} not in (64, 128)")
-        if self.cluster not in (1, 2):
-            problems.append(f"cluster {self.cluster} not in (1, 2)")
+        if self.cluster not in (1, 2, 4):
+            problems.append(f"cluster {self.cluster} not in (1, 2, 4)")  # every bn above splits into 4 equal slices
         if self.stages < 2:
             problems.append(f"stages {self.stages} < 2")
         if self.bm // 128 * self.bn // 2 > 128:
@@ -483,6 +482,7 @@ _lock = threading.Lock()
 _kernels: dict[tuple[Library, str, int], Kernel] = {}  # the library itself: an id() may be reused
 _sm_counts: dict[int, int] = {}
 _co_resident_counts: dict[tuple[Library, str, int], int] = {}  # clusters a device holds at once, per point
+_cluster_slots: dict[tuple[Library, int], dict[int, int]] = {}  # ClusterSlots of a library's points, per device
 # Per (device, stream): split-K and stream-K publication counters. The kernel leaves them at zero, and
 # launches on one stream are ordered, so one buffer per stream is reused safely.
 _counters: dict[tuple[int, int], Any] = {}
@@ -569,6 +569,28 @@ def candidates(library: Library) -> frozenset[str]:
         return _candidates.setdefault(library, ids)
 
 
+def cluster_slots(library: Library, device: int) -> dict[int, int]:
+    """The clusters of each size (above 1) among the library's gemm points that `device` holds at
+    once (cached): the selection model's ClusterSlots. Asked of the driver with the first point of
+    each size (every gemm point takes one CTA an SM, so the count is the GPCs', not the point's)."""
+    key = (library, device)
+    slots = _cluster_slots.get(key)
+    if slots is None:
+        firsts: dict[int, str] = {}
+        for kernel_id in sorted(candidates(library)):
+            config = config_of(kernel_id)
+            if isinstance(config, GemmConfig) and config.cluster > 1:
+                firsts.setdefault(config.cluster, kernel_id)
+        slots = {}
+        for size, kernel_id in sorted(firsts.items()):
+            count = _co_resident(library, _kernel(library, kernel_id, device), kernel_id, device)
+            if count is not None:  # always, for a point launched in clusters
+                slots[size] = count
+        with _lock:
+            _cluster_slots[key] = slots
+    return slots
+
+
 def select(library: Library, device: int, m: int, n: int, k: int) -> tuple[str, int]:
     """(kernel id, K splits) for an M x N x K problem on `device`, chosen once per (library, device, M, N, K)."""
     key = (library, device, m, n, k)
@@ -576,7 +598,8 @@ def select(library: Library, device: int, m: int, n: int, k: int) -> tuple[str, 
     if chosen is None:
         from cubinstore.ops import _gemm_model
 
-        chosen = _gemm_model.choose(m, n, k, sm_count(device), candidates(library))
+        chosen = _gemm_model.choose(m, n, k, sm_count(device), candidates(library),
+                                    cluster_slots=cluster_slots(library, device))
         with _lock:
             _misses["selection"] += 1
             if len(_selections) >= _SELECTION_CACHE:

@@ -107,12 +107,13 @@ struct Config {
   static_assert(kSwap ? kBN % 8 == 0 && kBN <= 256 : kBN == 64 || kBN == 128 || kBN == 192 || kBN == 256,
                 "BN must be 64, 128, 192 or 256 (with SWAP = 1, a multiple of 8 up to 256)");
   static_assert(kBK == 64 || kBK == 128, "BK must be 64 or 128");
-  static_assert(kClusterM == 1 || kClusterM == 2, "CLUSTER_M must be 1 or 2");
+  static_assert(kClusterM == 1 || kClusterM == 2 || kClusterM == 4, "CLUSTER_M must be 1, 2 or 4");
   static_assert(kAcc <= 128, "accumulator tile too large for 232 registers per thread");
   static_assert(kStages >= 2, "STAGES must be at least 2");
   static_assert(kSmemBytes <= 232448, "shared memory exceeds the sm_90 limit of 227 KiB");
-  // Multicast halves of B must start on a 1024-byte swizzle-pattern boundary.
-  static_assert((kBRowsPerCta * 128) % 1024 == 0, "B rows per CTA must be a multiple of 8");
+  // Each CTA multicasts an equal slice of B's rows. A slice may start on any 128-byte row:
+  // TMA swizzles by the shared-memory address, so the pattern stays whole across slices.
+  static_assert(kBN % kClusterM == 0, "BN must be a multiple of CLUSTER_M");
 };
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
