@@ -51,14 +51,18 @@ def _manifest_ids() -> frozenset[str]:
 
 
 def _plan(m: int, n: int, k: int, choice: tuple[str, int], sm_count: int = H200_SMS) -> G.Plan:
-    return G.plan(m, n, k, sm_count, *choice)
+    """plan() on an H200 (or `sm_count` SMs), its grid capped where the H200 holds fewer clusters."""
+    cluster = G.config_of(choice[0]).cluster
+    cap = H200_SLOTS.get(cluster) if sm_count == H200_SMS and cluster > 1 else None
+    return G.plan(m, n, k, sm_count, *choice, max_clusters=cap)
 
 
 def _wave_fill(launch: G.Plan) -> float:
     """Fraction of the grid's cluster-slots busy, over all waves: 1.0 when the last wave is full."""
     clusters = launch.grid // launch.config.cluster
     waves = -(-launch.units // clusters)
-    return launch.units / (waves * (H200_SMS // launch.config.cluster))
+    slots = H200_SLOTS.get(launch.config.cluster, H200_SMS // launch.config.cluster)  # clusters held at once
+    return launch.units / (waves * slots)
 
 
 # -- the manifest and the candidates --------------------------------------------------------------
@@ -127,7 +131,8 @@ def test_a_nearly_empty_last_wave_is_avoided() -> None:
     large = G.GemmConfig(128, 256, 64, 4, 1).kernel_id
     naive = _plan(m, n, k, (large, 1))
     assert naive.units == 140
-    choice = _gemm_model.choose(m, n, k, H200_SMS, BUILT, measured=False)  # the model's reasoning, not a timing
+    choice = _gemm_model.choose(m, n, k, H200_SMS, BUILT, measured=False,  # the model's reasoning, not a timing
+                                cluster_slots=H200_SLOTS)
     chosen = _plan(m, n, k, choice)
     assert choice[1] > 1 or _wave_fill(chosen) > _wave_fill(naive), (
         f"{m}x{n}x{k}: {choice} fills {_wave_fill(chosen):.2f} of its waves, 128x256 unsplit {_wave_fill(naive):.2f}"
@@ -137,7 +142,7 @@ def test_a_nearly_empty_last_wave_is_avoided() -> None:
 def test_tall_skinny_fills_the_gpu() -> None:
     # N = 256 leaves few tile columns: the choice needs small tiles or split-K to occupy the SMs.
     for m, n, k in ((8192, 256, 4096), (16384, 256, 7168), (32768, 128, 1024)):
-        launch = _plan(m, n, k, _gemm_model.choose(m, n, k, H200_SMS, BUILT))
+        launch = _plan(m, n, k, _gemm_model.choose(m, n, k, H200_SMS, BUILT, cluster_slots=H200_SLOTS))
         assert launch.grid >= H200_SMS * 3 // 4, f"{m}x{n}x{k}: grid {launch.grid}"
 
 
