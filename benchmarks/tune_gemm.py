@@ -18,7 +18,7 @@ Timing is bench_gemm's (CUDA events, median, inputs rotated over 4x the L2). The
 (least squares, alternating): per instantiation `unit_us` and `kblock_us` on the timings
 whose estimate is compute bound (and not held to the feed of unaligned rows), then the
 machine's constants (launch, HBM rate, fetch latency, split-K costs, overlap, the feed of
-unaligned rows) by a coordinate search on the log error of all timings. It prints the residuals per instantiation and, per shape, the
+unaligned rows to a CTA and from the L2 to all) by a coordinate search on the log error of all timings. It prints the residuals per instantiation and, per shape, the
 measured best against the model's pick among the measured options, then the same judged
 out of sample (cross-validation: fitted on a random half of the shapes, picks judged on the
 other half, for a few halvings), and writes the calibration module: the constants, and as
@@ -57,7 +57,7 @@ SPLIT_TRIES = (2, 3, 4, 6, 8, 16)
 MAX_SPLIT_WAVES = 2  # split tries whose units exceed this many waves are not timed
 # Machine constants the fit moves (l2_bytes is the device's, read from torch).
 FITTED_MACHINE = ("launch_us", "hbm_bytes_per_us", "fetch_latency_us", "split_unit_us", "partial_bytes_per_us",
-                  "overlap_loss", "unaligned_feed_bytes_per_us")
+                  "overlap_loss", "unaligned_feed_bytes_per_us", "unaligned_l2_bytes_per_us")
 FACTORS = (0.5, 0.7, 0.85, 0.93, 0.97, 1.03, 1.07, 1.15, 1.4, 2.0)
 _UNALIGNED_FEED = _gemm_model.DEFAULT_MACHINE.unaligned_feed_bytes_per_us
 # Physical bounds the search keeps to: overlap_loss is a fraction; the unaligned feed shows

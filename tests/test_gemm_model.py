@@ -160,14 +160,47 @@ def test_the_defaults_cost_a_cluster2_point_no_more_than_its_twin() -> None:
 
 def test_unaligned_rows_bound_a_k_block_by_the_bytes_a_cta_loads() -> None:
     # K not a multiple of 64: rows of A and B off the 128-byte lines, each box row two L2 lines.
+    # The busiest cluster's K blocks take at least the CTA's bytes over its feed each, and
+    # together at least the L2's time to feed every CTA's K blocks of the launch.
     model = Model()
+    mc = model.machine
     for kernel_id in sorted(BUILT):
         cfg = G.GemmConfig.from_id(kernel_id)
         tile = model.tile_costs(kernel_id).kblock_us
-        aligned = model.estimate(6000, 512, 3008, H200_SMS, kernel_id, 1)
-        unaligned = model.estimate(6000, 512, 3000, H200_SMS, kernel_id, 1)
-        feed = (cfg.bm + cfg.bn / cfg.cluster) * cfg.bk * 2 / model.machine.unaligned_feed_bytes_per_us
-        assert aligned.kblock_us == tile and unaligned.kblock_us == max(tile, feed), kernel_id
+        for splits in (1, 3):
+            aligned = model.estimate(6000, 512, 3008, H200_SMS, kernel_id, splits, H200_SLOTS)
+            unaligned = model.estimate(6000, 512, 3000, H200_SMS, kernel_id, splits, H200_SLOTS)
+            km, kn = cfg.kernel_dims(6000, 512)
+            cta_bytes = (min(cfg.bm, km) + min(cfg.bn, kn) / cfg.cluster) * cfg.bk * 2
+            # Every CTA of every cluster, one past M's tiles too (it loads its share of the shared tile).
+            tiles_m = -(-km // cfg.bm)
+            ctas = -(-tiles_m // cfg.cluster) * cfg.cluster * -(-kn // cfg.bn)
+            l2_us = ctas * -(-3000 // cfg.bk) * cta_bytes / mc.unaligned_l2_bytes_per_us
+            expected = max(tile, cta_bytes / mc.unaligned_feed_bytes_per_us, l2_us / unaligned.busy_kblocks)
+            assert aligned.kblock_us == tile, kernel_id
+            assert unaligned.kblock_us == pytest.approx(expected, rel=1e-12), (kernel_id, splits)
+
+
+def test_unaligned_rows_cost_more_the_more_ctas_share_the_l2() -> None:
+    # 128x192 in pairs at K = 2008: 128 CTAs take the L2 together at M = 1000, 32 at M = 250
+    # (each CTA one tile, the same bytes a K block), so its K block is slower at M = 1000; at
+    # K = 2048 (aligned) both are the tile's.
+    model = _gemm_model.calibrated_model()
+    kernel_id = G.GemmConfig(128, 192, 64, 5, 2).kernel_id
+    full, few = (model.estimate(m, 3000, 2008, H200_SMS, kernel_id, 1, H200_SLOTS) for m in (1000, 250))
+    assert full.grid == 128 and few.grid == 32 and full.busy_kblocks == few.busy_kblocks
+    assert full.kblock_us > few.kblock_us >= model.tile_costs(kernel_id).kblock_us
+    for m in (1000, 250):
+        assert model.estimate(m, 3000, 2048, H200_SMS, kernel_id, 1, H200_SLOTS).kblock_us == \
+            model.tile_costs(kernel_id).kblock_us
+
+
+def test_clusters_of_4_win_where_unaligned_rows_load_the_l2() -> None:
+    # 1000x3000x2008 (H200, 2026-12-04, the judge's timings): 128x200 in clusters of 4 (120
+    # CTAs of 178 rows a K block) took 26.1-26.4 us, 128x192 in pairs (128 CTAs of 224 rows)
+    # 28.6; the per-CTA floor alone tied them and kept the pair.
+    kernel_id, _ = _gemm_model.choose(1000, 3000, 2008, H200_SMS, BUILT, cluster_slots=H200_SLOTS)
+    assert G.GemmConfig.from_id(kernel_id).cluster == 4, kernel_id
 
 
 def test_a_cluster_point_wins_where_unaligned_rows_make_the_feed_the_bound() -> None:

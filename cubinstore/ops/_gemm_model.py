@@ -21,7 +21,11 @@ shape, and ``choose`` takes the fastest:
   ``unaligned_feed_bytes_per_us``. On the H200 (2026-12-02) every instantiation drew
   41-59 KB/us a CTA on the three tuning shapes with such K (cluster-1 points about 60-110
   on aligned shapes), which is what makes cluster 2 up to 33% faster than its twin there
-  (6000x512x3000);
+  (6000x512x3000). The L2 serves those lines to all SMs together: the busiest cluster's K
+  blocks take together at least the bytes every CTA of the launch loads over all its K
+  blocks, over ``unaligned_l2_bytes_per_us`` (however splits or waves deal them out), so a
+  tile that loads fewer rows per CTA (clusters of 4 sharing B) or a launch of fewer CTAs is
+  faster (docs/gemm.md, 2026-12-04: what the per-CTA floor alone got wrong);
 - **the memory**: A, B and D (and a workspace larger than half the L2) cross HBM at
   ``hbm_bytes_per_us`` at best, and at most as fast as the grid keeps bytes in flight
   (each CTA has ``stages`` loads outstanding, each taking ``fetch_latency_us``): what makes
@@ -151,6 +155,9 @@ class MachineCosts:
     # One CTA's L2 -> SM rate when K is not a multiple of 64: each 128-byte row it loads spans
     # two L2 lines, so about half of _SM_FEED_BYTES_PER_US (the H200: 41-59 KB/us a CTA).
     unaligned_feed_bytes_per_us: float = _SM_FEED_BYTES_PER_US / 2
+    # All busy CTAs' unaligned loads together: the L2 serves two lines for each 128-byte row, so
+    # a full grid draws less each than one CTA alone (the H200: 41-59 KB/us a CTA at 120-132).
+    unaligned_l2_bytes_per_us: float = _H200_SMS * 50e3
 
 
 DEFAULT_MACHINE: Final = MachineCosts()
@@ -214,7 +221,8 @@ class Estimate:
     grid: int  # CTAs
     busy_units: int  # units (stream-K: pieces) on the busiest cluster
     busy_kblocks: int  # K blocks on the busiest cluster
-    kblock_us: float  # one K block: the tile's kblock_us, or the unaligned rows' feed if slower
+    # One K block: the tile's kblock_us, or with unaligned rows the CTA's feed or its share of the L2's if slower.
+    kblock_us: float
     busy_extra_us: float  # split-K or stream-K bookkeeping: fences, counters, partials
     busiest_us: float  # the busiest cluster's work
     memory_us: float  # HBM traffic at the rate the grid can draw
@@ -361,7 +369,11 @@ class Model:
         memory = hbm / min(mc.hbm_bytes_per_us, launch.grid * cta_rate)
         kblock_us = costs.kblock_us
         if _unaligned_rows(k):
-            kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us)
+            # The busiest cluster's K blocks take at least the CTA's feed each, and together as
+            # long as the L2 takes to feed every CTA's K blocks (however splits deal them out).
+            _, cluster_tiles, _ = _layout(cfg, m, n, sm_count, cluster_slots)
+            l2_us = cluster_tiles * cfg.cluster * kblocks * feed_bytes / mc.unaligned_l2_bytes_per_us
+            kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us, l2_us / busy_kblocks)
         busiest = busy_units * costs.unit_us + busy_kblocks * kblock_us + extra
         time = _total_us(mc.launch_us, busiest, memory, mc.overlap_loss)
         return Estimate(kernel_id, launch.splits, launch.units, launch.grid, busy_units, busy_kblocks, kblock_us,
@@ -413,8 +425,11 @@ class Model:
         cta_rate = cfg.stages * feed_bytes / mc.fetch_latency_us
         hbm_rate, launch_us, overlap_loss = mc.hbm_bytes_per_us, mc.launch_us, mc.overlap_loss
         unit_us, kblock_us = costs.unit_us, costs.kblock_us
-        if _unaligned_rows(k):
+        # Unaligned rows: K blocks at least the CTA's feed, and all of them the L2's time to feed them.
+        unaligned = _unaligned_rows(k)
+        if unaligned:
             kblock_us = max(kblock_us, feed_bytes / mc.unaligned_feed_bytes_per_us)
+        l2_us = units_per_split * cluster * kblocks * feed_bytes / mc.unaligned_l2_bytes_per_us if unaligned else 0.0
         cap = _MAX_SPLIT_WAVES * slots
         out: list[tuple[float, str, int]] = []
         for splits in range(1, last + 1):
@@ -422,13 +437,16 @@ class Model:
             if splits > 1 and units > cap:
                 break
             clusters = units if units < slots else slots  # the grid, in clusters
-            unit = unit_us + -(-kblocks // splits) * kblock_us
+            busy = -(-units // clusters)
+            unit_kblocks = -(-kblocks // splits)
+            kb = max(kblock_us, l2_us / (busy * unit_kblocks))
+            unit = unit_us + unit_kblocks * kb
             hbm = operand_bytes
             if splits > 1:
                 unit += split_fixed + splits * partial_us
                 if tiles * (splits - 1) * partial > workspace_limit:
                     hbm += 2.0 * tiles * (splits - 1) * partial
-            busiest = -(-units // clusters) * unit
+            busiest = busy * unit
             rate = clusters * cluster * cta_rate
             memory = hbm / (rate if rate < hbm_rate else hbm_rate)
             out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, splits))
@@ -436,7 +454,8 @@ class Model:
         if weighs_stream_k(cluster_tiles, slots, kblocks):
             clusters = min(cluster_tiles * kblocks, slots)
             pieces, kbs, written, read = _stream_k_work(cluster_tiles, clusters, kblocks)
-            busiest = (pieces * unit_us + kbs * kblock_us + written * split_fixed
+            kb = max(kblock_us, l2_us / kbs)
+            busiest = (pieces * unit_us + kbs * kb + written * split_fixed
                        + (written + read) * partial_us)
             rate = clusters * cluster * cta_rate
             memory = operand_bytes / (rate if rate < hbm_rate else hbm_rate)
