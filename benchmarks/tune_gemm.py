@@ -18,8 +18,8 @@ Timing is bench_gemm's (CUDA events, median, inputs rotated over 4x the L2). The
 (least squares, alternating): per instantiation `unit_us` and `kblock_us` on the timings
 whose estimate is compute bound (and not held to the feed of unaligned rows), then the
 machine's constants (launch, HBM rate, fetch latency, split-K costs, overlap, the feed of
-unaligned rows to a CTA and from the L2 to all) by a coordinate search on the log error of all timings. It prints the residuals per instantiation and, per shape, the
-measured best against the model's pick among the measured options, then the same judged
+unaligned rows to a CTA and from the L2 to all) by a coordinate search on the log error of
+all timings. It prints the residuals per instantiation and, per shape, the measured best against the model's pick among the measured options, then the same judged
 out of sample (cross-validation: fitted on a random half of the shapes, picks judged on the
 other half, for a few halvings), and writes the calibration module: the constants, and as
 PICKS the measured best of each shape where the fitted model's pick among the timed options was
