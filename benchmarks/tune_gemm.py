@@ -116,14 +116,31 @@ class Timing:
     us: float
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """The GPU timings come from, as the model weighs them: its SMs, its L2 and the clusters of
+    each size it holds at once (`_gemm_model.ClusterSlots`; empty or None: SMs / size)."""
+
+    sm_count: int
+    l2_bytes: float = _gemm_model.DEFAULT_MACHINE.l2_bytes
+    slots: ClusterSlots = None
+
+    @classmethod
+    def of(cls, provenance: dict[str, Any]) -> Gpu:
+        """The GPU a calibration's provenance names (its cluster counts' JSON keys are strings; none
+        recorded, as in timings taken before 2026-12-04, when no point had clusters of 4: SMs / size)."""
+        slots = {int(size): int(count) for size, count in (provenance.get("cluster_slots") or {}).items()}
+        return cls(int(provenance["sm_count"]), float(provenance["l2_bytes"]), slots)
+
+
 # -- what to time ---------------------------------------------------------------------------------
 
 
-def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: str,
-                slots: ClusterSlots = None) -> list[int]:
+def split_tries(model: Model, m: int, n: int, k: int, gpu: Gpu, kernel_id: str) -> list[int]:
     """1, and the splits worth timing: SPLIT_TRIES and the model's pick, within two waves of units,
     and stream-K (STREAM_K, 0) where the model weighs it (`offers_stream_k`)."""
     g = bench.gemm_module()
+    sm_count, slots = gpu.sm_count, gpu.slots
     options = model.options(m, n, k, sm_count, [kernel_id], slots)
     cfg = g.config_of(kernel_id)
     if isinstance(cfg, g.SkinnyConfig):  # no split; timed where the model offers it (M fits BM)
@@ -140,12 +157,11 @@ def split_tries(model: Model, m: int, n: int, k: int, sm_count: int, kernel_id: 
     return sorted(tries)
 
 
-def plan_timings(kernel_ids: Sequence[str], sm_count: int,
-                 shapes: Sequence[gemm_shapes.Shape] = gemm_shapes.TUNING,
-                 slots: ClusterSlots = None) -> list[tuple[gemm_shapes.Shape, str, int]]:
+def plan_timings(kernel_ids: Sequence[str], gpu: Gpu,
+                 shapes: Sequence[gemm_shapes.Shape] = gemm_shapes.TUNING) -> list[tuple[gemm_shapes.Shape, str, int]]:
     model = Model()
     return [(shape, kid, s) for shape in shapes for kid in kernel_ids
-            for s in split_tries(model, *shape.mnk, sm_count, kid, slots)]
+            for s in split_tries(model, *shape.mnk, gpu, kid)]
 
 
 # -- measuring (GPU) ------------------------------------------------------------------------------
@@ -165,7 +181,7 @@ def measure(args: argparse.Namespace,
     ops.set_library(library)
     ids = sorted(spec.id for spec in bench.op_specs(library.manifest))
     slots = bench.gemm_module().cluster_slots(library, 0)
-    todo = plan_timings(ids, sms, shapes, slots)
+    todo = plan_timings(ids, Gpu(sms, l2, slots), shapes)
     print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB, clusters held at once {slots}; "
           f"torch {torch.__version__}; {len(todo)} timings over {len(shapes)} shapes", flush=True)
     timings: list[Timing] = []
@@ -200,12 +216,6 @@ def measure(args: argparse.Namespace,
     return timings, provenance
 
 
-def cluster_slots(provenance: dict[str, Any]) -> dict[int, int]:
-    """The clusters of each size the timed GPU held at once (JSON keys are strings); none recorded
-    (timings taken before 2026-12-04, when no point had clusters of 4): SMs / size."""
-    return {int(size): int(count) for size, count in (provenance.get("cluster_slots") or {}).items()}
-
-
 def save(path: Path, timings: list[Timing], provenance: dict[str, Any]) -> None:
     doc = {"schema": SCHEMA, "provenance": provenance, "timings": [dataclasses.asdict(t) for t in timings]}
     bench.write_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
@@ -217,32 +227,32 @@ def load(path: Path) -> tuple[list[Timing], dict[str, Any]]:
     if doc.get("schema") != SCHEMA:
         sys.exit(f"{path}: expected schema {SCHEMA!r}, got {doc.get('schema')!r}")
     timings = [Timing(**t) for t in doc["timings"]]
-    sms, slots = int(doc["provenance"]["sm_count"]), cluster_slots(doc["provenance"])
+    gpu = Gpu.of(doc["provenance"])
     if "cluster_slots" in doc["provenance"]:
-        doc["provenance"]["cluster_slots"] = slots  # int keys again, as measure() wrote them
+        doc["provenance"]["cluster_slots"] = gpu.slots  # int keys again, as measure() wrote them
     stream_k = bench.gemm_module().STREAM_K
     kept = [t for t in timings
-            if t.splits != stream_k or _gemm_model.offers_stream_k(t.m, t.n, t.k, sms, t.kernel_id, slots)]
+            if t.splits != stream_k or _gemm_model.offers_stream_k(t.m, t.n, t.k, gpu.sm_count, t.kernel_id, gpu.slots)]
     return kept, doc["provenance"]
 
 
 # -- fitting (CPU, numpy) -------------------------------------------------------------------------
 
 
-def _log_error(model: Model, timings: Sequence[Timing], sm_count: int, slots: ClusterSlots) -> float:
-    return sum(math.log(model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits, slots) / t.us) ** 2
+def _log_error(model: Model, timings: Sequence[Timing], gpu: Gpu) -> float:
+    return sum(math.log(model.predict_us(t.m, t.n, t.k, gpu.sm_count, t.kernel_id, t.splits, gpu.slots) / t.us) ** 2
                for t in timings)
 
 
 def _fit_tiles(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequence[Timing],
-               sm_count: int, slots: ClusterSlots) -> dict[str, TileCosts]:
+               gpu: Gpu) -> dict[str, TileCosts]:
     """Per id: unit_us, kblock_us by least squares (relative) on its compute-bound timings."""
     import numpy as np
 
     model = Model(machine, tiles)
     rows: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
     for t in timings:
-        e = model.estimate(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits, slots)
+        e = model.estimate(t.m, t.n, t.k, gpu.sm_count, t.kernel_id, t.splits, gpu.slots)
         # Memory bound, or K blocks held to the feed of unaligned rows: not the tile's costs.
         if e.busiest_us < e.memory_us or e.kblock_us > model.tile_costs(t.kernel_id).kblock_us:
             continue
@@ -267,9 +277,9 @@ def _fit_tiles(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequ
 
 
 def _fit_machine(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Sequence[Timing],
-                 sm_count: int, slots: ClusterSlots) -> MachineCosts:
+                 gpu: Gpu) -> MachineCosts:
     """Coordinate search over the machine constants, multiplicative steps, on the total log error."""
-    best = _log_error(Model(machine, tiles), timings, sm_count, slots)
+    best = _log_error(Model(machine, tiles), timings, gpu)
     for _ in range(3):
         for name in FITTED_MACHINE:
             base = getattr(machine, name)
@@ -278,20 +288,19 @@ def _fit_machine(machine: MachineCosts, tiles: dict[str, TileCosts], timings: Se
                 if not low <= base * factor <= high:
                     continue
                 trial = dataclasses.replace(machine, **{name: base * factor})
-                err = _log_error(Model(trial, tiles), timings, sm_count, slots)
+                err = _log_error(Model(trial, tiles), timings, gpu)
                 if err < best:
                     best, machine = err, trial
     return machine
 
 
-def fit(timings: Sequence[Timing], sm_count: int, l2_bytes: float, slots: ClusterSlots,
-        rounds: int = 4) -> tuple[MachineCosts, dict[str, TileCosts]]:
-    machine = dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=float(l2_bytes))
+def fit(timings: Sequence[Timing], gpu: Gpu, rounds: int = 4) -> tuple[MachineCosts, dict[str, TileCosts]]:
+    machine = dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=float(gpu.l2_bytes))
     tiles: dict[str, TileCosts] = {}
     for _ in range(rounds):
-        tiles = _fit_tiles(machine, tiles, timings, sm_count, slots)
-        machine = _fit_machine(machine, tiles, timings, sm_count, slots)
-    return machine, _fit_tiles(machine, tiles, timings, sm_count, slots)
+        tiles = _fit_tiles(machine, tiles, timings, gpu)
+        machine = _fit_machine(machine, tiles, timings, gpu)
+    return machine, _fit_tiles(machine, tiles, timings, gpu)
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -305,9 +314,9 @@ def _by_shape(timings: Sequence[Timing]) -> dict[tuple[int, int, int], dict[tupl
 
 
 def _pick(model: Model, mnk: tuple[int, int, int], measured: dict[tuple[str, int], float],
-          sm_count: int, slots: ClusterSlots) -> tuple[str, int]:
+          gpu: Gpu) -> tuple[str, int]:
     """The model's choice (`_gemm_model.prefer`) among the measured options of one shape that it weighs."""
-    options = model.options(*mnk, sm_count, sorted({kid for kid, _ in measured}), slots)
+    options = model.options(*mnk, gpu.sm_count, sorted({kid for kid, _ in measured}), gpu.slots)
     return _gemm_model.prefer(o for o in options if (o[1], o[2]) in measured)
 
 
@@ -319,8 +328,7 @@ def _summary(regrets: Sequence[float], what: str) -> str:
             f"geometric mean, {max(regrets) - 1:.1%} at worst")
 
 
-def cross_validate(timings: Sequence[Timing], sm_count: int, l2_bytes: float, slots: ClusterSlots,
-                   repeats: int = CV_REPEATS, seed: int = 0) -> list[float]:
+def cross_validate(timings: Sequence[Timing], gpu: Gpu, repeats: int = CV_REPEATS, seed: int = 0) -> list[float]:
     """Regrets (measured time of the pick / measured best) of picks on shapes the fit never saw.
 
     For each of `repeats` random halvings of the shapes (seeded: the same halvings every
@@ -333,22 +341,22 @@ def cross_validate(timings: Sequence[Timing], sm_count: int, l2_bytes: float, sl
         order = sorted(shapes)
         random.Random(seed + r).shuffle(order)
         for held_out in (set(order[::2]), set(order[1::2])):
-            machine, tiles = fit([t for t in timings if (t.m, t.n, t.k) not in held_out], sm_count, l2_bytes, slots)
+            machine, tiles = fit([t for t in timings if (t.m, t.n, t.k) not in held_out], gpu)
             model = Model(machine, tiles)
             for mnk in sorted(held_out):
                 measured = shapes[mnk]
-                regrets.append(measured[_pick(model, mnk, measured, sm_count, slots)] / min(measured.values()))
+                regrets.append(measured[_pick(model, mnk, measured, gpu)] / min(measured.values()))
     return regrets
 
 
-def report(model: Model, timings: Sequence[Timing], sm_count: int, slots: ClusterSlots) -> float:
+def report(model: Model, timings: Sequence[Timing], gpu: Gpu) -> float:
     """Residuals per instantiation; per shape the measured best against the model's pick.
 
     Returns the geometric mean over shapes of (measured time of the pick / measured best).
     """
     errors: dict[str, list[float]] = defaultdict(list)
     for t in timings:
-        predicted = model.predict_us(t.m, t.n, t.k, sm_count, t.kernel_id, t.splits, slots)
+        predicted = model.predict_us(t.m, t.n, t.k, gpu.sm_count, t.kernel_id, t.splits, gpu.slots)
         errors[t.kernel_id].append(predicted / t.us - 1)
     print(f"\n{'kernel id':50s} {'timings':>7s} {'median':>8s} {'rms':>7s} {'worst':>7s}  (predicted / measured - 1)")
     for kid in sorted(errors):
@@ -356,7 +364,7 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int, slots: Cluste
         rms = math.sqrt(sum(x * x for x in e) / len(e))
         print(f"{kid:50s} {len(e):7d} {statistics.median(e):+8.1%} {rms:7.1%} {max(e, key=abs):+7.1%}")
     print(f"\n{'M x N x K':>18s} {'measured best (splits)':>52s} {'model pick among the timed':>52s} {'slower':>7s}")
-    judged = _judged(model, timings, sm_count, slots)
+    judged = _judged(model, timings, gpu)
     for (m, n, k), (best, pick, regret) in judged.items():
         print(f"{f'{m}x{n}x{k}':>18s} {f'{best[0]} ({best[1]})':>52s} {f'{pick[0]} ({pick[1]})':>52s} "
               f"{regret - 1:7.1%}")
@@ -366,22 +374,21 @@ def report(model: Model, timings: Sequence[Timing], sm_count: int, slots: Cluste
 
 
 def _judged(model: Model, timings: Sequence[Timing],
-            sm_count: int, slots: ClusterSlots) -> dict[tuple[int, int, int], tuple[tuple[str, int], tuple[str, int], float]]:
+            gpu: Gpu) -> dict[tuple[int, int, int], tuple[tuple[str, int], tuple[str, int], float]]:
     """Per shape (in the timings' order): the measured best option, the model's pick among the
     timed ones, and the pick's measured time over the best's."""
     out = {}
     for mnk, measured in _by_shape(timings).items():
         best = min(measured, key=lambda o: (measured[o], o))
-        pick = _pick(model, mnk, measured, sm_count, slots)
+        pick = _pick(model, mnk, measured, gpu)
         out[mnk] = (best, pick, measured[pick] / measured[best])
     return out
 
 
-def measured_picks(model: Model, timings: Sequence[Timing], sm_count: int, slots: ClusterSlots,
-                   margin: float = _gemm_model.PICK_MARGIN) -> dict[tuple[int, int, int], tuple[tuple[str, int], float]]:
+def measured_picks(model: Model, timings: Sequence[Timing], gpu: Gpu, margin: float = _gemm_model.PICK_MARGIN) -> dict[tuple[int, int, int], tuple[tuple[str, int], float]]:
     """Per shape, the measured best option and how much slower the model's pick among the timed was,
     where that is at least `margin` (what `render` writes as PICKS)."""
-    return {mnk: (best, slower) for mnk, (best, _, slower) in sorted(_judged(model, timings, sm_count, slots).items())
+    return {mnk: (best, slower) for mnk, (best, _, slower) in sorted(_judged(model, timings, gpu).items())
             if slower >= 1 + margin}
 
 
@@ -405,21 +412,21 @@ def render(provenance: dict[str, Any], machine: MachineCosts, tiles: dict[str, T
 
 def calibrate(timings: list[Timing], provenance: dict[str, Any], write: Path | None, force: bool,
               cv_repeats: int = CV_REPEATS) -> int:
-    sms, l2, slots = int(provenance["sm_count"]), float(provenance["l2_bytes"]), cluster_slots(provenance)
-    print(f"\ndefaults (specifications and the 2026-11-29 table), log error {_log_error(Model(), timings, sms, slots):.2f}:")
-    before = report(Model(dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=l2)), timings, sms, slots)
-    machine, tiles = fit(timings, sms, l2, slots)
+    gpu = Gpu.of(provenance)
+    print(f"\ndefaults (specifications and the 2026-11-29 table), log error {_log_error(Model(), timings, gpu):.2f}:")
+    before = report(Model(dataclasses.replace(_gemm_model.DEFAULT_MACHINE, l2_bytes=gpu.l2_bytes)), timings, gpu)
+    machine, tiles = fit(timings, gpu)
     model = Model(machine, tiles)
-    print(f"\nfitted, log error {_log_error(model, timings, sms, slots):.2f}: {machine}")
-    after = report(model, timings, sms, slots)
+    print(f"\nfitted, log error {_log_error(model, timings, gpu):.2f}: {machine}")
+    after = report(model, timings, gpu)
     if cv_repeats > 0:
         # The numbers above judge the fit on the shapes it was fitted to; these on shapes it never saw.
         shapes = len(_by_shape(timings))
         print(f"cross-validated (fitted on a random half of the {shapes} shapes, picks judged on the other half; "
-              f"{cv_repeats} halvings): {_summary(cross_validate(timings, sms, l2, slots, cv_repeats), 'picks')}")
-    picks = measured_picks(model, timings, sms, slots)
+              f"{cv_repeats} halvings): {_summary(cross_validate(timings, gpu, cv_repeats), 'picks')}")
+    picks = measured_picks(model, timings, gpu)
     with_picks = bench.geomean([1.0 if mnk in picks else regret
-                                for mnk, (_, _, regret) in _judged(model, timings, sms, slots).items()])
+                                for mnk, (_, _, regret) in _judged(model, timings, gpu).items()])
     print(f"measured picks (the timed best where it beat the model's pick by {_gemm_model.PICK_MARGIN:.0%} or more): "
           f"{len(picks)} shapes; with them the tuning shapes' picks are {with_picks - 1:.1%} slower than the measured "
           f"best in geometric mean")
@@ -467,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.measurements:
             save(args.measurements, timings, provenance)
         print("\nheld-out shapes, the shipped calibration (cubinstore/ops/_gemm_calibration.py):")
-        report(_gemm_model.calibrated_model(), timings, int(provenance["sm_count"]), cluster_slots(provenance))
+        report(_gemm_model.calibrated_model(), timings, Gpu.of(provenance))
     elif args.refit:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
     else:
@@ -482,7 +489,7 @@ def dry_run(args: argparse.Namespace) -> None:
     from cubinstore.manifest import Manifest
 
     ids = sorted(spec.id for spec in bench.op_specs(Manifest.from_path(args.manifest)))
-    todo = plan_timings(ids, args.sm_count)
+    todo = plan_timings(ids, Gpu(args.sm_count))
     model = Model()
     calls = args.reps + args.warmup + 1  # + the checked call
     gpu_s = sum(calls * model.predict_us(*shape.mnk, args.sm_count, kid, s) for shape, kid, s in todo) / 1e6

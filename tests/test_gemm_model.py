@@ -335,6 +335,8 @@ def test_tuning_and_held_out_shapes_are_disjoint_and_tma_legal() -> None:
 
 # -- calibration (tune_gemm.py's fit, on timings a known model made) ------------------------------
 
+H200_GPU = tune_gemm.Gpu(H200_SMS, 50 * 2**20, H200_SLOTS)  # the L2 the model's defaults assume
+
 
 def _truth() -> Model:
     """A GPU unlike the defaults: other machine constants, each tile 20% faster or slower."""
@@ -352,9 +354,9 @@ def test_the_fit_recovers_a_known_gpu_from_its_timings() -> None:
     truth = _truth()
     shapes = set(gemm_shapes.TUNING[::3])  # a third of the tuning set keeps the fit to seconds
     timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s, H200_SLOTS))
-               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS, slots=H200_SLOTS)
+               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_GPU)
                if shape in shapes]
-    machine, tiles = tune_gemm.fit(timings, H200_SMS, 50 * 2**20, H200_SLOTS, rounds=2)
+    machine, tiles = tune_gemm.fit(timings, H200_GPU, rounds=2)
     fitted = Model(machine, tiles)
     errors = sorted(abs(fitted.predict_us(t.m, t.n, t.k, H200_SMS, t.kernel_id, t.splits, H200_SLOTS) / t.us - 1)
                     for t in timings)
@@ -373,7 +375,7 @@ def test_cross_validation_judges_each_shape_on_a_fit_that_never_saw_it() -> None
     truth = _truth()
     shapes = set(gemm_shapes.TUNING[::6])
     timings = [tune_gemm.Timing(*shape.mnk, kid, s, truth.predict_us(*shape.mnk, H200_SMS, kid, s, H200_SLOTS))
-               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_SMS, slots=H200_SLOTS)
+               for shape, kid, s in tune_gemm.plan_timings(sorted(BUILT), H200_GPU)
                if shape in shapes]
     seen: list[set[tuple[int, int, int]]] = []
     fit = tune_gemm.fit
@@ -384,7 +386,7 @@ def test_cross_validation_judges_each_shape_on_a_fit_that_never_saw_it() -> None
 
     tune_gemm.fit = spy  # type: ignore[assignment]
     try:
-        regrets = tune_gemm.cross_validate(timings, H200_SMS, 50 * 2**20, H200_SLOTS, repeats=2)
+        regrets = tune_gemm.cross_validate(timings, H200_GPU, repeats=2)
     finally:
         tune_gemm.fit = fit
     # Two halvings, each fitted both ways: every shape judged twice, by fits of the other half.
@@ -461,7 +463,7 @@ def test_measured_picks_are_written_only_where_they_beat_the_models_pick_by_the_
         own = model.choose(m, n, k, H200_SMS, BUILT, measured=False)
         other = _not_the_models(model, m, n, k)
         timings += [tune_gemm.Timing(m, n, k, *own, 100.0), tune_gemm.Timing(m, n, k, *other, 100.0 / factor)]
-    picks = tune_gemm.measured_picks(model, timings, H200_SMS, H200_SLOTS)
+    picks = tune_gemm.measured_picks(model, timings, H200_GPU)
     assert set(picks) == {(300, 2304, 1544)}
     pick, slower = picks[(300, 2304, 1544)]
     assert pick == _not_the_models(model, 300, 2304, 1544) and slower == pytest.approx(1.10)

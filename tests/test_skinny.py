@@ -149,9 +149,9 @@ def test_with_both_families_every_pick_exists_in_the_manifest() -> None:
 def test_the_calibration_times_each_skinny_point_once_where_it_is_offered() -> None:
     model = Model()
     kernel_id = G.SkinnyConfig(16, 16, 8, 2).kernel_id
-    assert tune_gemm.split_tries(model, 16, 4096, 4096, H200_SMS, kernel_id) == [1]
-    assert tune_gemm.split_tries(model, 64, 4096, 4096, H200_SMS, kernel_id) == []
-    planned = tune_gemm.plan_timings([kernel_id], H200_SMS)
+    assert tune_gemm.split_tries(model, 16, 4096, 4096, tune_gemm.Gpu(H200_SMS), kernel_id) == [1]
+    assert tune_gemm.split_tries(model, 64, 4096, 4096, tune_gemm.Gpu(H200_SMS), kernel_id) == []
+    planned = tune_gemm.plan_timings([kernel_id], tune_gemm.Gpu(H200_SMS))
     assert planned and all(s.mnk[0] <= 16 and splits == 1 for s, _, splits in planned)
 
 
