@@ -37,6 +37,7 @@ __all__ = [
     "ParamType",
     "dumps_canonical",
     "kernel_id",
+    "loads_strict",
     "merge_flags",
     "module_anchor",
     "param_layout",
@@ -209,6 +210,43 @@ def dumps_canonical(doc: Mapping[str, Any]) -> bytes:
         doc["kernels"] = sorted(doc["kernels"], key=lambda k: str(k.get("id", "")) if isinstance(k, Mapping) else "")
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return text.encode("utf-8") + b"\n"
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (``json.loads`` would keep the last silently)."""
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for every parser of untrusted JSON: a repeated key is an error."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise DuplicateKeyError(key)
+        result[key] = value
+    return result
+
+
+def reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def loads_strict(raw: bytes | str, where: str, error: type[Exception]) -> Any:
+    """Parse untrusted JSON the one way: no duplicate keys, no NaN/Infinity, no deep nesting.
+
+    Raises ``error`` (a ``CubinstoreError`` subclass) as ``<where>: <why>``."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        return json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=reject_constant)
+    except DuplicateKeyError as exc:
+        raise error(f"{where}: duplicate key {exc.args[0]!r}") from None
+    except UnicodeDecodeError:
+        raise error(f"{where}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # NaN/Infinity, integers too long to convert
+        raise error(f"{where}: not valid JSON: {exc}") from None
 
 
 # -- nvcc defaults ----------------------------------------------------------------------------

@@ -22,7 +22,17 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from cubinstore import _abi
-from cubinstore._abi import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Arch, LaunchGeometry, dumps_canonical, kernel_id
+from cubinstore._abi import (
+    MAX_BLOB_SIZE,
+    MAX_MANIFEST_BYTES,
+    Arch,
+    DuplicateKeyError,
+    LaunchGeometry,
+    dumps_canonical,
+    kernel_id,
+    no_duplicate_keys,
+    reject_constant,
+)
 from cubinstore._digest import EMPTY_SHA256_HEX, Digest, show
 from cubinstore._log import get_logger
 from cubinstore.errors import (
@@ -232,23 +242,6 @@ class KernelSpec:
             "entries": {s: self._entry_json(e) for s, e in self.entry_specs.items()},
             "target": self.target,
         }
-
-
-class _DuplicateKeyError(ValueError):
-    pass
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKeyError(key)
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
 
 
 class _Checker:
@@ -1024,8 +1017,8 @@ class Manifest:
                 return cls(raw=raw, digest=Digest.of(raw), source=source, schema=SCHEMA, _index=index,
                            jit_templates=MappingProxyType(templates))
             try:
-                doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-            except _DuplicateKeyError as exc:
+                doc = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=reject_constant)
+            except DuplicateKeyError as exc:
                 raise check.fail("file", f"duplicate key {show(exc.args[0])}") from None
             except json.JSONDecodeError as exc:
                 raise check.fail("file", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
