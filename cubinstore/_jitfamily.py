@@ -8,23 +8,33 @@ placeholders, the external include roots it needs (``cutlass``), the entries and
 ``compile_family_point`` renders one point, compiles it through ``cubinstore.jit`` (same
 content key, index, single flight and warm set) and returns the ``KernelSpec`` the manifest
 would have had, so ``Library.kernel`` can load it like any other.
+
+A template and its bundle are data from a release: ``FamilyTemplate.from_json`` (at manifest
+open) admits only the copts and defines of ``cubinstore._jitflags``'s allow-list, real archs
+and parameter types; the filled flags are checked again before each compile; the compile is
+sealed (a file read outside the bundle, the include roots, the toolkit and the host compiler's
+system headers fails it); and the materialised sources are compared with the verified bundle
+before use, so an edited or added file under ``v1/jit/sources/`` is never compiled.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import stat
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore import _env
-from cubinstore._abi import Arch, dumps_canonical, kernel_id, render_param
+from cubinstore._abi import Arch, dumps_canonical, kernel_id, loads_strict, param_type, render_param, type_grammar
 from cubinstore._digest import Digest, show
+from cubinstore._jitflags import copt_problem, define_problem
 from cubinstore._log import get_logger
-from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError, StoreError
+from cubinstore._safedir import TEMP_PREFIX
+from cubinstore.errors import BadArgumentError, CubinstoreError, KernelNotFoundError, ManifestError, StoreError
 
 if TYPE_CHECKING:
     from cubinstore.manifest import KernelSpec
@@ -41,6 +51,7 @@ _IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _WORD_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
 _MAX_BUNDLE: Final = 64 * 1024 * 1024
 EXTERNAL_ROOTS: Final = ("cutlass",)
+_MAX_DEPTH: Final = 32
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ class FamilyTemplate:
         keys = doc.get("grid_keys")
         if not isinstance(keys, list) or not all(isinstance(k, str) and _IDENT_RE.fullmatch(k) for k in keys):
             raise fail("grid_keys", f"expected a list of identifiers, got {show(keys)}")
+        if len(set(keys)) != len(keys):
+            raise fail("grid_keys", f"expected distinct names, got {show(keys)}")
         source = doc.get("source")
         if not isinstance(source, str) or not _REL_RE.fullmatch(source):
             raise fail("source", f"expected a relative path inside the bundle, got {show(source)}")
@@ -104,17 +117,55 @@ class FamilyTemplate:
         for root in lists["includes"]:
             if root not in EXTERNAL_ROOTS:
                 raise fail("includes", f"unknown include root {root!r}; known: {', '.join(EXTERNAL_ROOTS)}")
-        for arch in lists["archs"]:
-            Arch.parse(arch)
+        # A template is data: what reaches nvcc is checked against the allow-list here, at open.
+        for i, copt in enumerate(lists["copts"]):
+            why = copt_problem(copt, keys)
+            if why is not None:
+                raise fail(f"copts[{i}]", why)
+        for i, define in enumerate(lists["defines"]):
+            why = define_problem(define, keys)
+            if why is not None:
+                raise fail(f"defines[{i}]", why)
+        for i, arch in enumerate(lists["archs"]):
+            try:
+                Arch.parse(arch)
+            except BadArgumentError as exc:
+                raise fail(f"archs[{i}]", str(exc)) from None
         entries = doc.get("entries")
         if not isinstance(entries, Mapping) or not entries or not all(
                 isinstance(k, str) and isinstance(v, list) and all(isinstance(t, str) for t in v) for k, v in entries.items()):
             raise fail("entries", f"expected a non-empty object of symbol -> parameter types, got {show(entries)}")
+        for name, types in entries.items():
+            why = _entry_problem(name, types, keys)
+            if why is not None:
+                raise fail(f"entries[{name!r}]{why[0]}", why[1])
         package = doc.get("package", "")
         if not isinstance(package, str) or (package and not _REL_RE.fullmatch(package)):
             raise fail("package", f"expected a Bazel package like 'kernels/gemm', got {show(package)}")
         return cls(family, tuple(keys), source, digest, size, lists["defines"], lists["copts"], lists["includes"],
                    {k: tuple(v) for k, v in entries.items()}, lists["archs"], package)
+
+
+def _entry_problem(name: str, types: Sequence[str], keys: Sequence[str]) -> tuple[str, str] | None:
+    """(where, why) when an entry is not a symbol with parameter types; None when it is.
+
+    A type is a parameter type (``_abi.param_type``) or one whole placeholder (``{dtype}``),
+    filled with the point's value and checked again at compile time."""
+    standin = name
+    for k in keys:
+        standin = standin.replace("{" + k + "}", "x")
+    if not _IDENT_RE.fullmatch(standin):
+        return "", f"expected a symbol (a C identifier, placeholders allowed), got {show(name)}"
+    placeholders = {"{" + k + "}" for k in keys}
+    for i, t in enumerate(types):
+        if t in placeholders:
+            continue
+        try:
+            param_type(t)
+        except BadArgumentError:
+            spelled = f" or a placeholder ({', '.join(sorted(placeholders))})" if placeholders else ""
+            return f"[{i}]", f"expected one of {type_grammar()}{spelled}, got {show(t)}"
+    return None
 
 
 def make_bundle(files: Mapping[str, bytes | str]) -> bytes:
@@ -127,46 +178,146 @@ def make_bundle(files: Mapping[str, bytes | str]) -> bytes:
     return dumps_canonical({"schema": SOURCES_SCHEMA, "files": out})
 
 
-def _bundle_files(raw: bytes, where: str) -> dict[str, str]:
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise ManifestError(f"{where}: not JSON: {exc}") from None
+def _bundle_files(raw: bytes, where: str) -> dict[str, bytes]:
+    """The bundle's files, relative path -> UTF-8 bytes, each path a plain relative name."""
+    doc = loads_strict(raw, where, ManifestError)
     if not isinstance(doc, dict) or doc.get("schema") != SOURCES_SCHEMA or not isinstance(doc.get("files"), dict):
         raise ManifestError(f"{where}: expected a {SOURCES_SCHEMA!r} object")
-    files = doc["files"]
-    for rel, text in files.items():
+    files: dict[str, bytes] = {}
+    for rel, text in doc["files"].items():
         # Paths become files under the store: no absolute path, no '..', nothing but plain names.
         if not isinstance(rel, str) or not _REL_RE.fullmatch(rel) or ".." in rel.split("/") or not isinstance(text, str):
             raise ManifestError(f"{where}: file {show(rel)}: expected a plain relative path and text")
+        try:
+            files[rel] = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ManifestError(f"{where}: file {show(rel)}: expected UTF-8 text, got a lone surrogate") from None
+    clash = sorted(_dirs_of(files) & files.keys())
+    if clash:
+        raise ManifestError(f"{where}: {show(clash[0])} is both a file and a directory of the bundle")
     return files
 
 
-def _materialize(store: Store, template: FamilyTemplate) -> Path:
-    """The bundle's files under ``<store>/v1/jit/sources/<hex>/``; ``.complete`` is written last.
+def _dirs_of(files: Mapping[str, bytes]) -> set[str]:
+    return {rel.rsplit("/", i)[0] for rel in files for i in range(1, rel.count("/") + 1)}
+
+
+_COMPLETE: Final = ".complete"  # written last: the tree was written whole once
+# (store's sources dir, bundle hex) -> (the tree's signature when it last held exactly the bundle,
+# the bundle's verified files). Bounded: a process compiles a few families.
+_checked: dict[tuple[str, str], tuple[tuple[tuple[Any, ...], ...], dict[str, bytes]]] = {}
+_checked_lock = threading.Lock()
+_MAX_CHECKED: Final = 8
+
+
+def _materialize(store: Store, template: FamilyTemplate) -> tuple[Path, dict[str, bytes], bool]:
+    """The bundle's files under ``<store>/v1/jit/sources/<hex>/``, their verified bytes, and
+    whether a tree found complete had to be repaired.
 
     Files go through the local store's descriptor-based API; processes that write the same
-    bundle at once write the same bytes, each file atomically.
+    bundle at once write the same bytes, each file atomically. What is on disk is compared with
+    the bundle (read through ``store.get``, which verifies its sha256) once per process, and
+    again whenever the tree's stat signature changes: a file edited since is rewritten and
+    anything the bundle lacks (a header that would shadow an include) is removed.
     """
     local = store.local
     if local is None:
         raise StoreError(f"the JIT needs a local store layer; {store!r} has none")
     base = ("jit", "sources", template.bundle.hex)
     final = Path(local.root) / "v1" / "jit" / "sources" / template.bundle.hex
-    try:
-        if local.read_file(base, ".complete", 0) is not None:
-            return final
-    except Exception:  # noqa: BLE001 - a link or damage there: write it again (or fail safely)
-        pass
+    where = f"{template.family} JIT sources {template.bundle}"
+    cache_key = (str(final), template.bundle.hex)
+    with _checked_lock:
+        known = _checked.get(cache_key)
+    if known is not None and _signature(local, base, known[1]) == known[0]:
+        return final, known[1], False
     raw = store.get(template.bundle, template.bundle_size, name=f"{template.family} JIT sources")
-    files = _bundle_files(raw, f"{template.family} JIT sources {template.bundle}")
+    files = _bundle_files(raw, where)
     if template.source not in files:
         raise ManifestError(f"{template.family} JIT template: source {template.source!r} is not in bundle {template.bundle}")
-    for rel, text in files.items():
-        *dirs, name = rel.split("/")
-        local.write_file((*base, *dirs), name, text.encode("utf-8"), durable=False)
-    local.write_file(base, ".complete", b"")
-    return final
+    repaired = _sync(local, base, files, final, where)
+    signature = _signature(local, base, files)
+    with _checked_lock:
+        if len(_checked) >= _MAX_CHECKED and cache_key not in _checked:
+            _checked.pop(next(iter(_checked)))
+        _checked[cache_key] = (signature, files)
+    return final, files, repaired
+
+
+def _signature(local: Any, base: tuple[str, ...], files: Mapping[str, bytes]) -> tuple[tuple[Any, ...], ...]:
+    """Every entry of the tree with what an edit changes (inode, size, mtime, ctime), in the bundle's directories."""
+    dirs = _dirs_of(files)
+    out: list[tuple[Any, ...]] = []
+    pending: list[tuple[str, ...]] = [()]
+    while pending:
+        parts = pending.pop()
+        for name, st in local.list_dir((*base, *parts)):
+            rel = "/".join((*parts, name))
+            out.append((rel, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+            if stat.S_ISDIR(st.st_mode) and rel in dirs:
+                pending.append((*parts, name))
+    return tuple(sorted(out))
+
+
+def _sync(local: Any, base: tuple[str, ...], files: Mapping[str, bytes], final: Path, where: str) -> bool:
+    """Make ``v1/<base>`` hold exactly ``files``: rewrite what differs, remove what the bundle lacks.
+
+    Returns whether a tree that was complete had to change (edited, or a file added)."""
+    expected = {**files, _COMPLETE: b""}
+    dirs = _dirs_of(files)
+    good: set[str] = set()
+    removed = False
+    pending: list[tuple[str, ...]] = [()]
+    while pending:
+        parts = pending.pop()
+        for name, st in local.list_dir((*base, *parts)):
+            rel = "/".join((*parts, name))
+            if stat.S_ISDIR(st.st_mode) and rel in dirs:
+                pending.append((*parts, name))
+            elif stat.S_ISREG(st.st_mode) and rel in expected:
+                if _reads_as(local, (*base, *parts), name, expected[rel]):
+                    good.add(rel)
+            elif stat.S_ISREG(st.st_mode) and name.startswith(TEMP_PREFIX):
+                continue  # a concurrent writer's temp file (no include can name it), renamed soon
+            else:
+                _log.warning("%s: removing %s from the materialised sources: the bundle has no such file", where, final / rel)
+                _remove(local, (*base, *parts), name, st, final / rel)
+                removed = True
+    stale = [rel for rel in files if rel not in good]
+    if stale and _COMPLETE in good:
+        _log.warning("%s: %d materialised file(s) differ from the bundle (%s); rewriting them",
+                     where, len(stale), ", ".join(stale[:3]) + (" ..." if len(stale) > 3 else ""))
+    for rel in stale:
+        *dirs_, name = rel.split("/")
+        local.write_file((*base, *dirs_), name, files[rel], durable=False)
+    if _COMPLETE not in good:
+        local.write_file(base, _COMPLETE, b"")
+    return _COMPLETE in good and (removed or bool(stale))
+
+
+def _reads_as(local: Any, parts: tuple[str, ...], name: str, want: bytes) -> bool:
+    try:
+        return local.read_file(parts, name, len(want)) == want
+    except (CubinstoreError, OSError):  # a link or a file swapped under us: rewrite it
+        return False
+
+
+def _remove(local: Any, parts: tuple[str, ...], name: str, st: os.stat_result, path: Path, depth: int = 0) -> None:
+    """Remove ``v1/<parts>/<name>``: a file or link, or a directory and everything in it (no link followed)."""
+    if not stat.S_ISDIR(st.st_mode):
+        local.remove_file(parts, name)
+        return
+    if depth > _MAX_DEPTH:
+        raise StoreError(f"cannot remove {path}: nested deeper than {_MAX_DEPTH} directories")
+    for child, child_st in local.list_dir((*parts, name)):
+        _remove(local, (*parts, name), child, child_st, path / child, depth + 1)
+    with local._fs.dir("v1", *parts, check=True) as fd:
+        if fd is None:  # gone already (never rmdir relative to the working directory)
+            return
+        try:
+            os.rmdir(name, dir_fd=fd)
+        except OSError as exc:
+            raise StoreError(f"cannot remove {path}: {exc.strerror or exc}") from exc
 
 
 def _has_cutlass_headers(root: Path) -> bool:
@@ -208,6 +359,21 @@ def _fill(text: str, params: Mapping[str, str | int]) -> str:
     return text
 
 
+def _filled_flags(template: FamilyTemplate, params: Mapping[str, str | int]) -> list[str]:
+    """The template's copts and ``-D`` defines for one point, each checked again once filled."""
+    flags: list[str] = []
+    for field, texts, check, prefix in (("copts", template.copts, copt_problem, ""),
+                                        ("defines", template.defines, define_problem, "-D")):
+        for i, raw in enumerate(texts):
+            filled = _fill(raw, params)
+            why = check(filled)
+            if why is not None:
+                asked = " ".join(f"{k}={v!r}" for k, v in params.items())
+                raise BadArgumentError(f"{template.family} {asked}: {field}[{i}] {raw!r} filled is not allowed: {why}")
+            flags.append(prefix + filled)
+    return flags
+
+
 def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | int], arch: str, *,
                          store: Store | None = None, include_roots: Mapping[str, str | os.PathLike[str]] | None = None,
                          jit: bool | None = None) -> KernelSpec:
@@ -240,16 +406,20 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
         )
     if store is None:
         store = _jit._default_store()
-    sources = _materialize(store, template)
-    text = _fill((sources / template.source).read_text(encoding="utf-8"), ordered)
+    flags = _filled_flags(template, ordered)
+    sources, files, repaired = _materialize(store, template)
+    if repaired:  # its files changed under this process: what the JIT hashed of them here is stale
+        _jit.clear_caches()
+    text = _fill(files[template.source].decode("utf-8"), ordered)
     roots = dict(include_roots or {})
     include_dirs: list[str | os.PathLike[str]] = [sources]
     for name in template.includes:
         include_dirs.append(roots[name] if name in roots else cutlass_include())
-    flags = [*(_fill(c, ordered) for c in template.copts), *("-D" + _fill(d, ordered) for d in template.defines)]
     entries = {_fill(e, ordered): tuple(_fill(t, ordered) for t in types) for e, types in (template.entries or {}).items()}
+    # Sealed: a file read from outside the bundle, the include roots, the toolkit and the host
+    # compiler's system headers fails the compile (an absolute #include, a define naming a host file).
     k = _jit.compile(text, include_dirs=include_dirs, flags=flags, arch=parsed, entries=entries,
-                     family=template.family, params=ordered, store=store, jit=jit)
+                     family=template.family, params=ordered, store=store, jit=jit, sealed=True)
     rendered = [render_param(key, v) for key, v in ordered.items()]
     target = f"//{template.package}:{'_'.join([template.family, *rendered, str(parsed)])}" if template.package else \
         f"//jit:k{k.key.hex}"
