@@ -18,6 +18,7 @@ CUBINSTORE_LOCK_TIMEOUT         seconds  600                               longe
 CUBINSTORE_MEMORY_BYTES         int      268435456                         in-process cache size; 0 disables it
 CUBINSTORE_MANIFEST             str      (none)                            manifest ``cubinstore.ops`` opens by default: a path or ``sha256:<hex>``
 CUBINSTORE_JIT                  bool     true                              a JIT miss may run nvcc; off: only index hits
+CUBINSTORE_JIT_TIMEOUT          seconds  600                               longest JIT compile; past it nvcc's process group is killed
 CUBINSTORE_HOST_CC              str      gcc                               host compiler (name on /usr/bin:/bin) of Bazel and the JIT
 CUBINSTORE_CUTLASS_INCLUDE      path     (none)                            CUTLASS/CuTe include root (Bazel, family JIT templates)
 CUBINSTORE_ALLOW_SHARED_STORE   bool     false                             write to a store whose directories others can write
@@ -51,6 +52,7 @@ __all__ = [
     "http_timeout",
     "host_cc",
     "jit",
+    "jit_timeout",
     "lock_timeout",
     "manifest",
     "memory_bytes",
@@ -81,6 +83,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CUBINSTORE_MEMORY_BYTES", "int", "268435456", "in-process cache size; 0 disables it"),
     Variable("CUBINSTORE_MANIFEST", "str", "", "manifest cubinstore.ops opens by default: a path or sha256:<hex>"),
     Variable("CUBINSTORE_JIT", "bool", "1", "a JIT miss may run nvcc at run time; off: only index hits"),
+    Variable("CUBINSTORE_JIT_TIMEOUT", "seconds", "600",
+             "longest a JIT compile may run; past it nvcc and every process it started are killed (JitTimeoutError)"),
     Variable("CUBINSTORE_HOST_CC", "str", "gcc", "host compiler (a name on /usr/bin:/bin) of Bazel and the JIT"),
     Variable("CUBINSTORE_CUTLASS_INCLUDE", "path", "", "CUTLASS/CuTe include root of Bazel and of family JIT templates"),
     Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", "0",
@@ -238,6 +242,11 @@ def trust_policy() -> Path | None:
 def jit() -> bool:
     """``CUBINSTORE_JIT``: whether a miss may run nvcc at run time (off: index hits only)."""
     return _bool("CUBINSTORE_JIT", True)
+
+
+def jit_timeout() -> float:
+    """``CUBINSTORE_JIT_TIMEOUT``: seconds one JIT compile may run before it is killed."""
+    return _seconds("CUBINSTORE_JIT_TIMEOUT", 600.0)
 
 
 def host_cc() -> str:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the JIT modules need xxhash; a family point's explanation d
 
 __all__ = ["explain_key", "explain_point", "nearest_points", "part_differences"]
 
-_PARTS: Final = ("scheme", "source", "source_name", "includes", "flags", "arch", "toolkit", "host")
+_PARTS: Final = ("scheme", "source", "source_name", "includes", "flags", "arch", "toolkit", "host", "outside")
 _MAX_FILES: Final = 12
 
 
@@ -35,7 +35,14 @@ class _Nearest:
 
 def _differing(a: KeyParts, b: KeyParts) -> tuple[str, ...]:
     da, db = a.to_json(), b.to_json()
-    return tuple(p for p in _PARTS if da[p] != db[p])
+    # ``outside`` is left out of the JSON when the compile read no file outside its roots.
+    return tuple(p for p in _PARTS if da.get(p) != db.get(p))
+
+
+def _compared(a: KeyParts, b: KeyParts) -> int:
+    """How many parts two keys have between them (``outside`` only where a compile read such files)."""
+    da, db = a.to_json(), b.to_json()
+    return sum(1 for p in _PARTS if p in da or p in db)
 
 
 def _tree_diff(index: JitIndex, label: str, old: str, new: str, prefix: str = "") -> list[str]:
@@ -97,6 +104,15 @@ def part_differences(index: JitIndex, old: KeyParts, new: KeyParts) -> list[str]
             b_lines = new.host.get("identity", "").splitlines()
             lines.extend(f"host compiler identity: {line!r} only in the nearest entry" for line in a_lines if line not in b_lines)
             lines.extend(f"host compiler identity: {line!r} only in this key" for line in b_lines if line not in a_lines)
+        elif part == "outside":
+            a_files, b_files = dict(old.outside), dict(new.outside)
+            for path in sorted(a_files.keys() | b_files.keys()):
+                if path not in b_files:
+                    lines.append(f"file outside the roots: {path} read only by the nearest entry")
+                elif path not in a_files:
+                    lines.append(f"file outside the roots: {path} read only by this key")
+                elif a_files[path] != b_files[path]:
+                    lines.append(f"file outside the roots: {path} changed content")
         elif part == "source":
             lines.append(f"source: the TU text differs ({old.source} -> {new.source})")
         else:
@@ -113,6 +129,7 @@ def _describe(parts: KeyParts) -> list[str]:
               f"  toolkit      CUDA {parts.toolkit.get('version')}, files {parts.toolkit.get('files')}",
               f"  host         {parts.host.get('name')}: {host[0] if host else '?'}",
               f"  scheme       {parts.scheme}"]
+    lines += [f"  outside      {path} {digest}" for path, digest in parts.outside]
     return lines
 
 
@@ -152,7 +169,7 @@ def explain_key(index: JitIndex, key: str) -> str:
         return "\n".join(lines) + "\n"
     near_entry = index.get(near.key)
     where = f"{near_entry.digest}" if near_entry else "not compiled"
-    lines.append(f"nearest entry: xxh3:{near.key} ({where}); {len(near.differing)} of {len(_PARTS)} parts differ: "
+    lines.append(f"nearest entry: xxh3:{near.key} ({where}); {len(near.differing)} of {_compared(near.parts, parts)} parts differ: "
                  f"{', '.join(near.differing) or 'none'}")
     lines.append("why it missed:")
     lines += [f"  {line}" for line in part_differences(index, near.parts, parts)] or ["  (identical parts)"]

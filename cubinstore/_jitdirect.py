@@ -24,8 +24,14 @@ A fresh process at a known location does not even hash: ``v1/jit/stat/`` keeps, 
 and root locations, the stats of the recorded files and of every directory and link of the
 roots; all equal (none modified within the racy window) means the check passed before on
 these very files. Anything missing, damaged or different falls back to the full key, which
-stays what ``explain`` and ``jit.key`` use. System headers outside the roots and the toolkit
-are covered, as by the full key, by the host compiler's identity.
+stays what ``explain`` and ``jit.key`` use.
+
+``classify`` sorts each file of the dependency list: inside a root (recorded here), the TU or
+a file flag (keyed by content), the toolkit, a *system header* (inside the host compiler's own
+system include directories, ``HostCompiler.system_dirs``: covered by its identity), or an
+*outside file* (anything else, e.g. ``#include "/abs/cfg.h"``). Outside files are keyed by
+path and content in the key ``jit.compile`` reports (``KeyParts.outside``), which the direct
+entry names, so a direct hit re-checks them too; a sealed compile refuses them.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import marshal
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -49,6 +55,7 @@ from cubinstore._jitkey import (
     HostCompiler,
     ToolkitCore,
     _StatCache,
+    hash_file,
     host_command,
     host_compiler,
     locate_toolkit,
@@ -67,7 +74,8 @@ if TYPE_CHECKING:
     from cubinstore._jitindex import JitIndex
     from cubinstore._local import LocalStore
 
-__all__ = ["DEPS_NAME", "DirectRequest", "Roots", "clear", "forget", "lookup", "observe", "parse_deps", "put_deps", "record", "remember"]
+__all__ = ["DEPS_NAME", "DirectRequest", "Deps", "Roots", "classify", "clear", "forget", "lookup", "observe", "outside_match",
+           "parse_deps", "put_deps", "record", "remember"]
 
 _log = get_logger(__name__)
 
@@ -88,6 +96,8 @@ class Roots:
     # The toolkit's real root and that of the nvcc binary it links to: an absolute dependency
     # in either that is not in ``tree`` cannot be placed (never taken for a system header).
     homes: tuple[str, ...] = ()
+    # The real paths of the file flags (``-include /abs/f.h``): read by the compile, keyed by content.
+    files: tuple[str, ...] = ()
 
     def index(self, label: str) -> int:
         return self.labels.index(label)
@@ -110,7 +120,8 @@ def make_roots(include_dirs: Sequence[str], flags: Flags, toolkit_root: Path) ->
     base.append(str(toolkit_root))
     tree.append(os.path.realpath(toolkit_root / "include"))
     homes = {os.path.realpath(toolkit_root), os.path.dirname(os.path.dirname(os.path.realpath(toolkit_root / "bin" / "nvcc")))}
-    return Roots(tuple(labels), tuple(base), tuple(tree), tuple(sorted(homes)))
+    files = tuple(os.path.realpath(fp.path) for fp in flags.paths if not fp.is_dir)
+    return Roots(tuple(labels), tuple(base), tuple(tree), tuple(sorted(homes)), files)
 
 
 class DirectRequest:
@@ -192,12 +203,27 @@ def _tokens(text: str) -> list[str] | None:
     return out
 
 
-def parse_deps(text: str, roots: Roots, skip: Sequence[str], work: Path) -> list[tuple[str, str]] | None:
-    """(label, path relative to the label's base) of each file nvcc read, from its ``-MD`` output.
+@dataclass(frozen=True)
+class Deps:
+    """What one compile read, sorted by ``classify``."""
 
-    Files named in ``skip`` (the TU, the anchor, ``-include`` files: keyed by content), and
-    absolute paths outside every root (system headers: the host compiler's identity) are left
-    out. None when a path cannot be placed: no direct entry is then written, which is always safe.
+    # (label, path relative to the label's base) of each file inside a root; None when one
+    # could not be placed (no direct entry is then written, which is always safe).
+    placed: list[tuple[str, str]] | None
+    # Absolute paths (as the compile named them) of files outside every root, flag path, the
+    # toolkit and the host compiler's system include directories: keyed by content after the compile.
+    outside: list[str]
+    # Files the compile read whose real path is outside the include roots, the flag paths, the
+    # toolkit, the system include directories and the compile directory: what a sealed compile
+    # refuses (the outside files, and a root's link that leads out of it).
+    foreign: list[str]
+
+
+def classify(text: str, roots: Roots, skip: Sequence[str], work: Path, system: Sequence[str] = ()) -> Deps | None:
+    """Sort each file of nvcc's ``-MD`` output (``Deps``); None when the list cannot be read.
+
+    Files named in ``skip`` (the TU, the anchor, ``-include`` files: keyed by content) are not
+    placed; system headers (inside ``system``: the host compiler's identity covers them) neither.
     """
     words = _tokens(text)
     if words is None:
@@ -206,26 +232,54 @@ def parse_deps(text: str, roots: Roots, skip: Sequence[str], work: Path) -> list
         start = next(i for i, w in enumerate(words) if w.endswith(":")) + 1
     except StopIteration:
         return None
-    out: list[tuple[str, str]] = []
+    placed: list[tuple[str, str]] | None = []
+    outside: list[str] = []
+    foreign: list[str] = []
     seen: set[tuple[str, str]] = set()
+    work_real = os.path.realpath(work)
     for word in words[start:]:
         if word.endswith(":"):
             return None  # a second rule: not what -MD without -MP writes
-        placed = _place(word, roots, skip, work)
-        if placed is None:
-            return None
-        if placed and placed not in seen:
-            seen.add(placed)
-            out.append(placed)
-    return out
+        real = os.path.realpath(word if os.path.isabs(word) else work / word)
+        shown = word if os.path.isabs(word) else f"{word} (= {real})"
+        if not _allowed(real, roots, system, work_real) and shown not in foreign:
+            foreign.append(shown)
+        where = _place(word, roots, skip, work, system, work_real)
+        if where == "outside":
+            if word not in outside:
+                outside.append(word)
+        elif where is None:
+            placed = None
+        elif where and placed is not None and where not in seen:
+            assert isinstance(where, tuple)
+            seen.add(where)
+            placed.append(where)
+    return Deps(placed, sorted(outside), foreign)
+
+
+def parse_deps(text: str, roots: Roots, skip: Sequence[str], work: Path,
+               system: Sequence[str] = ()) -> list[tuple[str, str]] | None:
+    """(label, path relative to the label's base) of each root file nvcc read (``Deps.placed``)."""
+    deps = classify(text, roots, skip, work, system)
+    return None if deps is None else deps.placed
 
 
 def _inside(real: str, top: str) -> bool:
     return real.startswith(top.rstrip("/") + "/")
 
 
-def _place(path: str, roots: Roots, skip: Sequence[str], work: Path) -> tuple[str, str] | tuple[()] | None:
-    """(label, relative path) of one dependency; () to leave it out; None when it cannot be placed."""
+def _allowed(real: str, roots: Roots, system: Sequence[str], work_real: str) -> bool:
+    """Whether the real path ``real`` lies where a sealed compile may read."""
+    if real in roots.files:
+        return True
+    tops = (*roots.base[:-1], *roots.tree, *roots.homes, *system, work_real)  # base[-1]: the toolkit, in homes
+    return any(_inside(real, top) for top in tops)
+
+
+def _place(path: str, roots: Roots, skip: Sequence[str], work: Path, system: Sequence[str] = (),
+           work_real: str = "") -> tuple[str, str] | tuple[()] | str | None:
+    """(label, relative path) of one dependency; () to leave it out; "outside" for an outside
+    file; None when it cannot be placed."""
     while path.startswith("./"):  # found through -I. (the anchor)
         path = path[2:]
     if path in skip:
@@ -245,7 +299,8 @@ def _place(path: str, roots: Roots, skip: Sequence[str], work: Path) -> tuple[st
             return None  # and a toolkit header must lie in the tree whose shape is checked
         return (head, rest)
     # An absolute path (a wrapper nvcc expands its own location): inside a root it is checked
-    # like the others; outside all of them it is a system header, keyed by the host compiler.
+    # like the others; elsewhere it is a system header (the host compiler's identity covers it),
+    # a file of the compile directory, or an outside file (keyed by content).
     real = os.path.realpath(path)
     for label, base, tree in zip(roots.labels, roots.base, roots.tree):
         if label == TOOLKIT:
@@ -256,16 +311,28 @@ def _place(path: str, roots: Roots, skip: Sequence[str], work: Path) -> tuple[st
             return (label, os.path.relpath(real, base)) if _inside(real, base) else None
     if any(_inside(real, home) for home in roots.homes):
         return None
-    return ()
+    if any(_inside(real, d) for d in system) or (work_real and _inside(real, work_real)):
+        return ()
+    return "outside"
+
+
+def outside_match(files: Sequence[tuple[str, str]]) -> bool:
+    """Whether each (path, xxh3) still names a regular file of that content (streamed, never blocks)."""
+    for path, digest in files:
+        try:
+            if hash_file(path, "xxh3", what="JIT outside file") != digest:
+                return False
+        except CubinstoreError:
+            return False
+    return True
 
 
 def hash_deps(deps: Sequence[tuple[str, str]], roots: Roots) -> list[tuple[str, str, str]] | None:
     out = []
     for label, rel in deps:
-        try:
-            with open(f"{roots.base[roots.index(label)]}/{rel}", "rb") as f:
-                out.append((label, rel, xxh3(f.read())))
-        except OSError as exc:
+        try:  # streamed; a FIFO or device put in a file's place is refused, never opened
+            out.append((label, rel, hash_file(f"{roots.base[roots.index(label)]}/{rel}", "xxh3")))
+        except CubinstoreError as exc:
             _log.debug("direct record: cannot read %s/%s: %s", label, rel, exc)
             return None
     return out
@@ -435,23 +502,31 @@ def _check(dreq: DirectRequest, index: JitIndex, key: str) -> bool:
     return True
 
 
-def lookup(dreq: DirectRequest, index: JitIndex) -> str | None:
-    """The key a compile of this request was stored under, by the direct check; None: use the full key."""
+def lookup(dreq: DirectRequest, index: JitIndex, accept: Callable[[str], bool] | None = None) -> str | None:
+    """The key a compile of this request was stored under, by the direct check; None: use the full key.
+
+    ``accept`` (the caller's check of a candidate: its parts, outside files and index entry)
+    must also pass; the first candidate that passes both is the answer."""
     name = dreq._stat_name
+    ok = accept if accept is not None else (lambda _key: True)
     with _passed_lock:
         known = _passed.get(name)
-    if known is not None:
+    if known is not None and ok(known):
         return known
     found = None
     try:
         found = _fast(dreq)
+        if found is not None and not ok(found):
+            found = None
         if found is None:
-            found = next((k for k in index.get_direct(dreq.key) if _check(dreq, index, k)), None)
+            found = next((k for k in index.get_direct(dreq.key) if _check(dreq, index, k) and ok(k)), None)
     except (OSError, CubinstoreError) as exc:  # a cache: any trouble means the full key decides
         _log.debug("direct lookup %s: %s", dreq.key, exc)
-    if found is not None:
-        with _passed_lock:
+    with _passed_lock:
+        if found is not None:
             _passed[name] = found
+        else:
+            _passed.pop(name, None)
     return found
 
 

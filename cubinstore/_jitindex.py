@@ -1,10 +1,21 @@
 """The JIT index under ``<store>/v1/jit/``: key -> CUBIN digest, plus each key's parts for ``explain``.
 
-    v1/jit/index/<2 hex>/<key>.json   {"schema", "key", "digest", "size", "arch", "kernels"}: written
-                                      last, after the CUBIN is in the CAS, so an entry never names a
-                                      missing blob and a killed compile leaves none
+    v1/jit/index/<2 hex>/<key>.json   {"schema", "key", "digest", "size", "arch", "kernels", "parts"}:
+                                      written last, after the CUBIN is in the CAS, so an entry never
+                                      names a missing blob and a killed compile leaves none. A claim,
+                                      re-checked on every use (``jit``): its key and parts make the
+                                      file's key, the CUBIN verifies and has its arch and kernels;
+                                      a mismatch is removed (quarantined) and compiled again. A v1
+                                      entry (no "parts") is checked against its parts file.
     v1/jit/parts/<2 hex>/<key>.json   the key's parts, written before compiling (so a failed or
                                       killed compile can still be explained)
+    v1/jit/outside/<2 hex>/<key>.json base key -> the keys compiled under it whose compile read
+                                      files outside every root (``KeyParts.outside``: path and
+                                      content), newest first. A compile keys what it reads: the key a
+                                      call computes first (the base) covers the roots; such a
+                                      compile is stored under the key of its base parts plus those
+                                      files, and a later call takes it only while each still has its
+                                      recorded content (else: a miss, compiled under another key)
     v1/jit/trees/<2 hex>/<key>.json   include-tree and toolkit listings (content-addressed)
     v1/jit/deps/<2 hex>/<key>.json    the files a key's compile included (root label, relative path,
                                       xxh3) and the shape of each root: what a direct hit checks
@@ -20,7 +31,6 @@ validated, and a damaged entry reads as absent (a miss recompiles and rewrites i
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -32,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore._abi import dumps_canonical
+from cubinstore._abi import dumps_canonical, loads_strict
 from cubinstore._digest import Digest
 from cubinstore._jitkey import KeyParts
 from cubinstore._log import get_logger
@@ -45,7 +55,9 @@ __all__ = ["IndexEntry", "JitIndex"]
 
 _log = get_logger(__name__)
 
-SCHEMA: Final = "cubinstore/jit-index/v1"
+SCHEMA: Final = "cubinstore/jit-index/v2"
+SCHEMA_V1: Final = "cubinstore/jit-index/v1"  # no parts inside: checked against the parts file
+OUTSIDE_SCHEMA: Final = "cubinstore/jit-outside/v1"
 PARTS_SCHEMA: Final = "cubinstore/jit-parts/v1"
 DEPS_SCHEMA: Final = "cubinstore/jit-deps/v1"
 DIRECT_SCHEMA: Final = "cubinstore/jit-direct/v1"
@@ -70,10 +82,14 @@ class IndexEntry:
     size: int
     arch: str
     kernels: tuple[str, ...]  # the CUBIN's __global__ symbols
+    parts: KeyParts | None = None  # what the key was made of (None: a v1 entry whose parts file is gone)
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "key": self.key, "digest": str(self.digest), "size": self.size,
-                "arch": self.arch, "kernels": list(self.kernels)}
+        doc = {"schema": SCHEMA, "key": self.key, "digest": str(self.digest), "size": self.size,
+               "arch": self.arch, "kernels": list(self.kernels)}
+        if self.parts is not None:
+            doc["parts"] = self.parts.to_json()
+        return doc
 
 
 class JitIndex:
@@ -104,19 +120,26 @@ class JitIndex:
         if raw is None:
             return None
         try:
-            doc = json.loads(raw)
-            if doc.get("schema") != SCHEMA or doc.get("key") != key:
-                raise ValueError(f"schema {doc.get('schema')!r}, key {doc.get('key')!r}")
+            doc = loads_strict(raw, f"JIT index entry {key}", ValueError)
+            if not isinstance(doc, dict) or doc.get("schema") not in (SCHEMA, SCHEMA_V1) or doc.get("key") != key:
+                raise ValueError(f"schema {doc.get('schema')!r}, key {doc.get('key')!r}" if isinstance(doc, dict) else "not an object")
             size = doc["size"]
             if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
                 raise ValueError(f"size {size!r}")
             kernels = doc["kernels"]
             if not isinstance(kernels, list) or not all(isinstance(k, str) for k in kernels):
                 raise ValueError("kernels")
-            return IndexEntry(key, Digest.parse(doc["digest"]), size, str(doc["arch"]), tuple(kernels))
+            if not isinstance(doc["arch"], str):
+                raise ValueError(f"arch {doc['arch']!r}")
+            parts = KeyParts.from_json(doc["parts"]) if doc["schema"] == SCHEMA else self.get_parts(key)
+            return IndexEntry(key, Digest.parse(doc["digest"]), size, doc["arch"], tuple(kernels), parts)
         except (ValueError, KeyError, TypeError, AttributeError, CubinstoreError) as exc:
             _log.warning("ignoring malformed JIT index entry %s: %s", key, exc)
             return None
+
+    def remove(self, key: str) -> bool:
+        """Drop ``key``'s entry (it named a CUBIN that is not what it claims); False if absent."""
+        return self.local.remove_file(*self._at("index", check_key(key)))
 
     def put(self, entry: IndexEntry) -> None:
         self.local.write_file(*self._at("index", check_key(entry.key)), dumps_canonical(entry.to_json()))
@@ -147,7 +170,7 @@ class JitIndex:
         if raw is None:
             return None
         try:
-            doc = json.loads(raw)
+            doc = loads_strict(raw, f"JIT parts {key}", ValueError)
             if doc.get("schema") != PARTS_SCHEMA or doc.get("key") != key:
                 raise ValueError("schema or key")
             return KeyParts.from_json(doc["parts"])
@@ -171,7 +194,7 @@ class JitIndex:
         if raw is None:
             return None
         try:
-            doc = json.loads(raw)
+            doc = loads_strict(raw, f"JIT deps {key}", ValueError)
             if doc.get("schema") != DEPS_SCHEMA or doc.get("key") != key:
                 raise ValueError("schema or key")
             files = [(str(a), str(b), str(c)) for a, b, c in doc["files"]]
@@ -189,7 +212,7 @@ class JitIndex:
         if raw is None:
             return []
         try:
-            doc = json.loads(raw)
+            doc = loads_strict(raw, f"JIT direct entry {dkey}", ValueError)
             if doc.get("schema") != DIRECT_SCHEMA or doc.get("direct") != dkey:
                 raise ValueError("schema or direct key")
             return [check_key(k) for k in doc["keys"]][:MAX_CANDIDATES]
@@ -206,6 +229,29 @@ class JitIndex:
             keys = [k for k in self.get_direct(dkey) if k != key]
             doc = {"schema": DIRECT_SCHEMA, "direct": dkey, "keys": [key, *keys][:MAX_CANDIDATES]}
             self.local.write_file(*self._at("direct", dkey), dumps_canonical(doc), durable=False)
+
+    # -- keys of compiles that read outside files ---------------------------------------------
+
+    def get_outside(self, base: str) -> list[str]:
+        """The keys compiled under base key ``base`` that read outside files, newest first ([]: none or damaged)."""
+        raw = self._read("outside", base)
+        if raw is None:
+            return []
+        try:
+            doc = loads_strict(raw, f"JIT outside entry {base}", ValueError)
+            if not isinstance(doc, dict) or doc.get("schema") != OUTSIDE_SCHEMA or doc.get("key") != base:
+                raise ValueError("schema or key")
+            return [check_key(k) for k in doc["keys"]][:MAX_CANDIDATES]
+        except Exception as exc:  # noqa: BLE001 - damaged reads as absent: a miss compiles again
+            _log.warning("ignoring malformed JIT outside entry %s: %s", base, exc)
+            return []
+
+    def add_outside(self, base: str, key: str) -> None:
+        """Put ``key`` first among ``base``'s keys; call with the base key's lock held."""
+        base, key = check_key(base), check_key(key)
+        keys = [k for k in self.get_outside(base) if k != key]
+        doc = {"schema": OUTSIDE_SCHEMA, "key": base, "keys": [key, *keys][:MAX_CANDIDATES]}
+        self.local.write_file(*self._at("outside", base), dumps_canonical(doc))
 
     # -- single flight and compile directories --------------------------------------------------
 

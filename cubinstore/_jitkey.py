@@ -1,6 +1,10 @@
 """The JIT key: xxh3-128 over content only (source, include trees, toolkit, host compiler, flags, arch).
 
-A key never contains an absolute path, a user, a host name or a time. Include trees are
+A key never contains an absolute path, a user, a host name or a time, with one exception: a
+file the compile read from outside every include root, flag path, the toolkit and the host
+compiler's system include directories (an absolute ``#include "/abs/cfg.h"``) is known only
+after the compile and is keyed by the path the TU named it by and its content
+(``KeyParts.outside``); ``jit.compile`` reports that key. Include trees are
 keyed by the relative path and content of every file under them (symlinks followed, so a
 symlinked and a copied tree give one key); the toolkit and the host compiler by the
 digests of the files that compile. Each tree is hashed once per process; a stat
@@ -10,6 +14,10 @@ kept under ``<store>/v1/jit/stat/``: they decide whether to re-read files, never
 Everything here is read and written through the local store's descriptor-based file API
 (no link inside the store is followed). ``shape`` and ``toolkit_core`` are what the direct key
 (``_jitdirect``) checks instead of whole trees.
+
+Files are hashed in 1 MiB chunks (memory independent of their size); anything that is not a
+directory or a regular file (a FIFO, socket or device) inside a root, or named by a file flag,
+is a ``BadArgumentError`` naming it and is never opened.
 
 ``xxhash`` is imported here and only here: ``import cubinstore`` stays standard library only.
 """
@@ -54,6 +62,7 @@ __all__ = [
     "Tree",
     "clear_caches",
     "find_toolkit",
+    "hash_file",
     "host_command",
     "host_compiler",
     "make_key",
@@ -146,8 +155,26 @@ def _walk(root: Path, what: str) -> list[tuple[str, str, os.stat_result]]:
                     stack.append((rel, item.path))
             elif stat.S_ISREG(st.st_mode):
                 out.append((rel, item.path, st))
+            else:
+                raise _not_regular(f"{what} {root}: {rel}", st)
     out.sort(key=lambda t: t[0])
     return out
+
+
+def _kind(st: os.stat_result) -> str:
+    mode = st.st_mode
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _not_regular(what: str, st: os.stat_result) -> BadArgumentError:
+    return BadArgumentError(
+        f"{what} is {_kind(st)}, expected a regular file or a directory; refused (never opened: "
+        "a compile would block on it or read a device)"
+    )
 
 
 def _fingerprint(files: Sequence[tuple[str, str, os.stat_result]]) -> str:
@@ -162,19 +189,54 @@ def _is_racy(files: Sequence[tuple[str, str, os.stat_result]]) -> bool:
     return any(now - max(st.st_mtime_ns, st.st_ctime_ns) < _RACY_NS for _, _, st in files)
 
 
-def _hash_file(path: str, hasher: Callable[[bytes], str]) -> str:
+_CHUNK: Final = 1 << 20  # bytes read at a time: keying memory is independent of file sizes
+
+
+# algo -> (prefix, a fresh streaming hasher)
+_HASHERS: Final[Mapping[str, tuple[str, Callable[[], Any]]]] = {
+    "xxh3": ("xxh3:", xxhash.xxh3_128), "sha256": ("sha256:", hashlib.sha256),
+}
+
+
+def hash_file(path: str, algo: str = "xxh3", what: str = "file") -> str:
+    """``<algo>:<hex>`` of the regular file ``path`` (links followed), read in 1 MiB chunks.
+
+    A FIFO, socket or device is a ``BadArgumentError`` naming it and is never opened (stat
+    first; the open is non-blocking and re-checked, so a swap after the stat cannot block
+    either). An unreadable file is a ``StoreError``.
+    """
+    prefix, make = _HASHERS[algo]
     try:
-        with open(path, "rb") as f:
-            return hasher(f.read())
+        st = os.stat(path)
     except OSError as exc:
         raise StoreError(f"cannot read {path} to hash it: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(f"{what} {path}", st)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StoreError(f"cannot read {path} to hash it: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(f"{what} {path}", st)
+        h = make()
+        while True:
+            try:
+                chunk = os.read(fd, _CHUNK)
+            except OSError as exc:
+                raise StoreError(f"cannot read {path} to hash it: {exc.strerror or exc}") from exc
+            if not chunk:
+                break
+            h.update(chunk)
+        return prefix + h.hexdigest()
+    finally:
+        os.close(fd)
 
 
-def _sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+def _hash_file(path: str, algo: str) -> str:
+    return hash_file(path, algo)
 
-
-_HASHERS: Final[Mapping[str, Callable[[bytes], str]]] = {"xxh3": xxh3, "sha256": _sha256}
 
 _tree_cache: dict[tuple[str, str], Tree] = {}
 _toolkit_cache: dict[str, Toolkit] = {}
@@ -289,8 +351,7 @@ def _known_tree(local: LocalStore, key: object) -> Tree | None:
 
 
 def _tree_from_files(files: Sequence[tuple[str, str, os.stat_result]], algo: str) -> Tree:
-    hasher = _HASHERS[algo]
-    listing = {rel: _hash_file(path, hasher) for rel, path, _ in files}
+    listing = {rel: _hash_file(path, algo) for rel, path, _ in files}
     return Tree(xxh3(_listing_bytes(listing)), listing)
 
 
@@ -381,8 +442,9 @@ def _light_walk(root: str, what: str) -> tuple[list[str], list[tuple[str, os.sta
             try:
                 link = item.is_symlink()
                 if not link and not item.is_dir(follow_symlinks=False):
-                    if item.is_file(follow_symlinks=False):
-                        files.append(rel)
+                    if not item.is_file(follow_symlinks=False):  # a FIFO, socket or device: as _walk
+                        raise _not_regular(f"{what} {root}: {rel}", item.stat(follow_symlinks=False))
+                    files.append(rel)
                     continue
                 st = item.stat(follow_symlinks=True)
             except FileNotFoundError:
@@ -396,9 +458,10 @@ def _light_walk(root: str, what: str) -> tuple[list[str], list[tuple[str, os.sta
                     seen.add((st.st_dev, st.st_ino))
                     stack.append((rel, item.path))
             else:
+                if not stat.S_ISREG(st.st_mode):
+                    raise _not_regular(f"{what} {root}: {rel}", st)
                 probes.append((rel, st))
-                if stat.S_ISREG(st.st_mode):
-                    files.append(rel)
+                files.append(rel)
     return files, probes
 
 
@@ -508,7 +571,8 @@ _VERSION_RE: Final = re.compile(r"release [0-9.]+, V([0-9][0-9.]*)")
 
 def _run_checked(argv: Sequence[str], what: str) -> str:
     try:
-        out = subprocess.run(list(argv), capture_output=True, text=True, env=dict(ACTION_ENV), timeout=60)
+        out = subprocess.run(list(argv), capture_output=True, text=True, env=dict(ACTION_ENV), stdin=subprocess.DEVNULL,
+                             timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BadArgumentError(f"{what}: cannot run {' '.join(argv)}: {exc}") from exc
     if out.returncode != 0:
@@ -651,6 +715,9 @@ class HostCompiler:
     # The binary and cc1plus, and their stats when the identity was taken (local facts).
     id_paths: tuple[str, ...] = field(default=(), compare=False, repr=False)
     id_facts: tuple[tuple[int, ...] | None, ...] = field(default=(), compare=False, repr=False)
+    # Its own system include directories (real paths; ``<cc> -E -v -x c++ /dev/null``): the
+    # headers there are covered by the identity, never keyed one by one. Local facts.
+    system_dirs: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def summary(self) -> str:
@@ -681,6 +748,39 @@ def _facts_of(path: str) -> tuple[int, ...] | None:
         return None
 
 
+_SEARCH_START: Final = "#include <...> search starts here:"
+_SEARCH_END: Final = "End of search list."
+
+
+def system_include_dirs(binary: str) -> tuple[str, ...]:
+    """The host compiler's own C++ system include directories (real paths), as ``-E -v`` lists them."""
+    argv = [binary, "-E", "-v", "-x", "c++", "/dev/null"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, env=dict(ACTION_ENV), stdin=subprocess.DEVNULL,
+                             timeout=60, errors="replace")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BadArgumentError(f"host compiler: cannot run {' '.join(argv)}: {exc}") from exc
+    lines = out.stderr.splitlines()
+    if out.returncode != 0 or _SEARCH_START not in lines or _SEARCH_END not in lines:
+        raise BadArgumentError(
+            f"host compiler: {' '.join(argv)} (exit {out.returncode}) printed no include search list: {out.stderr.strip()[-300:]}"
+        )
+    listed = lines[lines.index(_SEARCH_START) + 1:lines.index(_SEARCH_END)]
+    dirs = []
+    for line in listed:
+        d = line.strip().removesuffix(" (framework directory)")
+        if os.path.isabs(d) and os.path.isdir(d):
+            dirs.append(os.path.realpath(d))
+    return tuple(dict.fromkeys(dirs))
+
+
+def _cached_dirs(doc: Mapping[str, Any] | None) -> tuple[str, ...] | None:
+    dirs = doc.get("system_dirs") if doc is not None else None
+    if isinstance(dirs, list) and all(isinstance(d, str) and os.path.isabs(d) for d in dirs):
+        return tuple(dirs)
+    return None
+
+
 def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
     """``$CUBINSTORE_HOST_CC`` (default gcc) on /usr/bin:/bin and its identity, like the repository rule."""
     name = _env.host_cc()
@@ -698,7 +798,8 @@ def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
     sig = _stat_sig(binary)
     identity = None
     doc = stat_cache.get(cache_name, sig)
-    if doc is not None:
+    system_dirs = _cached_dirs(doc)
+    if doc is not None and system_dirs is not None:  # an entry without them (older) is taken again
         front = doc.get("cc1plus")
         try:
             if front is None or (isinstance(front, list) and _stat_sig(front[0]) == front[1]):
@@ -709,20 +810,23 @@ def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
             identity = None
     if not isinstance(identity, str):
         id_paths, id_facts = (binary,), (_facts_of(binary),)
-        lines = [f"name: {name}", f"sha256: {_hash_file(binary, _sha256).split(':', 1)[1]}"]
+        lines = [f"name: {name}", f"sha256: {_hash_file(binary, 'sha256').split(':', 1)[1]}"]
         front_end = _run_checked([binary, "-print-prog-name=cc1plus"], "host compiler").strip()
         front_doc = None
         if front_end.startswith("/") and os.path.exists(front_end):
             real_front = os.path.realpath(front_end)
             front_facts = _facts_of(real_front)  # before its content is read
-            lines.append(f"cc1plus sha256: {_hash_file(real_front, _sha256).split(':', 1)[1]}")
+            lines.append(f"cc1plus sha256: {_hash_file(real_front, 'sha256').split(':', 1)[1]}")
             front_doc = [real_front, _stat_sig(real_front)]
             id_paths, id_facts = (binary, real_front), (id_facts[0], front_facts)
         lines.append("version:")
         lines.append(_run_checked([binary, "--version"], "host compiler"))
         identity = "\n".join(lines)
-        stat_cache.put(cache_name, {"fingerprint": sig, "cc1plus": front_doc, "identity": identity})
-    host = HostCompiler(name, identity, id_paths, id_facts)
+        system_dirs = system_include_dirs(binary)
+        stat_cache.put(cache_name, {"fingerprint": sig, "cc1plus": front_doc, "identity": identity,
+                                    "system_dirs": list(system_dirs)})
+    assert system_dirs is not None
+    host = HostCompiler(name, identity, id_paths, id_facts, system_dirs)
     with _cache_lock:
         _host_cache[name] = host
     return host
@@ -824,7 +928,7 @@ def normalize_flags(flags: Sequence[str], *, local: LocalStore | None, key_dirs:
             else:
                 if not os.path.isfile(value):
                     raise BadArgumentError(f"flag {show(flag)}: {value} is not a file")
-                key = _hash_file(value, xxh3)
+                key = hash_file(value, "xxh3", what=f"flag {opt}")
             paths.append(FlagPath(opt, value, is_dir, key, named))
             rel = f"flagpath/{len(paths) - 1}"
             marker = ("{tree:" + key + "}" if key else "{dir}") if is_dir else "{file:" + key + "}"
@@ -861,22 +965,40 @@ class KeyParts:
     arch: str
     toolkit: Mapping[str, str]  # version, files (tree key)
     host: Mapping[str, str]  # name, identity (host_compiler.id text)
+    # (absolute path as the compile named it, xxh3) of each file it read outside every root,
+    # flag path, the toolkit and the host compiler's system include directories, sorted.
+    # Known only after a compile: the key before it (``base``) has none. Absent from the JSON
+    # when empty, so a key of a TU that reads no such file is what it always was.
+    outside: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "scheme": self.scheme, "source": self.source, "source_name": self.source_name,
             "includes": list(self.includes), "flags": list(self.flags), "arch": self.arch,
             "toolkit": dict(self.toolkit), "host": dict(self.host),
         }
+        if self.outside:
+            doc["outside"] = [list(f) for f in self.outside]
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> KeyParts:
+        outside = doc.get("outside", [])
+        if not isinstance(outside, list) or not all(
+                isinstance(f, list) and len(f) == 2 and all(isinstance(x, str) for x in f) for f in outside):
+            raise ValueError(f"outside: expected a list of [path, xxh3] pairs, got {show(outside)}")
         return cls(
             scheme=str(doc["scheme"]), source=str(doc["source"]), source_name=str(doc["source_name"]),
             includes=tuple(str(x) for x in doc["includes"]), flags=tuple(str(x) for x in doc["flags"]),
             arch=str(doc["arch"]), toolkit={str(k): str(v) for k, v in doc["toolkit"].items()},
             host={str(k): str(v) for k, v in doc["host"].items()},
+            outside=tuple((a, b) for a, b in outside),
         )
+
+    @property
+    def base(self) -> KeyParts:
+        """These parts without the outside files: the key a call computes before compiling."""
+        return replace(self, outside=()) if self.outside else self
 
 
 @dataclass(frozen=True)

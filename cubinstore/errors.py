@@ -16,6 +16,7 @@ __all__ = [
     "IncompatibleArchError",
     "IntegrityError",
     "JitCompileError",
+    "JitTimeoutError",
     "KernelNotFoundError",
     "LockTimeoutError",
     "ManifestError",
@@ -105,3 +106,8 @@ class ExpiredReleaseError(TrustError):
 
 class JitCompileError(CubinstoreError):
     """nvcc refused a JIT translation unit; the message holds the command (relative paths) and nvcc's output."""
+
+
+class JitTimeoutError(JitCompileError):
+    """A JIT compile ran past its time limit (``CUBINSTORE_JIT_TIMEOUT`` or ``timeout=``): nvcc and
+    every process it started were killed, the key's lock released and nothing cached."""

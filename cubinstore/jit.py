@@ -18,18 +18,32 @@ absolute path. N processes missing one key compile it once (a per-key lock and a
 a compile killed at any point leaves no index entry. Every compile is recorded in the warm
 set (``cubinstore warmset export`` turns it into Bazel targets for the next release).
 
+The key covers every file the compile read. A file from outside every include root, flag path,
+the toolkit and the host compiler's system include directories (``#include "/abs/cfg.h"``) is
+known only from nvcc's dependency list: its path and content join the parts of the key the call
+reports (``KeyParts.outside``), and the base key (``jit.key``'s) lists that key under
+``v1/jit/outside/`` so a later call takes it only while each such file still has its content.
+``sealed=True`` refuses such files instead (a compile of data that must not read the host).
+Every index entry is a claim re-checked before use (key, parts, CUBIN digest, size, arch and
+kernels; ``_verified``); one that does not hold is removed and compiled again, never loaded.
+nvcc runs in its own process group with stdin closed and a time limit (``CUBINSTORE_JIT_TIMEOUT``,
+``timeout=``); past it the whole group is killed and ``JitTimeoutError`` raised.
+
 Needs the ``jit`` extra (``xxhash``); ``import cubinstore`` does not import this module.
 """
 
 from __future__ import annotations
 
+import contextvars
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -38,12 +52,14 @@ from cubinstore._abi import Arch, CubinImage, module_anchor, param_layout, param
 from cubinstore._digest import Digest, show
 from cubinstore._jitdirect import (
     DEPS_NAME,
+    Deps,
     DirectRequest,
+    classify,
     forget,
     hash_deps,
     lookup,
     observe,
-    parse_deps,
+    outside_match,
     put_deps,
     record,
     remember,
@@ -57,6 +73,7 @@ from cubinstore._jitkey import (
     JitKey,
     Toolkit,
     find_toolkit,
+    hash_file,
     host_compiler,
     key_parts,
     make_key,
@@ -72,6 +89,7 @@ from cubinstore.errors import (
     CubinstoreError,
     IntegrityError,
     JitCompileError,
+    JitTimeoutError,
     KernelNotFoundError,
     MissingBlobError,
     RemoteUnavailableError,
@@ -92,7 +110,13 @@ _log = get_logger(__name__)
 SOURCE_NAME: Final = "cubinstore_jit.cu"
 ANCHOR_NAME: Final = "cubinstore_jit.anchor.h"
 OUTPUT_NAME: Final = "cubinstore_jit.cubin"
+LOG_NAME: Final = "cubinstore_jit.log"  # nvcc's stdout and stderr, in the compile directory
 _MAX_STDERR: Final = 16000
+_MAX_LOG: Final = 1 << 20  # bytes of nvcc's output read back
+_MAX_DEPS: Final = 16 << 20  # bytes of the dependency list read back
+# The time limit of the compile in progress (a context variable, so ``_run_nvcc(argv, work)``
+# keeps the shape tests wrap).
+_limit: contextvars.ContextVar[float] = contextvars.ContextVar("cubinstore_jit_limit", default=600.0)
 
 
 class JitKernel:
@@ -211,7 +235,11 @@ class _Request:
 
 def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathLike[str]], flags: Sequence[str] = (),
         arch: str | Arch | None = None, store: Store | None = None) -> JitKey:
-    """The key ``compile`` would use, with its parts; compiles nothing."""
+    """The key ``compile`` computes before compiling (its *base* key), with its parts; compiles nothing.
+
+    ``compile`` reports this key unless the compile read files outside every root, flag path,
+    the toolkit and the system include directories: then the key it reports also covers those
+    files' paths and contents (``k.key.parts.base`` is this key's parts)."""
     store = store if store is not None else _default_store()
     return _Request(_Inputs(source, include_dirs, arch), flags, _local_store(store)).key
 
@@ -244,6 +272,8 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     params: Mapping[str, str | int] | None = None,
     store: Store | None = None,
     jit: bool | None = None,
+    sealed: bool = False,
+    timeout: float | None = None,
 ) -> JitKernel:
     """Compile ``source`` (TU text, or a path to it) for ``arch``, or find it compiled under the same key.
 
@@ -255,7 +285,15 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     ``jit``: may this call run nvcc (default ``CUBINSTORE_JIT``); off, a miss raises
     ``KernelNotFoundError``. A failing compile raises ``JitCompileError`` with nvcc's command
     and output, and caches nothing.
+    ``sealed``: the compile may read only files under ``include_dirs``, the flags' paths, the
+    toolkit and the host compiler's system include directories; any other file it read fails it
+    (``JitCompileError`` naming the path, not quoting nvcc) and nothing is cached.
+    ``timeout``: seconds the compile may run (default ``CUBINSTORE_JIT_TIMEOUT``, 600); past it
+    nvcc's process group is killed and ``JitTimeoutError`` raised.
     """
+    if not isinstance(sealed, bool):
+        raise BadArgumentError(f"sealed: expected True or False, got {show(sealed)}")
+    limit = _time_limit(timeout)
     store = store if store is not None else _default_store()
     local = _local_store(store)
     index = JitIndex(local, _env.lock_timeout())
@@ -264,54 +302,72 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     inputs = _Inputs(source, include_dirs, arch)
     # The direct key first: only the files this TU included are checked (``_jitdirect``).
     dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local)
-    known = _direct_hit(index, store, dreq)
+    known = _direct_hit(index, store, dreq, entries, sealed)
     if known is not None:
         k, found = known
         _log.debug("JIT %s: direct hit, %s", k, found.digest)
-        _check_declared(found.kernels, entries, k, None, None)
         return JitKernel(k, found, entries, False, store, 0.0, "direct")
     req = _Request(inputs, flags, local)
-    k = req.key
-    found = _hit(index, store, k)
-    if found is not None:
+    base = req.key
+    hit = _hit(index, store, base, entries, sealed)
+    if hit is not None:
+        k, found = hit
         _log.debug("JIT %s: index hit, %s", k, found.digest)
         remember(index, dreq, k.hex)
-        _check_declared(found.kernels, entries, k, None, None)
         return JitKernel(k, found, entries, False, store, 0.0, "key")
     if not (_env.jit() if jit is None else jit):
-        index.put_parts(k.hex, k.parts)  # so `cubinstore explain` can say why it missed
-        _record(local, k, req.arch, None, family, params, kind="miss")  # so CI can build it ahead
+        index.put_parts(base.hex, base.parts)  # so `cubinstore explain` can say why it missed
+        _record(local, base, req.arch, None, family, params, kind="miss")  # so CI can build it ahead
         raise KernelNotFoundError(
-            f"JIT key {k} (arch {req.arch}{_named(family, params)}) is not in the index of {local.root} "
-            f"and run-time compilation is off (CUBINSTORE_JIT=0 or jit=False); `cubinstore explain {k}` says why"
+            f"JIT key {base} (arch {req.arch}{_named(family, params)}) is not in the index of {local.root} "
+            f"and run-time compilation is off (CUBINSTORE_JIT=0 or jit=False); `cubinstore explain {base}` says why"
         )
-    with index.lock(k.hex):
+    # One lock per base key: every key compiled under it (other outside files) is written under it.
+    with index.lock(base.hex):
         # Another process may have compiled it while we waited for the lock.
-        found = _hit(index, store, k)
-        if found is not None:
+        hit = _hit(index, store, base, entries, sealed)
+        if hit is not None:
+            k, found = hit
             remember(index, dreq, k.hex)
-            _check_declared(found.kernels, entries, k, None, None)
             return JitKernel(k, found, entries, False, store, 0.0, "key")
-        index.put_parts(k.hex, k.parts)
+        index.put_parts(base.hex, base.parts)
         started = time.perf_counter()
-        data, deps = _compile(req, index, dreq)
+        token = _limit.set(limit)
+        try:
+            data, deps, outside = _compile(req, index, dreq, sealed)
+        finally:
+            _limit.reset(token)
         seconds = time.perf_counter() - started
-        image = CubinImage(data, f"JIT kernel {k}")
+        image = CubinImage(data, f"JIT kernel {base}")
         kernels = tuple(sorted(image.kernels))
-        _check_declared(kernels, entries, k, image, req.arch)
+        _check_declared(kernels, entries, base, image, req.arch)
+        # What the compile read from outside the roots is part of the key it is stored and reported under.
+        k = make_key(replace(base.parts, outside=tuple(outside))) if outside else base
         digest = Digest.of(data)
         local.write(digest, data)
-        found = IndexEntry(k.hex, digest, len(data), str(req.arch), kernels)
+        found = IndexEntry(k.hex, digest, len(data), str(req.arch), kernels, k.parts)
+        if outside:
+            index.put_parts(k.hex, k.parts)
         if deps is not None:  # before the index entry, so a kill after it still leaves them to re-list
             put_deps(index, k.hex, *deps)
-        # An index entry exists only once its CUBIN is in the CAS; the direct entry only once
-        # the index entry does.
+        # An index entry exists only once its CUBIN is in the CAS; the direct entry (and the
+        # base key's list of outside-file keys) only once the index entry does.
         index.put(found)
+        if outside:
+            index.add_outside(base.hex, k.hex)
         if deps is not None:
             record(index, dreq, k.hex, *deps)
     _log.info("JIT %s: compiled %s in %.2f s (%d bytes, %s)", k, req.arch, seconds, len(data), digest.short)
     _record(local, k, req.arch, digest, family, params)
     return JitKernel(k, found, entries, True, store, seconds)
+
+
+def _time_limit(timeout: float | None) -> float:
+    if timeout is None:
+        return _env.jit_timeout()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise BadArgumentError(f"timeout: expected a positive number of seconds or None, got {show(timeout)}")
+    return float(timeout)
 
 
 def _named(family: str | None, params: Mapping[str, Any] | None) -> str:
@@ -330,38 +386,132 @@ def clear_caches() -> None:
     that passed and every key's parts read back (files changed under this process)."""
     _jitkey.clear_caches()
     _parts_read.clear()
+    _verified_ok.clear()
 
 
-def _direct_hit(index: JitIndex, store: Store, dreq: DirectRequest) -> tuple[JitKey, IndexEntry] | None:
-    hex_ = lookup(dreq, index)
+def _direct_hit(index: JitIndex, store: Store, dreq: DirectRequest, entries: Mapping[str, tuple[str, ...]] | None,
+                sealed: bool) -> tuple[JitKey, IndexEntry] | None:
+    taken: dict[str, tuple[JitKey, IndexEntry]] = {}
+
+    def accept(hex_: str) -> bool:
+        k = _parts_read.get(hex_)
+        if k is None:
+            parts = index.get_parts(hex_)
+            # The parts must still make the key (a damaged file reads as a miss, never as another key).
+            if parts is None or make_key(parts).hex != hex_:
+                return False
+            k = _parts_read.setdefault(hex_, JitKey(hex_, parts))
+        if k.parts.outside and (sealed or not outside_match(k.parts.outside)):
+            return False  # an outside file changed (or a sealed call, which may read none)
+        found = _verified(index, store, k, entries)
+        if found is None:
+            return False
+        taken[hex_] = (k, found)
+        return True
+
+    hex_ = lookup(dreq, index, accept)
     if hex_ is None:
-        return None
-    k = _parts_read.get(hex_)
-    if k is None:
-        parts = index.get_parts(hex_)
-        # The parts must still make the key (a damaged file reads as a miss, never as another key).
-        if parts is None or make_key(parts).hex != hex_:
-            return None
-        k = _parts_read.setdefault(hex_, JitKey(hex_, parts))
-    found = _hit(index, store, k)
-    if found is None:
         forget(dreq)
         return None
-    return k, found
+    return taken.get(hex_)
 
 
-def _hit(index: JitIndex, store: Store, k: JitKey) -> IndexEntry | None:
+def _hit(index: JitIndex, store: Store, base: JitKey, entries: Mapping[str, tuple[str, ...]] | None,
+         sealed: bool) -> tuple[JitKey, IndexEntry] | None:
+    """The key and entry the base key finds: a key compiled under it whose outside files all still
+    have their recorded content (newest first), else the base key's own entry."""
+    if not sealed:
+        for hex_ in index.get_outside(base.hex):
+            entry = index.get(hex_)
+            parts = entry.parts if entry is not None else None
+            # Its parts must make it, be this call's plus outside files, and those must be unchanged.
+            if parts is None or make_key(parts).hex != hex_ or parts.base != base.parts or not parts.outside:
+                continue
+            if not outside_match(parts.outside):
+                continue
+            k = JitKey(hex_, parts)
+            found = _verified(index, store, k, entries)
+            if found is not None:
+                return k, found
+    found = _verified(index, store, base, entries)
+    return None if found is None else (base, found)
+
+
+# (key, digest, size, arch, kernels, entries) that passed ``_verified`` in this process.
+_verified_ok: set[tuple[Any, ...]] = set()
+
+
+def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tuple[str, ...]] | None) -> IndexEntry | None:
+    """``k``'s index entry if it holds: its key and parts make ``k``, its CUBIN verifies (sha256,
+    size), is for its arch and has exactly its kernels, and the declared entries match the CUBIN.
+
+    An entry that does not hold is removed (quarantined) with a warning naming key and digest,
+    so the caller compiles again. A CUBIN that cannot be read (evicted) is a plain miss; declared
+    entries the CUBIN lacks are a miss that keeps the entry (the compile decides whose fault)."""
     entry = index.get(k.hex)
     if entry is None:
         return None
-    try:
-        # Verified now (and kept in memory), so a later load cannot find it gone.
-        store.get(entry.digest, entry.size, name=f"JIT {k}")
-    except (MissingBlobError, RemoteUnavailableError, IntegrityError, StoreError) as exc:
-        # Evicted by gc, or only bad bytes found: the sources are here, so compile it again.
-        _log.warning("JIT %s: the index names %s, which cannot be read (%s); compiling again", k, entry.digest, exc)
+    fact = (k.hex, entry.digest, entry.size, entry.arch, entry.kernels, tuple(sorted((entries or {}).items())))
+    if fact in _verified_ok:
+        try:  # still in the store (the memory layer, usually): a hit never names a blob gone since
+            store.get(entry.digest, entry.size, name=f"JIT {k}")
+            return entry
+        except CubinstoreError:
+            _verified_ok.discard(fact)
+    problem = _entry_problem(entry, k)
+    data = None
+    if problem is None:
+        try:
+            # Verified now (and kept in memory), so a later load cannot find it gone.
+            data = store.get(entry.digest, entry.size, name=f"JIT {k}")
+        except (MissingBlobError, RemoteUnavailableError, IntegrityError, StoreError) as exc:
+            # Evicted by gc, or only bad bytes found: the sources are here, so compile it again.
+            _log.warning("JIT %s: the index names %s, which cannot be read (%s); compiling again", k, entry.digest, exc)
+            return None
+        problem = _cubin_problem(data, entry, k)
+    if problem is not None:
+        _log.warning("JIT %s: the index entry naming %s does not hold (%s); removed, compiling again",
+                     k, entry.digest, problem)
+        try:
+            index.remove(k.hex)
+        except CubinstoreError as exc:
+            _log.warning("JIT %s: cannot remove its index entry: %s", k, exc)
         return None
+    assert data is not None
+    try:
+        _check_declared(entry.kernels, entries, k, CubinImage(data, f"JIT kernel {k}"), Arch.parse(entry.arch))
+    except BadArgumentError as exc:
+        _log.warning("JIT %s: %s; compiling again", k, exc)
+        return None
+    _verified_ok.add(fact)
     return entry
+
+
+def _entry_problem(entry: IndexEntry, k: JitKey) -> str | None:
+    if entry.key != k.hex:
+        return f"its key is {entry.key}"
+    if entry.parts is None:
+        return "its key parts are not kept"
+    if make_key(entry.parts).hex != k.hex or entry.parts != k.parts:
+        return "its key parts do not make its key"
+    if entry.arch != k.parts.arch:
+        return f"the key is for {k.parts.arch}, the entry says {entry.arch}"
+    return None
+
+
+def _cubin_problem(data: bytes, entry: IndexEntry, k: JitKey) -> str | None:
+    try:
+        image = CubinImage(data, f"JIT kernel {k} ({entry.digest})")
+        arch = Arch.parse(entry.arch)
+        sm = image.sm
+        kernels = tuple(sorted(image.kernels))
+    except CubinstoreError as exc:
+        return f"not a CUBIN: {exc}"
+    if sm is not None and sm != arch.major * 10 + arch.minor:
+        return f"the entry says {entry.arch}, the CUBIN's ELF header says sm_{sm}"
+    if kernels != tuple(sorted(entry.kernels)):
+        return f"the entry lists kernels {', '.join(entry.kernels) or 'none'}, the CUBIN has {', '.join(kernels) or 'none'}"
+    return None
 
 
 def _record(local: Any, k: JitKey, arch: Arch, digest: Digest | None, family: str | None,
@@ -401,8 +551,10 @@ def _lay_out(req: _Request, work: Path) -> None:
     (work / "tmp").mkdir()
 
 
-def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes, tuple[Any, Any, Any] | None]:
-    """The CUBIN's bytes, and what the direct entry records (None: write none)."""
+def _compile(req: _Request, index: JitIndex, dreq: DirectRequest,
+             sealed: bool = False) -> tuple[bytes, tuple[Any, Any, Any] | None, list[tuple[str, str]]]:
+    """The CUBIN's bytes, what the direct entry records (None: write none), and the (path, xxh3)
+    of each file read from outside every root (``Deps.outside``)."""
     work = index.compile_dir(req.key.hex, 0)
     try:
         try:
@@ -410,17 +562,23 @@ def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes
         except OSError as exc:
             raise StoreError(f"cannot prepare the compile directory {work} for JIT {req.key}: {exc.strerror or exc}") from exc
         argv = command(req)
+        started_ns = time.time_ns()
         result = _run_nvcc(argv, work)
+        # Read even after a failure: a sealed compile must not quote a file it should not have read.
+        deps = _read_deps(req, dreq, work)
+        if sealed:
+            _check_sealed(req, deps, result)
         if result.returncode != 0:
             raise JitCompileError(_failure(req, argv, result))
         # Read before the check below: the trees are then known to be what nvcc read and the key hashed.
-        deps = _direct_deps(req, dreq, work, index)
+        direct = _direct_deps(req, dreq, deps, index)
         _check_unchanged(req)
-        if deps is not None and not toolkit_unchanged(req.toolkit):
+        if direct is not None and not toolkit_unchanged(req.toolkit):
             _log.warning("JIT %s: the CUDA toolkit changed while compiling; no direct entry written", req.key)
-            deps = None
+            direct = None
+        outside = _hash_outside(req, deps, started_ns)
         try:
-            return (work / OUTPUT_NAME).read_bytes(), deps
+            return (work / OUTPUT_NAME).read_bytes(), direct, outside
         except OSError as exc:
             raise JitCompileError(
                 f"nvcc exited 0 for JIT {req.key} but wrote no {OUTPUT_NAME}: {shlex.join(argv)}\n{result.stderr}"
@@ -429,14 +587,70 @@ def _compile(req: _Request, index: JitIndex, dreq: DirectRequest) -> tuple[bytes
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex) -> tuple[Any, Any, Any] | None:
+def _read_deps(req: _Request, dreq: DirectRequest, work: Path) -> Deps | None:
+    """nvcc's dependency list, sorted (``classify``); None when it wrote none or it cannot be read."""
     try:
-        text = (work / DEPS_NAME).read_text(encoding="utf-8", errors="surrogateescape")
+        fd = os.open(work / DEPS_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        _log.warning("JIT %s: nvcc wrote no dependency list (%s); no direct entry", req.key, exc)
+        _log.warning("JIT %s: nvcc wrote no dependency list (%s)", req.key, exc)
         return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MAX_DEPS + 1)
+    if len(raw) > _MAX_DEPS:
+        _log.warning("JIT %s: its dependency list is over %d bytes; not read", req.key, _MAX_DEPS)
+        return None
+    text = raw.decode("utf-8", errors="surrogateescape")
     skip = [SOURCE_NAME, ANCHOR_NAME, *(f"flagpath/{i}" for i, fp in enumerate(req.flags.paths) if not fp.is_dir)]
-    placed = parse_deps(text, dreq.roots, skip, work)
+    deps = classify(text, dreq.roots, skip, work, req.host.system_dirs)
+    if deps is None:
+        _log.warning("JIT %s: cannot read nvcc's dependency list", req.key)
+    return deps
+
+
+def _check_sealed(req: _Request, deps: Deps | None, result: subprocess.CompletedProcess[str]) -> None:
+    """A sealed compile read only its roots, flag paths, the toolkit and system headers; else
+    fail naming the files (never nvcc's output, which could quote them)."""
+    if deps is None:
+        raise JitCompileError(
+            f"sealed JIT compile of key {req.key} ({req.arch}) (nvcc exit {result.returncode}): its dependency list "
+            "is missing or unreadable, so what it read cannot be checked; nothing was cached and nvcc's output is withheld"
+        )
+    if deps.foreign:
+        shown = ", ".join(deps.foreign[:8]) + (f" and {len(deps.foreign) - 8} more" if len(deps.foreign) > 8 else "")
+        raise JitCompileError(
+            f"sealed JIT compile of key {req.key} ({req.arch}) read {shown}: expected only files under its include "
+            "roots, flag paths, the CUDA toolkit and the host compiler's system include directories; "
+            "nothing was cached (nvcc's output is withheld: it could quote the file)"
+        )
+
+
+def _hash_outside(req: _Request, deps: Deps | None, started_ns: int) -> list[tuple[str, str]]:
+    """(path, xxh3) of each outside file, which must be as nvcc read it: not modified since the
+    compile started (git's racy rule, by ctime and mtime) nor while it is hashed."""
+    if deps is None:
+        # Unknown what it read: a key that may lack a file would be a key naming two CUBINs.
+        raise JitCompileError(f"JIT {req.key}: nvcc's dependency list is missing or unreadable; nothing was cached")
+    out = []
+    for path in deps.outside:
+        try:
+            before = os.stat(path)
+            digest = hash_file(path, "xxh3", what="JIT outside file")
+            after = os.stat(path)
+        except (OSError, CubinstoreError) as exc:
+            raise JitCompileError(f"JIT {req.key}: cannot read back {path}, which nvcc read: {exc}; nothing was cached") from exc
+        facts = [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in (before, after)]
+        if facts[0] != facts[1] or max(after.st_mtime_ns, after.st_ctime_ns) > started_ns:
+            raise JitCompileError(
+                f"{path}, which JIT {req.key} read, changed while compiling; nothing was cached: compile again"
+            )
+        out.append((path, digest))
+    return out
+
+
+def _direct_deps(req: _Request, dreq: DirectRequest, deps: Deps | None, index: JitIndex) -> tuple[Any, Any, Any] | None:
+    if deps is None:
+        return None
+    placed = deps.placed
     if placed is None:
         _log.info("JIT %s: a dependency outside the known roots; no direct entry (the full key finds it)", req.key)
         return None
@@ -455,9 +669,8 @@ def _direct_deps(req: _Request, dreq: DirectRequest, work: Path, index: JitIndex
 
 def _hash_file(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            return xxh3(f.read())
-    except OSError:
+        return hash_file(path, "xxh3")
+    except CubinstoreError:
         return ""
 
 
@@ -481,12 +694,80 @@ def _check_unchanged(req: _Request) -> None:
 
 
 def _run_nvcc(argv: list[str], work: Path) -> subprocess.CompletedProcess[str]:
+    """Run nvcc in its own process group, stdin closed, output to a file of the compile directory,
+    within the current compile's time limit; past it, kill the whole group (nvcc, gcc, cicc...)."""
+    limit = _limit.get()
     # nvcc's intermediates go to TMPDIR: inside the compile directory, under the store's root.
     env = dict(ACTION_ENV, TMPDIR=str(work / "tmp"))
+    log = work / LOG_NAME
     try:
-        return subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, errors="replace")
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as exc:
         raise JitCompileError(f"cannot run nvcc ({shlex.join(argv)}): {exc.strerror or exc}") from exc
+    try:
+        returncode = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        key = work.name.split(".", 1)[0]
+        raise JitTimeoutError(
+            f"JIT key xxh3:{key}: nvcc ran past its time limit of {limit:g} s and was killed with every process "
+            "it started; nothing was cached (the limit is CUBINSTORE_JIT_TIMEOUT or compile(timeout=))"
+        ) from None
+    except BaseException:  # interrupted: never leave the group running
+        _kill_group(proc)
+        raise
+    if _group_members(proc.pid):  # nvcc exited, a child of it did not: it goes too
+        _kill_group(proc, wait_for_leader=False)
+    try:
+        with open(log, "rb") as f:
+            output = f.read(_MAX_LOG + 1)
+    except OSError:
+        output = b""
+    text = output[:_MAX_LOG].decode("utf-8", errors="replace")
+    if len(output) > _MAX_LOG:
+        text += f"\n... (output over {_MAX_LOG} bytes not read)"
+    return subprocess.CompletedProcess(argv, returncode, "", text)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid`` (a /proc scan; Linux)."""
+    members = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return members
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read(4096).rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # After the name: state, ppid, pgrp.
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            members.append(int(name))
+    return members
+
+
+def _kill_group(proc: subprocess.Popen[bytes], wait_for_leader: bool = True) -> None:
+    """SIGKILL nvcc's whole process group and wait until none of it runs (bounded)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except OSError as exc:
+        _log.warning("cannot kill nvcc's process group %d: %s", proc.pid, exc)
+    if wait_for_leader:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _log.warning("nvcc (pid %d) did not exit 30 s after SIGKILL", proc.pid)
+    deadline = time.monotonic() + 10
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # SIGKILL is delivered; the kernel tears the processes down
 
 
 def _failure(req: _Request, argv: list[str], result: subprocess.CompletedProcess[str]) -> str:
