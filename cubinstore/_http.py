@@ -265,6 +265,7 @@ class HttpStore(Layer):
         conn.response_class = functools.partial(_DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
         got_response = False
         keep = False
+        resp: http.client.HTTPResponse | None = None
         try:
             if conn.sock is None:
                 try:
@@ -296,6 +297,10 @@ class HttpStore(Layer):
             if keep:
                 self._keep(conn)
             else:
+                # A response left half read holds the socket past conn.close() (the server would
+                # go on sending while an exception's traceback keeps it): close both.
+                if resp is not None:
+                    resp.close()
                 conn.close()
 
     def _read_body(self, resp: http.client.HTTPResponse, size: int | None, url: str, limit: int | None = None) -> bytes:

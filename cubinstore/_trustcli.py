@@ -46,6 +46,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 def _cmd_sign(args: argparse.Namespace, load_manifest: Any, local: Any) -> int:
     channel = channel_name(args.channel)
+    public_line(Path(args.key))  # the key first (mode 0600, Ed25519): nothing is written for a key refused
     manifest = load_manifest(args.manifest)
     store = local()
     store.write(manifest.digest, manifest.raw)  # so `publish channel:NAME` finds it by digest

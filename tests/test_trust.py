@@ -28,6 +28,7 @@ def new_key(directory: Path, name: str) -> tuple[Path, str, str]:
     pem, public = generate_key()
     path = directory / f"{name}.pem"
     path.write_bytes(pem)
+    path.chmod(0o600)  # as `cubinstore keygen` writes it: `sign` refuses a key others can read
     return path, public, key_id(base64.b64decode(public.split(":", 1)[1]))
 
 
