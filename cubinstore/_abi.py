@@ -436,7 +436,14 @@ class CubinImage:
 # rules evaluated at launch over the call's integer arguments `args[i]` and the device's
 # `sm_count`, with + - * // % min max cdiv.
 _RULE_FUNCS: Final[Mapping[str, Any]] = {"min": min, "max": max, "cdiv": lambda a, b: -(-a // b)}
+# (fewest, most) arguments of each function: checked when a rule is compiled, so a manifest with
+# `cdiv(x)` is refused when it is opened, not with a TypeError at launch.
+_RULE_ARITY: Final[Mapping[str, tuple[int, int | None]]] = {"min": (2, None), "max": (2, None), "cdiv": (2, 2)}
 MAX_RULE_CHARS: Final = 256
+# Integers a rule reads (its constants, args[i], sm_count) fit in 64 bits: with at most
+# MAX_RULE_CHARS characters of + - * // %, no value it computes exceeds a few thousand bits.
+_RULE_INT_MIN: Final = -(2**63)
+_RULE_INT_END: Final = 2**64
 
 
 class _RuleError(Exception):
@@ -446,18 +453,24 @@ class _RuleError(Exception):
 def _compile_rule(text: str) -> Any:
     import ast  # only the build and a manifest with rules need it
 
+    if type(text) is not str:
+        raise _RuleError(f"expected a string, got {type(text).__name__}")
     if len(text) > MAX_RULE_CHARS:
         raise _RuleError(f"longer than {MAX_RULE_CHARS} characters")
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as exc:
         raise _RuleError(f"not an expression ({exc.msg})") from None
+    except (RecursionError, MemoryError):
+        raise _RuleError("nested too deeply") from None
     ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
            ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
 
     def build(node: ast.AST) -> Any:
         if isinstance(node, ast.Constant) and type(node.value) is int:
             value = node.value
+            if not _RULE_INT_MIN <= value < _RULE_INT_END:
+                raise _RuleError(f"a constant of {value.bit_length()} bits does not fit in 64 bits")
             return lambda env: value
         if isinstance(node, ast.Name) and node.id == "sm_count":
             return lambda env: env["sm_count"]
@@ -472,15 +485,37 @@ def _compile_rule(text: str) -> Any:
             inner = build(node.operand)
             return lambda env: -inner(env)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _RULE_FUNCS
-                and not node.keywords and node.args):
-            func, items = _RULE_FUNCS[node.func.id], [build(a) for a in node.args]
+                and not node.keywords):
+            name = node.func.id
+            fewest, most = _RULE_ARITY[name]
+            if len(node.args) < fewest or (most is not None and len(node.args) > most):
+                takes = f"exactly {fewest}" if most == fewest else f"at least {fewest}"
+                call = "" if node is tree.body else f" in {ast.unparse(node)!r}"
+                raise _RuleError(f"{name} takes {takes} arguments, got {len(node.args)}{call}")
+            func, items = _RULE_FUNCS[name], [build(a) for a in node.args]
             return lambda env: func(*(f(env) for f in items))
         raise _RuleError(
             f"{ast.unparse(node)!r} is not allowed; use integers, args[<i>], sm_count, + - * // %, "
             f"min, max, cdiv"
         )
 
-    return build(tree.body)
+    try:
+        return build(tree.body)
+    except RecursionError:
+        raise _RuleError("nested too deeply") from None
+
+
+def _short_int(value: int) -> str:
+    """An int for a message: a huge one by its size (str() of one past 4300 digits raises)."""
+    return str(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
+
+
+def _rule_int(value: object, what: str) -> int:
+    if type(value) is not int:
+        raise _RuleError(f"{what} is {type(value).__name__}, expected an int")
+    if not _RULE_INT_MIN <= value < _RULE_INT_END:
+        raise _RuleError(f"{what} is {_short_int(value)}, which does not fit in 64 bits")
+    return value
 
 
 @functools.lru_cache(maxsize=4096)
@@ -500,30 +535,36 @@ def eval_rule(text: str, *, args: Sequence[Any] | None = None, sm_count: int | N
         if not 0 <= index < len(args):
             raise _RuleError(f"args[{index}] does not exist: the launch has {len(args)} arguments")
         value = args[index]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _RuleError(f"args[{index}] is {type(value).__name__}, expected an int")
-        return value
+        if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
+            value = int(value)  # an IntEnum, say: its value
+        return _rule_int(value, f"args[{index}]")
 
     def count() -> int:
         if sm_count is None:
             raise _RuleError("uses sm_count, which only a launch has")
-        return sm_count
+        return _rule_int(sm_count, "sm_count")
 
     class _Env(dict):  # sm_count is looked up lazily so a constant rule never needs a device
         def __missing__(self, key: str) -> int:
             return count()
 
+    if type(text) is not str:
+        raise BadArgumentError(f"launch rule: expected a string, got {type(text).__name__}")
     try:
         value = _rule(text)(_Env(arg=arg))
     except _RuleError as exc:
         raise BadArgumentError(f"launch rule {text!r}: {exc}") from None
     except ZeroDivisionError:
         raise BadArgumentError(f"launch rule {text!r}: division by zero") from None
+    except (TypeError, OverflowError, RecursionError, MemoryError) as exc:  # a bound above missed: still typed
+        raise BadArgumentError(f"launch rule {text!r}: cannot be evaluated ({type(exc).__name__})") from None
     return value
 
 
 def check_rule(text: str) -> None:
-    """Raise ``BadArgumentError`` unless ``text`` is a well-formed rule."""
+    """Raise ``BadArgumentError`` unless ``text`` is a well-formed rule (its functions' arities included)."""
+    if type(text) is not str:
+        raise BadArgumentError(f"launch rule: expected a string, got {type(text).__name__}")
     try:
         _rule(text)
     except _RuleError as exc:

@@ -5,6 +5,7 @@ so ``cubinstore --help`` and the other commands never import it."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -17,6 +18,23 @@ from cubinstore.errors import BadArgumentError
 __all__ = ["add_parsers"]
 
 _KEY_RE = re.compile(r"(xxh3:)?[0-9a-f]{32}", re.ASCII)
+# A family point as the manifest spells one: identifier names, values ints of at most 64 bits or words.
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+_WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
+_INT_RE = re.compile(r"-?[0-9]{1,20}", re.ASCII)  # 20 digits hold 2**64; longer is never an int here
+_INT_BOUND = 2**63
+MAX_SINCE_DAYS = 36_500.0  # a century: any warm set is younger
+
+
+def _since_days(text: str) -> float:
+    """``--since-days``: a finite number of days in [0, MAX_SINCE_DAYS] (argparse reports the error)."""
+    try:
+        days = float(text)
+    except ValueError:
+        days = math.nan
+    if not math.isfinite(days) or not 0 <= days <= MAX_SINCE_DAYS:
+        raise argparse.ArgumentTypeError(f"expected a number of days in [0, {MAX_SINCE_DAYS:g}], got {text[:40]!r}")
+    return days
 
 
 def add_parsers(sub: Any, m_help: str) -> None:
@@ -27,7 +45,7 @@ def add_parsers(sub: Any, m_help: str) -> None:
     e = ws.add_parser("export", help="write (or extend) a .bzl the family's BUILD.bazel loads to build the warm points")
     e.add_argument("--family", required=True, help="the family, e.g. axpy")
     e.add_argument("--out", metavar="PATH", help="default kernels/<family>/warmset.bzl (run from the workspace root)")
-    e.add_argument("--since-days", type=float, metavar="N", help="only points seen in the last N days")
+    e.add_argument("--since-days", type=_since_days, metavar="N", help="only points seen in the last N days")
     e.set_defaults(func=_cmd_export)
     f = ws.add_parser("prefetch", help="fetch only the kernels of MANIFEST the warm set names")
     f.add_argument("manifest", help=m_help)
@@ -89,8 +107,20 @@ def _cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _value(text: str) -> str | int:
-    return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
+def _short(text: str) -> str:
+    return repr(text) if len(text) <= 40 else f"{text[:37]!r}... ({len(text)} characters)"
+
+
+def _value(name: str, text: str) -> str | int:
+    """A NAME=VALUE's value as the manifest holds it: an int of at most 64 bits, or a word like 'f32'."""
+    if _INT_RE.fullmatch(text):
+        value = int(text)
+        if -_INT_BOUND <= value < _INT_BOUND:
+            return value
+    elif _WORD_RE.fullmatch(text) and len(text) <= 256 and not text.isdigit():
+        return text
+    raise BadArgumentError(f"explain: parameter {name}: expected an integer in [-2**63, 2**63) or a word like "
+                           f"'f32' ([A-Za-z0-9_.+-]), got {_short(text)}")
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
@@ -105,12 +135,21 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from cubinstore._explain import explain_point
     from cubinstore.manifest import Manifest
 
+    if not _WORD_RE.fullmatch(args.what) or len(args.what) > 256:
+        raise BadArgumentError(f"explain: expected a JIT key (xxh3:<32 hex>) or a family name like 'axpy', "
+                               f"got {_short(args.what)}")
+    if args.arch is not None:
+        from cubinstore.manifest import parse_arch
+
+        parse_arch(args.arch)  # BadArgumentError naming the spelling
     params: dict[str, str | int] = {}
     for item in args.params:
         name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise BadArgumentError(f"explain: expected NAME=VALUE, got {item!r}")
-        params[name] = _value(value)
+        if not sep or not _IDENT_RE.fullmatch(name) or len(name) > 256:
+            raise BadArgumentError(f"explain: expected NAME=VALUE with NAME an identifier, got {_short(item)}")
+        if name in params:
+            raise BadArgumentError(f"explain: parameter {name} is given twice")
+        params[name] = _value(name, value)
     ref = args.manifest or _env.manifest()
     if not ref:
         raise BadArgumentError("explain FAMILY: pass --manifest (or set CUBINSTORE_MANIFEST)")

@@ -13,8 +13,10 @@ part of a manifest the warm set names; ``gc`` evicts warm-set CUBINs last.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import stat
 import time
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from cubinstore._abi import dumps_canonical
+from cubinstore._abi import Arch, dumps_canonical, loads_strict
 from cubinstore._digest import Digest, show
 from cubinstore._files import atomic_write
 from cubinstore._log import get_logger
@@ -38,7 +40,14 @@ EXPORT_MARK: Final = "# cubinstore-warmset-v1 points: "
 _ID_RE: Final = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _WORD_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
+_KEY_RE: Final = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _KINDS: Final = ("jit", "miss")
+_RECORD_KEYS: Final = frozenset({"schema", "kind", "family", "params", "arch", "key", "digest", "count",
+                                 "first_seen", "last_seen"})
+# Parameter values are ints of a grid (Starlark and ids hold them); counts and times fit in 63 bits.
+_INT_BOUND: Final = 2**63
+_MAX_RECORD_BYTES: Final = 1 << 20
+_MAX_EXPORT_BYTES: Final = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -65,18 +74,55 @@ class Record:
         }
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Record:
+    def from_json(cls, doc: object) -> Record:
+        """A record read back from the store, every field checked (a record is data another process,
+        or a damaged disk, wrote); raises ``ValueError`` naming the first bad field."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected an object, got {type(doc).__name__}")
+        unknown = sorted(set(doc) - _RECORD_KEYS)
+        if unknown:
+            raise ValueError(f"unknown key {show(unknown[0])}")
         if doc.get("schema") != SCHEMA or doc.get("kind") not in _KINDS:
-            raise ValueError(f"schema {doc.get('schema')!r}, kind {doc.get('kind')!r}")
-        params = doc.get("params") or {}
+            raise ValueError(f"expected schema {SCHEMA!r} and kind one of {', '.join(_KINDS)}, "
+                             f"got {show(doc.get('schema'))}, {show(doc.get('kind'))}")
+        params = doc.get("params", {})
         if not isinstance(params, dict):
-            raise ValueError("params")
+            raise ValueError(f"params: expected an object, got {show(params)}")
+        key = doc.get("key")
+        if key is not None and (not isinstance(key, str) or not _KEY_RE.fullmatch(key)):
+            raise ValueError(f"key: expected 32 lowercase hex digits or null, got {show(key)}")
         digest = doc.get("digest")
-        return cls(
-            kind=doc["kind"], family=doc.get("family"), params=params, arch=str(doc.get("arch", "")),
-            key=doc.get("key"), digest=None if digest is None else Digest.parse(digest),
-            count=int(doc.get("count", 1)), first_seen=int(doc.get("first_seen", 0)), last_seen=int(doc.get("last_seen", 0)),
-        )
+        try:
+            checked = _check_point(doc.get("family"), params)
+            arch = _check_arch(doc.get("arch"))
+            parsed = None if digest is None else Digest.parse(digest)
+        except BadArgumentError as exc:
+            raise ValueError(str(exc)) from None
+        count, first_seen, last_seen = (_count(doc, "count", 1), _count(doc, "first_seen", 0),
+                                        _count(doc, "last_seen", 0))
+        return cls(kind=doc["kind"], family=doc.get("family"), params=checked, arch=arch, key=key, digest=parsed,
+                   count=count, first_seen=first_seen, last_seen=last_seen)
+
+
+def _count(doc: Mapping[str, Any], name: str, default: int) -> int:
+    value = doc.get(name, default)
+    if type(value) is not int or not 0 <= value < _INT_BOUND:
+        raise ValueError(f"{name}: expected a non-negative integer below 2**63, got {show(value)}")
+    return value
+
+
+def _check_arch(arch: object) -> str:
+    try:
+        return str(Arch.parse(arch))
+    except (BadArgumentError, TypeError):  # TypeError: an unhashable value (Arch.parse is cached)
+        raise BadArgumentError(f"warm set: arch must be like 'sm_90a', got {show(arch)}") from None
+
+
+def _show_value(value: object) -> str:
+    """``show`` of a parameter value; a huge int by its size (repr of one past 4300 digits raises)."""
+    if type(value) is int and value.bit_length() > 256:
+        return f"an int of {value.bit_length()} bits"
+    return show(value)
 
 
 def _check_point(family: str | None, params: Mapping[str, Any] | None) -> dict[str, str | int]:
@@ -86,8 +132,10 @@ def _check_point(family: str | None, params: Mapping[str, Any] | None) -> dict[s
     for k, v in (params or {}).items():
         if not isinstance(k, str) or not _IDENT_RE.fullmatch(k):
             raise BadArgumentError(f"warm set: parameter names must be identifiers, got {show(k)}")
-        if isinstance(v, bool) or not isinstance(v, (str, int)) or (isinstance(v, str) and not _WORD_RE.fullmatch(v)):
-            raise BadArgumentError(f"warm set: parameter {k} must be an int or a word like 'f32', got {show(v)}")
+        if (type(v) not in (str, int) or (type(v) is str and not _WORD_RE.fullmatch(v))
+                or (type(v) is int and not -_INT_BOUND <= v < _INT_BOUND)):
+            raise BadArgumentError(
+                f"warm set: parameter {k} must be an int or a word like 'f32' (ints of at most 64 bits), got {_show_value(v)}")
         out[k] = v
     return out
 
@@ -98,6 +146,7 @@ def record(local: Any, *, kind: str, family: str | None, params: Mapping[str, st
     if kind not in _KINDS:
         raise BadArgumentError(f"warm set: kind must be one of {', '.join(_KINDS)}, got {show(kind)}")
     checked = _check_point(family, params)
+    arch = _check_arch(arch)
     # A JIT point without a family is known by its key alone; with one, by its family point.
     identity = {"family": family, "params": checked, "arch": arch} if family is not None else {"key": key, "arch": arch}
     rid = hashlib.sha256(dumps_canonical(identity)).hexdigest()
@@ -118,11 +167,18 @@ def record(local: Any, *, kind: str, family: str | None, params: Mapping[str, st
 
 
 def _read(local: Any, parts: tuple[str, ...], name: str) -> Record | None:
+    """The record ``v1/<parts>/<name>``, checked; None if absent. A damaged one is skipped with one
+    warning naming its file: the warm set is advice, and the other records still count."""
     try:
-        raw = local.read_file(parts, name, 1 << 20)
-        return None if raw is None else Record.from_json(json.loads(raw))
+        raw = local.read_file(parts, name, _MAX_RECORD_BYTES)
+        if raw is None:
+            return None
+        if len(raw) > _MAX_RECORD_BYTES:
+            raise ValueError(f"more than {_MAX_RECORD_BYTES} bytes")
+        return Record.from_json(loads_strict(raw, "record", StoreError))
     except Exception as exc:  # noqa: BLE001 - a damaged record is skipped, never fatal
-        _log.warning("ignoring damaged warm set record %s/%s: %s", "/".join(parts), name, exc)
+        why = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        _log.warning("ignoring damaged warm set record %s: %s", Path(local.v1, *parts, name), why)
         return None
 
 
@@ -148,22 +204,54 @@ def warm_digests(local: Any) -> set[Digest]:
 
 # -- export ---------------------------------------------------------------------------------------
 
+def _read_export(path: Path) -> bytes | None:
+    """The bytes of an earlier export at ``path``, None if there is none. Only a regular file: the open
+    neither follows a link nor waits on a FIFO (``--out`` is a path the user names)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadArgumentError(f"warmset export: --out {path} is a symbolic link; expected a regular file "
+                                   f"or a new path") from None
+        raise StoreError(f"cannot read the previous export {path}: {exc.strerror or exc}") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise BadArgumentError(f"warmset export: --out {path} is {kind}; expected a regular file or a new path")
+    with os.fdopen(fd, "rb") as f:
+        os.set_blocking(fd, True)
+        try:
+            data = f.read(_MAX_EXPORT_BYTES + 1)
+        except OSError as exc:
+            raise StoreError(f"cannot read the previous export {path}: {exc.strerror or exc}") from exc
+    if len(data) > _MAX_EXPORT_BYTES:
+        raise BadArgumentError(f"{path}: more than {_MAX_EXPORT_BYTES} bytes, so not an export; refusing to overwrite it")
+    return data
+
+
 def _previous_points(path: Path) -> list[dict[str, str | int]]:
     """The points of an earlier export: exports accumulate, or the next release would drop them."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    data = _read_export(path)
+    if data is None:
         return []
-    except OSError as exc:
-        raise StoreError(f"cannot read the previous export {path}: {exc.strerror or exc}") from exc
-    for line in text.splitlines():
+    for line in data.decode("utf-8", "replace").splitlines():
         if line.startswith(EXPORT_MARK):
+            again = "; delete the file and export again"
+            points = loads_strict(line[len(EXPORT_MARK):], f"{path}: the points line", BadArgumentError)
+            if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+                raise BadArgumentError(f"{path}: the points line is not a list of points{again}")
             try:
-                points = json.loads(line[len(EXPORT_MARK):])
-            except ValueError as exc:
-                raise BadArgumentError(f"{path}: the points line is not JSON ({exc}); delete the file and export again") from exc
-            if isinstance(points, list) and all(isinstance(p, dict) for p in points):
                 return [_check_point("x", p) for p in points]
+            except BadArgumentError as exc:
+                raise BadArgumentError(f"{path}: the points line: {exc}{again}") from None
     raise BadArgumentError(f"{path} exists but was not written by `cubinstore warmset export`; refusing to overwrite it")
 
 
@@ -214,7 +302,12 @@ def warm_grid(grid, points = WARM_POINTS):
 
 
 def _starlark_points(points: list[dict[str, str | int]]) -> str:
-    """The points as buildifier formats a list of dicts (JSON strings and ints are Starlark)."""
+    """The points as buildifier formats a list of dicts (JSON strings and ints are Starlark).
+
+    Each point is checked again here, where it becomes code: identifier keys, ints and words only
+    (no quote, backslash or newline can reach the file)."""
+    for p in points:
+        _check_point("x", p)
     if not points:
         return "[]"
     lines = ["["]
@@ -276,15 +369,16 @@ def closure(manifest: Any, recs: Iterable[Record]) -> list[Any]:
 
 
 def prefetch(manifest: Any, store: Any, local: Any) -> tuple[int, list[str]]:
-    """Fetch the warm set's closure in ``manifest`` into the local store; (blobs fetched, failures)."""
+    """Fetch the warm set's closure in ``manifest`` into the local store; (blobs fetched, failures).
+
+    A failure about the store itself (``_prefetch.store_failure``) is raised once as a ``StoreError``."""
+    from cubinstore import _env
+    from cubinstore._prefetch import fetch_blobs
+
     specs = closure(manifest, records(local))
-    failures: list[str] = []
-    blobs = sorted({(k.digest, k.size, k.id) for k in specs}, key=lambda b: b[0].hex)
-    for digest, size, kid in blobs:
-        try:
-            store.get(digest, size, name=kid)
-        except CubinstoreError as exc:
-            failures.append(str(exc))
+    names = {k.digest: k.id for k in specs}
+    blobs = sorted({(k.digest, k.size) for k in specs}, key=lambda b: b[0].hex)
+    failures = fetch_blobs(store, blobs, names=names.__getitem__, jobs=_env.fetch_jobs())
     return len(blobs), failures
 
 

@@ -81,6 +81,9 @@ _LABEL_RE = re.compile(r"//[A-Za-z0-9_.+/-]*(?::[A-Za-z0-9_.+/=,@~-]+)?", re.ASC
 # A readable C++ name: printable ASCII, e.g. "ns::gemm<ns::bf16, 128, 256>".
 _READABLE_RE = re.compile(r"[ -~]{1,1024}", re.ASCII)
 
+#: Parameters of one grid point (a key of its family's grid each): bounds the id-order check's work.
+MAX_POINT_PARAMS = 64
+
 ParamValue = str | int
 ComputeCapability = tuple[int, int]
 
@@ -275,6 +278,8 @@ class _Checker:
         params = obj["params"]
         if not isinstance(params, dict):
             raise self.fail(f"{where}.params", f"expected an object, got {type(params).__name__}")
+        if len(params) > MAX_POINT_PARAMS:
+            raise self.fail(f"{where}.params", f"expected at most {MAX_POINT_PARAMS} parameters, got {len(params)}")
         for key, value in params.items():
             if not _IDENT_RE.fullmatch(key):
                 raise self.fail(f"{where}.params", f"expected identifier keys, got {show(key)}")
@@ -401,7 +406,7 @@ class _Checker:
         could both be accepted and ``select`` would pick one silently.
         """
         seen: dict[tuple[Any, ...], int] = {}
-        orders: dict[str, tuple[list[set[str]], int]] = {}
+        orders: dict[str, _IdOrder] = {}
         for i, spec in enumerate(specs):
             identity = (spec.family, tuple(sorted(spec.params.items())), spec.arch)
             if identity in seen:
@@ -411,23 +416,17 @@ class _Checker:
                     f"same family, params and arch as kernels[{seen[identity]}] (id {show(first.id)})",
                 )
             seen[identity] = i
-            segments = spec.id.split("/")[1:-1]
-            if spec.family not in orders:
-                orders[spec.family] = ([set(spec.params) for _ in segments], i)
-            candidates, first_index = orders[spec.family]
-            if set(spec.params) != set(specs[first_index].params):
+            order = orders.get(spec.family)
+            if order is None:
+                order = orders[spec.family] = _IdOrder(spec.params, i)
+            if set(spec.params) != set(order.keys):
                 raise self.fail(
                     f"kernels[{i}] (id {show(spec.id)}).params",
-                    f"expected the keys of family {show(spec.family)} ({', '.join(sorted(specs[first_index].params))}), "
+                    f"expected the keys of family {show(spec.family)} ({', '.join(sorted(order.keys))}), "
                     f"got {', '.join(sorted(spec.params))}",
                 )
-            shrank = False
-            for pos, segment in enumerate(segments):
-                fits = {k for k, v in spec.params.items() if _abi.render_param(k, v) == segment}
-                if not candidates[pos] <= fits:
-                    candidates[pos] &= fits
-                    shrank = True
-            if shrank and not _has_order(candidates):
+            if not order.narrow(spec.params, spec.id.split("/")[1:-1]):
+                first_index = order.first_index
                 raise self.fail(
                     f"kernels[{i}] (id {show(spec.id)}).id",
                     f"renders the params of family {show(spec.family)} in another order than kernels[{first_index}] "
@@ -473,14 +472,79 @@ def _jit_templates(check: _Checker, families: object, kernel_families: set[str])
     return out
 
 
-def _has_order(candidates: list[set[str]]) -> bool:
-    """Whether each position can take a distinct key from its candidates (a small matching)."""
-    def place(pos: int, used: frozenset[str]) -> bool:
-        if pos == len(candidates):
-            return True
-        return any(place(pos + 1, used | {k}) for k in candidates[pos] - used)
+#: Augmenting steps (keys tried) the id-order check has taken in this process: its work, counted.
+order_steps = 0
 
-    return place(0, frozenset())
+
+class _IdOrder:
+    """One family's possible id orders: which param key each id position may render, and a
+    matching of positions to distinct keys that those candidates allow, kept as kernels narrow them.
+
+    Keys are bits of an int (a point has at most ``MAX_POINT_PARAMS``). A kernel only removes
+    candidates, so the matching is repaired, not rebuilt: each position that lost its key gets
+    one augmenting path (Kuhn's), at most P keys tried; a family removes at most P*P candidates,
+    so its whole check tries at most P**3 keys, where a search over orders would try P! of them.
+    """
+
+    def __init__(self, params: Mapping[str, ParamValue], first_index: int) -> None:
+        self.keys = tuple(params)
+        self.first_index = first_index
+        self.bit = {k: 1 << n for n, k in enumerate(self.keys)}
+        self.candidates = [(1 << len(self.keys)) - 1] * len(self.keys)
+        self.key_of = [-1] * len(self.keys)  # position -> matched key number
+        self.position_of = [-1] * len(self.keys)  # key number -> matched position
+
+    def narrow(self, params: Mapping[str, ParamValue], segments: list[str]) -> bool:
+        """Keep only the orders that ``segments`` (one id's, keys checked) also render; whether any is left."""
+        fits: dict[str, int] = {}
+        for key, value in params.items():
+            segment = _abi.render_param(key, value)
+            fits[segment] = fits.get(segment, 0) | self.bit[key]
+        shrank = False
+        for pos, segment in enumerate(segments):
+            before = self.candidates[pos]
+            after = before & fits.get(segment, 0)
+            if after != before:
+                shrank = True
+                self.candidates[pos] = after
+                key = self.key_of[pos]
+                if key >= 0 and not after >> key & 1:
+                    self.key_of[pos] = self.position_of[key] = -1
+        # Untouched candidates are every key at every position: any order fits, no matching needed yet.
+        return not shrank or all(self.key_of[pos] >= 0 or self._augment(pos) for pos in range(len(segments)))
+
+    def _augment(self, start: int) -> bool:
+        """Match position ``start`` along one augmenting path; False when there is none (Berge: then no
+        matching covers every position, so no order renders every id seen)."""
+        global order_steps
+        tried = 0  # keys this search has tried: each at most once, so at most P steps
+        steps = 0
+        # Depth-first, iteratively: (position, keys left to try) frames; a key's owner is the next frame.
+        stack = [(start, self.candidates[start])]
+        path: list[int] = []  # the key tried at each frame
+        while stack:
+            pos, left = stack[-1]
+            left &= ~tried
+            if not left:
+                stack.pop()
+                if path:
+                    path.pop()
+                continue
+            low = left & -left
+            tried |= low
+            steps += 1
+            stack[-1] = (pos, left & ~low)
+            key = low.bit_length() - 1
+            owner = self.position_of[key]
+            path.append(key)
+            if owner < 0:  # a free key: flip the path
+                for (p, _), k in zip(stack, path):
+                    self.key_of[p], self.position_of[k] = k, p
+                order_steps += steps
+                return True
+            stack.append((owner, self.candidates[owner]))
+        order_steps += steps
+        return False
 
 
 # -- the fast path --------------------------------------------------------------------------------
@@ -521,7 +585,7 @@ def _id_order(kid: object, family: str, params: dict[str, Any], arch: str) -> tu
     if type(kid) is not str:
         raise _Slow
     parts = kid.split("/")
-    if len(parts) != len(params) + 2 or parts[0] != family or parts[-1] != arch:
+    if len(parts) != len(params) + 2 or parts[0] != family or parts[-1] != arch or len(params) > MAX_POINT_PARAMS:
         raise _Slow
     order = []
     for segment in parts[1:-1]:

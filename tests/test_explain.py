@@ -98,3 +98,23 @@ def test_explain_family_point_lists_the_nearest_points_and_what_differs(make_rel
     assert "  axpy/f32/vec1/sm_90a\n    vec: 1 in the manifest, 3 asked\n" in out.stdout
     found = cli(["explain", "axpy", "dtype=f32", "vec=4", "--manifest", str(release.path)], child_env(tmp_path / "home"))
     assert found.stdout.startswith(f"axpy dtype=f32 vec=4: in manifest {release.digest}\n  axpy/f32/vec4/sm_90a")
+
+
+@pytest.mark.parametrize("args, why", [
+    (["axpy", "vec=" + "9" * 5000], "explain: parameter vec: expected an integer in [-2**63, 2**63) or a word like "
+                                    "'f32' ([A-Za-z0-9_.+-]), got '" + "9" * 37 + "'... (5000 characters)"),
+    (["axpy", f"vec={2**63}"], f"explain: parameter vec: expected an integer in [-2**63, 2**63) or a word"),
+    (["axpy", "vec=" + "1" * 30], "explain: parameter vec: expected an integer in [-2**63, 2**63) or a word"),
+    (["axpy", "dtype=f'32"], "explain: parameter dtype: expected an integer in [-2**63, 2**63) or a word"),
+    (["axpy", "dtype="], "explain: parameter dtype: expected an integer in [-2**63, 2**63) or a word"),
+    (["axpy", "d type=f32"], "explain: expected NAME=VALUE with NAME an identifier, got 'd type=f32'"),
+    (["axpy", "vec=1", "vec=2"], "explain: parameter vec is given twice"),
+    (["axpy", "vec=1", "--arch", "sm_9"], "invalid arch 'sm_9': expected 'sm_<major><minor>'"),
+    (["ax/py", "vec=1"], "explain: expected a JIT key (xxh3:<32 hex>) or a family name like 'axpy', got 'ax/py'"),
+])
+def test_explain_refuses_a_malformed_point_in_one_line(make_release, cli, tmp_path: Path, args, why) -> None:
+    release = make_release(n=2, archs=("sm_90a",))
+    out = cli(["explain", *args, "--manifest", str(release.path)], child_env(tmp_path / "home"), timeout=60)
+    assert out.returncode == 2, out.stdout
+    assert "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"cubinstore: error: {why}"), out.stderr

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -200,3 +201,126 @@ def test_bad_launch_geometry_fails_the_build(tmp_path, library_cubin, geometry, 
     result = run_tool(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES}, launch={name: geometry})])
     assert result.returncode == 1
     assert message.replace("E", name, 1) in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("geometry, message", [
+    ({"block": [1], "grid": ["cdiv(args[0])"]}, "launch rule 'cdiv(args[0])': cdiv takes exactly 2 arguments, got 1"),
+    ({"block": [1], "grid": ["cdiv(args[0], 128, 2)"]}, "launch rule 'cdiv(args[0], 128, 2)': cdiv takes exactly 2 arguments, got 3"),
+    ({"block": [1], "shared_mem": "max(4)"}, "launch E.shared_mem: launch rule 'max(4)': max takes at least 2 arguments, got 1"),
+])
+def test_launch_rule_with_a_wrong_argument_count_fails_the_build_in_one_line(tmp_path, library_cubin, geometry, message):
+    name = "lib::gemm_impl<lib::bf16, 128, 256>"
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES}, launch={name: geometry})])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("cubin_manifest: ") and "Traceback" not in result.stderr
+    assert message.replace("E", name, 1) in result.stderr, result.stderr
+    assert not (tmp_path / "manifest.json").exists()
+
+
+# -- entries name whole C++ names ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fragment", [
+    "bf16, 128, 256>",                 # the tail of the template arguments
+    "lib::bf16, 128, 256>",
+    "128,256>",
+    "impl<lib::bf16, 128, 256>",       # a suffix of the unqualified name
+    "gemm_impl<lib::bf16, 128, 256",   # no closing bracket
+    "b::gemm_impl<lib::bf16, 128, 256>",
+])
+def test_an_entry_named_by_a_piece_of_a_cpp_name_is_not_resolved(tmp_path, library_cubin, fragment):
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {fragment: GEMM_TYPES})])
+    assert result.returncode == 1, result.stderr
+    assert f"entry '{fragment}' is not a kernel of its CUBIN; its kernels: " in result.stderr
+    assert "lib::gemm_impl<lib::bf16, 128, 256> (_ZN3lib9gemm_impl" in result.stderr
+
+
+@pytest.mark.parametrize("spelling", [
+    "lib::gemm_impl<lib::bf16, 128, 256>",
+    "::lib::gemm_impl<lib::bf16,128,256>",
+    "lib::gemm_impl< lib::bf16 , 128u , 256 >",
+    "gemm_impl<lib::bf16, 128, 256>",
+])
+def test_the_whole_name_qualified_or_not_resolves_in_any_spacing(tmp_path, library_cubin, spelling):
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {spelling: GEMM_TYPES})])
+    assert result.returncode == 0, result.stderr
+    (symbol,) = entries_of(tmp_path)
+    assert symbol.startswith("_ZN3lib9gemm_implINS_4bf16ELi128ELi256EEE")
+
+
+def test_an_unqualified_name_two_kernels_share_is_ambiguous(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import manifest_tool
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+
+    class Image:  # the two facts resolve_entry reads of a CubinImage
+        kernels = {"_ZN1a1fEv": None, "_ZN1b1fEv": None}
+
+    readable = {"_ZN1a1fEv": "a::f", "_ZN1b1fEv": "b::f"}
+    k = {"id": "x/sm_90a", "target": "//k:x"}
+    assert manifest_tool.resolve_entry(k, "b::f", Image(), readable) == ("_ZN1b1fEv", "b::f")
+    with pytest.raises(manifest_tool.BuildError, match="entry 'f' matches 2 kernels of its CUBIN: _ZN1a1fEv, _ZN1b1fEv"):
+        manifest_tool.resolve_entry(k, "f", Image(), readable)
+
+
+# -- the demangler: time limit, output limit, typed errors --------------------------------------------
+
+def _fake_demangler(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "fake-c++filt"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return script
+
+
+def run_tool_with(tmp_path: Path, kernels: list[dict], demangler: str, **spec_extra) -> subprocess.CompletedProcess:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"demangler": demangler, "kernels": kernels, **spec_extra}))
+    # A hang must fail this test, not block it: the tool's own limit is 0.5 s here.
+    return subprocess.run([sys.executable, str(TOOL), str(spec), str(tmp_path / "manifest.json")],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_a_hung_demangler_is_killed_and_fails_the_build_naming_it(tmp_path, library_cubin):
+    pid_file = tmp_path / "demangler.pid"
+    script = _fake_demangler(tmp_path, f"echo $$ > '{pid_file}'\nexec sleep 1000")
+    name = "lib::gemm_impl<lib::bf16, 128, 256>"
+    result = run_tool_with(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES})], str(script),
+                           demangle_timeout=0.5)
+    assert result.returncode == 1
+    assert result.stderr == (f"cubin_manifest: demangler '{script}' did not finish within 0.5 s for 3 names; "
+                             f"killed\n")
+    assert not (tmp_path / "manifest.json").exists()
+    with pytest.raises(ProcessLookupError):  # killed and reaped before the tool exited
+        os.kill(int(pid_file.read_text()), 0)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("while read l; do printf '\\377\\n'; done", "printed a byte that is not ASCII at offset 0"),
+    ("exec yes 'void f()'", "printed more than 16384 bytes per name for 3 names"),
+    ("while read l; do printf '\\001\\n'; done", "gave '\\x01' for _ZN3lib"),
+    ("echo one line; exit 0", "exited 0 with 1 lines for 3 names"),
+])
+def test_a_demangler_that_prints_garbage_fails_the_build_naming_it(tmp_path, library_cubin, body, message):
+    script = _fake_demangler(tmp_path, body)
+    name = "lib::gemm_impl<lib::bf16, 128, 256>"
+    result = run_tool_with(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES})], str(script),
+                           demangle_timeout=20)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"cubin_manifest: demangler '{script}' "), result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "10", float("nan"), 1e9, True])
+def test_a_bad_demangle_timeout_in_the_spec_is_refused(tmp_path, axpy_cubin, timeout):
+    result = run_tool_with(tmp_path, [kernel(axpy_cubin)], "c++filt", demangle_timeout=timeout)
+    assert result.returncode == 1
+    assert result.stderr.startswith("cubin_manifest: spec: demangle_timeout: expected seconds in (0, 3600], got ")
+
+
+def test_a_demangler_that_cannot_run_fails_the_build_naming_it(tmp_path, library_cubin):
+    name = "lib::gemm_impl<lib::bf16, 128, 256>"
+    missing = str(tmp_path / "no-such-demangler")
+    result = run_tool_with(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES})], missing)
+    assert result.returncode == 1
+    assert result.stderr == f"cubin_manifest: cannot run the demangler '{missing}': No such file or directory\n"

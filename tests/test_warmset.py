@@ -158,3 +158,118 @@ def test_export_outside_a_workspace_is_a_usage_error(tmp_path: Path, cli, cli_en
     assert out.returncode == 2
     assert out.stderr.startswith("cubinstore: error: warmset export: kernels/axpy is not a directory; run from the workspace root")
     assert not (tmp_path / "kernels").exists()
+
+
+# -- damaged records, bad flags, a FIFO: one line each, never a traceback, never a hang ---------------
+
+def _one_line(stderr: str, starts: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith(starts), stderr
+    return stderr
+
+
+def _damage(local: LocalStore, damage) -> Path:
+    """A record of axpy dtype=bf16 (beside a good one of dtype=f32), rewritten by ``damage`` (doc -> doc or bytes)."""
+    _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32"}, arch="sm_90a")
+    before = set((local.v1 / "warmset").glob("*/*.json"))
+    _warmset.record(local, kind="miss", family="axpy", params={"dtype": "bf16"}, arch="sm_90a")
+    (path,) = set((local.v1 / "warmset").glob("*/*.json")) - before
+    changed = damage(json.loads(path.read_text()))
+    path.write_bytes(changed if isinstance(changed, bytes) else json.dumps(changed).encode())
+    return path
+
+
+def _with_params(params):
+    return lambda doc: dict(doc, params=params)
+
+
+DAMAGES = {
+    "null value": _with_params({"dtype": None}),
+    "bool value": _with_params({"dtype": True}),
+    "list value": _with_params({"dtype": ["f32"]}),
+    "object value": _with_params({"dtype": {"a": 1}}),
+    "quote in a key": _with_params({'dt"ype': "f32"}),
+    "quote in a value": _with_params({"dtype": 'f32"+x'}),
+    "newline in a value": _with_params({"dtype": "f32\nload"}),
+    "huge int": _with_params({"dtype": 2**70}),
+    "family 123": lambda doc: dict(doc, family=123),
+    "family with a quote": lambda doc: dict(doc, family='axpy"'),
+    "arch that breaks the docstring": lambda doc: dict(doc, arch='sm_90a"""\nfail("x")\n"""'),
+    "params a list": lambda doc: dict(doc, params=[["dtype", "f32"]]),
+    "count a string": lambda doc: dict(doc, count="7"),
+    "count negative": lambda doc: dict(doc, count=-1),
+    "key not hex": lambda doc: dict(doc, key="../x"),
+    "digest malformed": lambda doc: dict(doc, digest="sha256:zz"),
+    "unknown field": lambda doc: dict(doc, extra=1),
+    "not an object": lambda doc: [doc],
+    "duplicate key": lambda doc: json.dumps(doc).replace('"kind":', '"family": "axpy", "kind":', 1).encode(),
+    "deep nesting": lambda doc: ("[" * 100_000 + "]" * 100_000).encode(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES), ids=list(DAMAGES))
+def test_a_damaged_record_is_skipped_with_one_warning_naming_its_file(tmp_path: Path, cli, cli_env, damage: str) -> None:
+    local = LocalStore(Path(cli_env["CUBINSTORE_HOME"]))
+    path = _damage(local, DAMAGES[damage])
+    listed = cli(["warmset", "list"], cli_env, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    _one_line(listed.stderr, f"cubinstore: WARNING: cubinstore._warmset: ignoring damaged warm set record {path}: ")
+    assert listed.stdout == "miss  axpy dtype=f32  sm_90a  count 1  key -  -\n"
+
+    out_path = tmp_path / "warmset.bzl"
+    exported = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path)], cli_env, timeout=60)
+    assert exported.returncode == 0, exported.stderr
+    _one_line(exported.stderr, f"cubinstore: WARNING: cubinstore._warmset: ignoring damaged warm set record {path}: ")
+    assert _points(out_path) == [{"dtype": "f32"}]
+    assert "seen at run time: sm_90a)" in out_path.read_text()
+
+
+def test_starlark_is_written_only_from_checked_points(tmp_path: Path) -> None:
+    # export's records are checked when read; the writer checks each point again where it becomes code.
+    with pytest.raises(BadArgumentError, match="^warm set: parameter dtype must be an int or a word"):
+        _warmset._starlark_points([{"dtype": 'f32"]\nfail("x")'}])
+    with pytest.raises(BadArgumentError, match="^warm set: parameter names must be identifiers"):
+        _warmset._starlark_points([{'a"': 1}])
+
+
+@pytest.mark.parametrize("days", ["nan", "inf", "-inf", "1e308", "-1", "abc", "36501"])
+def test_since_days_must_be_a_finite_number_of_days(tmp_path: Path, cli, cli_env, days: str) -> None:
+    _warmset.record(LocalStore(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
+                    params={"dtype": "f32"}, arch="sm_90a")
+    out_path = tmp_path / "warmset.bzl"
+    out = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path), f"--since-days={days}"], cli_env,
+              timeout=60)
+    assert out.returncode == 2
+    _one_line(out.stderr, "cubinstore: error: ")
+    assert "argument --since-days: expected a number of days in [0, 36500]" in out.stderr
+    assert not out_path.exists()
+
+
+def test_since_days_keeps_recent_points(tmp_path: Path, cli, cli_env) -> None:
+    _warmset.record(LocalStore(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
+                    params={"dtype": "f32"}, arch="sm_90a")
+    out_path = tmp_path / "warmset.bzl"
+    out = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path), "--since-days", "0.5"], cli_env)
+    assert out.returncode == 0, out.stderr
+    assert _points(out_path) == [{"dtype": "f32"}]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
+def test_out_must_be_a_regular_file_or_new_and_never_blocks(tmp_path: Path, cli, cli_env, kind: str) -> None:
+    _warmset.record(LocalStore(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
+                    params={"dtype": "f32"}, arch="sm_90a")
+    out_path = tmp_path / "warmset.bzl"
+    if kind == "fifo":
+        os.mkfifo(out_path)
+    elif kind == "symlink":
+        target = tmp_path / "elsewhere.bzl"
+        _warmset.export(LocalStore(tmp_path / "other-home"), "axpy", target)  # an export, reached by a link
+        out_path.symlink_to(target)
+    else:
+        out_path.mkdir()
+    # A hang fails here (the child is killed at the timeout) instead of blocking the suite.
+    out = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path)], cli_env, timeout=30)
+    assert out.returncode == 2
+    what = {"fifo": "is a FIFO", "symlink": "is a symbolic link", "directory": "is a directory"}[kind]
+    _one_line(out.stderr, f"cubinstore: error: warmset export: --out {out_path} {what}; expected a regular file "
+                          f"or a new path")

@@ -14,18 +14,24 @@ too:
 - launch geometry is evaluated (integer arithmetic) and its grid rules checked.
 
 Usage: manifest_tool.py SPEC.json OUT.json
-SPEC.json: {"demangler": CMD, "jit_templates": [PATH], "kernels": [{"id", "family", "params",
-            "arch", "entries", "launch", "target", "cubin"}]}
+SPEC.json: {"demangler": CMD, "demangle_timeout": SECONDS (optional, default 120),
+            "jit_templates": [PATH], "kernels": [{"id", "family", "params", "arch", "entries",
+            "launch", "target", "cubin"}]}
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
+import selectors
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Any
 
 # Under Bazel the package's sources are inputs at their workspace paths below the working
@@ -41,6 +47,14 @@ from cubinstore.manifest import Manifest  # noqa: E402
 
 _SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _INT_SUFFIX_RE = re.compile(r"\b(\d+)(?:u|l|ul|lu|ll|ull|llu)\b", re.IGNORECASE)
+# A C++ name's tokens: words, numbers, '::', and single punctuation ('>>' is two closing brackets).
+_TOKEN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|::|\S", re.ASCII)
+_OPEN, _CLOSE = frozenset("<(["), frozenset(">)]")
+
+DEMANGLE_TIMEOUT = 120.0  # seconds, unless the spec says "demangle_timeout"
+MAX_DEMANGLE_TIMEOUT = 3600.0
+# c++filt prints one name per symbol: a few KiB each at most. More is not a demangler's output.
+MAX_DEMANGLED_LINE = 16 * 1024
 
 
 class BuildError(Exception):
@@ -79,32 +93,135 @@ def function_name(demangled: str) -> str:
     return text[start:].strip()
 
 
-def demangle(command: str, symbols: list[str]) -> dict[str, str]:
-    """Symbol -> readable function name, for the mangled ones, through the build's demangler."""
+def _run_bounded(argv: list[str], data: bytes, timeout: float, limit: int) -> tuple[int, bytes, bytes]:
+    """(exit status, stdout, stderr) of ``argv`` fed ``data``; raises ``TimeoutError`` after ``timeout``
+    seconds and ``OverflowError`` past ``limit`` bytes of output, the process group killed either way."""
+    with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: a child that never reads cannot block us
+        stdin.write(data)
+        stdin.seek(0)
+        proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    assert proc.stdout is not None and proc.stderr is not None
+    deadline = time.monotonic() + timeout
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    out = {out_fd: bytearray(), err_fd: bytearray()}
+    finished = False
+    try:
+        with selectors.DefaultSelector() as sel:
+            for fd in out:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                    out[key.fd] += chunk
+                    if len(out[key.fd]) > limit:
+                        raise OverflowError
+        try:
+            status = proc.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError from None
+        finished = True
+    finally:
+        if not finished:  # its whole session: a child it started may hold the pipes too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    return status, bytes(out[out_fd]), bytes(out[err_fd])
+
+
+def demangle(command: str, symbols: list[str], *, timeout: float = DEMANGLE_TIMEOUT) -> dict[str, str]:
+    """Symbol -> readable function name, for the mangled ones, through the build's demangler.
+
+    The demangler runs at most ``timeout`` seconds and may print at most one bounded line per
+    name; a demangler that hangs, cannot start or prints anything else is a ``BuildError``."""
     mangled = [s for s in symbols if s.startswith("_Z")]
     if not mangled:
         return {}
+    data = ("\n".join(mangled) + "\n").encode("ascii", "replace")
     try:
-        done = subprocess.run([command], input="\n".join(mangled) + "\n", capture_output=True, text=True,
-                              timeout=120, check=False)
+        status, stdout, stderr = _run_bounded([command], data, timeout, MAX_DEMANGLED_LINE * len(mangled))
+    except TimeoutError:
+        raise BuildError(f"demangler {command!r} did not finish within {timeout:g} s for {len(mangled)} names; "
+                         f"killed") from None
+    except OverflowError:
+        raise BuildError(f"demangler {command!r} printed more than {MAX_DEMANGLED_LINE} bytes per name for "
+                         f"{len(mangled)} names; not a demangler's output") from None
     except OSError as exc:
-        raise BuildError(f"cannot run the demangler {command!r}: {exc}") from None
-    lines = done.stdout.splitlines()
-    if done.returncode != 0 or len(lines) != len(mangled):
-        raise BuildError(f"demangler {command!r} exited {done.returncode} with {len(lines)} lines for "
-                         f"{len(mangled)} names: {done.stderr.strip()}")
+        raise BuildError(f"cannot run the demangler {command!r}: {exc.strerror or exc}") from None
+    try:
+        lines = stdout.decode("ascii").splitlines()
+    except UnicodeDecodeError as exc:
+        raise BuildError(f"demangler {command!r} printed a byte that is not ASCII at offset {exc.start}; "
+                         f"C++ names are ASCII") from None
+    if status != 0 or len(lines) != len(mangled):
+        why = stderr.decode("utf-8", "replace").strip().splitlines()
+        raise BuildError(f"demangler {command!r} exited {status} with {len(lines)} lines for "
+                         f"{len(mangled)} names: {why[-1][:200] if why else ''}")
+    for symbol, line in zip(mangled, lines):
+        if not line.strip() or not line.isprintable() or len(line) > MAX_DEMANGLED_LINE:
+            raise BuildError(f"demangler {command!r} gave {line[:80]!r} for {symbol}: expected a printable C++ name")
     return {s: function_name(line) for s, line in zip(mangled, lines)}
+
+
+def demangle_timeout(spec: dict[str, Any]) -> float:
+    """The spec's "demangle_timeout" (seconds), or the default."""
+    value = spec.get("demangle_timeout", DEMANGLE_TIMEOUT)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 < value <= MAX_DEMANGLE_TIMEOUT):
+        raise BuildError(f"spec: demangle_timeout: expected seconds in (0, {MAX_DEMANGLE_TIMEOUT:g}], got {value!r}")
+    return float(value)
+
+
+def _tokens(name: str) -> list[str]:
+    tokens = _TOKEN_RE.findall(normalize_name(name))
+    return tokens[1:] if tokens[:1] == ["::"] else tokens  # `::ns::f` is `ns::f`
+
+
+def _unqualified(tokens: list[str]) -> list[str] | None:
+    """The tokens after the last '::' outside brackets (the unqualified name); None if unbalanced."""
+    depth, start = 0, 0
+    for i, token in enumerate(tokens):
+        if token in _OPEN:
+            depth += 1
+        elif token in _CLOSE:
+            depth -= 1
+            if depth < 0:
+                return None
+        elif token == "::" and depth == 0:
+            start = i + 1
+    return tokens[start:] if depth == 0 else None
+
+
+def names_entry(declared: str, readable: str) -> bool:
+    """Whether ``declared`` names the function ``readable`` (a demangled function name): its whole
+    qualified name, or its unqualified name, token for token; never a piece of its template arguments."""
+    wanted, name = _tokens(declared), _tokens(readable)
+    if not wanted:
+        return False
+    if wanted == name:
+        return True
+    unqualified = _unqualified(name)
+    return unqualified == wanted and _unqualified(wanted) == wanted  # `wanted` has no '::' of its own
 
 
 def resolve_entry(kernel: dict[str, Any], declared: str, cubin: _abi.CubinImage,
                   readable: dict[str, str]) -> tuple[str, str]:
-    """(symbol, readable name) of the declared entry."""
+    """(symbol, readable name) of the declared entry: its symbol, or its whole C++ name (qualified or,
+    when unique, unqualified)."""
     kernels = cubin.kernels
     if declared in kernels:
         return declared, readable.get(declared, declared)
-    wanted = normalize_name(declared)
-    matches = sorted(s for s, name in readable.items()
-                     if normalize_name(name) == wanted or normalize_name(name).endswith("::" + wanted))
+    qualified = sorted(s for s, name in readable.items() if _tokens(name) == _tokens(declared))
+    matches = qualified or sorted(s for s, name in readable.items() if names_entry(declared, name))
     if len(matches) == 1:
         return matches[0], declared
     found = ", ".join(f"{readable.get(s, s)} ({s})" for s in sorted(kernels)) or "none"
@@ -166,13 +283,13 @@ def launch_geometry(kernel: dict[str, Any], declared: str) -> dict[str, Any] | N
         raise BuildError(str(exc)) from None
 
 
-def manifest_entry(kernel: dict[str, Any], demangler: str) -> dict[str, Any]:
+def manifest_entry(kernel: dict[str, Any], demangler: str, timeout: float = DEMANGLE_TIMEOUT) -> dict[str, Any]:
     with open(kernel["cubin"], "rb") as f:
         data = f.read()
     arch = _abi.Arch.parse(kernel["arch"])
     try:
         cubin = _abi.CubinImage(data, _where(kernel))
-        readable = demangle(demangler, sorted(cubin.kernels))
+        readable = demangle(demangler, sorted(cubin.kernels), timeout=timeout)
         entries = {}
         for declared, types in kernel["entries"].items():
             symbol, name = resolve_entry(kernel, declared, cubin, readable)
@@ -207,7 +324,8 @@ def main(argv: list[str]) -> int:
         return 2
     with open(argv[1], encoding="utf-8") as f:
         spec = json.load(f)
-    kernels = [manifest_entry(k, spec["demangler"]) for k in spec["kernels"]]
+    timeout = demangle_timeout(spec)
+    kernels = [manifest_entry(k, spec["demangler"], timeout) for k in spec["kernels"]]
     templates = {}
     for path in spec.get("jit_templates", []):
         with open(path, encoding="utf-8") as f:
