@@ -13,9 +13,14 @@ from cubinstore._files import NotRegularFile, read_regular
 from cubinstore._layer import Layer, limit_for
 from cubinstore._log import get_logger
 
-__all__ = ["DirectorySource", "DiskCacheStore"]
+__all__ = ["BUILD_TREE_SUFFIXES", "DirectorySource", "DiskCacheStore"]
 
 _log = get_logger(__name__)
+
+#: What a release's closure is made of in a build tree: CUBINs (``cuda_cubin``) and the source
+#: bundles of family JIT templates (``cubin_jit_template`` writes ``<name>.sources.json``). An
+#: allow-list: nothing else in the tree is ever statted, read or hashed.
+BUILD_TREE_SUFFIXES: tuple[str, ...] = (".cubin", ".sources.json")
 
 
 class DiskCacheStore(Layer):
@@ -48,13 +53,15 @@ class DiskCacheStore(Layer):
 
 
 class DirectorySource(Layer):
-    """Finds blobs by content among the ``*.cubin`` files of a build tree such as ``bazel-bin``.
+    """Finds blobs by content among the files of a build tree such as ``bazel-bin`` whose names
+    end in ``suffix`` (one suffix or several; by default ``BUILD_TREE_SUFFIXES``, every kind of
+    blob a release's closure holds).
 
     Files are indexed by size on first use and hashed only when their size matches the
     blob asked for, so no label or path naming convention is assumed.
     """
 
-    def __init__(self, root: str | Path, *, suffix: str = ".cubin") -> None:
+    def __init__(self, root: str | Path, *, suffix: str | tuple[str, ...] = BUILD_TREE_SUFFIXES) -> None:
         self.root = Path(root).expanduser()
         self.suffix = suffix
         self._by_size: dict[int, list[Path]] | None = None
@@ -82,7 +89,8 @@ class DirectorySource(Layer):
                         if stat.S_ISREG(st.st_mode):
                             by_size.setdefault(st.st_size, []).append(path)
                 self._by_size = by_size
-                _log.debug("indexed %d %s files under %s", sum(map(len, by_size.values())), self.suffix, self.root)
+                _log.debug("indexed %d %s files under %s", sum(map(len, by_size.values())),
+                           "/".join((self.suffix,) if isinstance(self.suffix, str) else self.suffix), self.root)
             return self._by_size
 
     def read(self, digest: Digest, size: int | None) -> bytes | None:

@@ -23,7 +23,7 @@ from cubinstore._layer import Layer
 from cubinstore._log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest, parse_arch
-from cubinstore.store import DirectorySource, DiskCacheStore, LocalStore, Store
+from cubinstore.store import DirectorySource, DiskCacheStore, LocalStore, MemoryStore, Store
 
 if TYPE_CHECKING:
     from cubinstore._http import HttpStore
@@ -107,8 +107,58 @@ def _local() -> LocalStore:
     return LocalStore(_env.home())
 
 
+def _usable(local: LocalStore, *, check: bool = False, create: bool = False) -> LocalStore:
+    """``local``, once its root opens; ``check``: once the directories down to ``v1/cas`` that
+    exist pass the ownership checks every write makes; ``create``: once they all exist (made
+    here) and pass them. A store that cannot be used at all (its root a file, a directory
+    others can write, a root that cannot be made) fails the command here, in one line naming
+    the store and the cause, rather than once for every blob of a closure.
+    """
+    from cubinstore._safedir import StoreRoot
+
+    with StoreRoot(local.root, allow_shared=_env.allow_shared_store()).dir("v1", "cas", create=create, check=check):
+        pass
+    return local
+
+
 def _names(manifest: Manifest, digest: Digest) -> str:
-    return ", ".join(manifest.ids_of(digest))  # one index per manifest: linear over the closure
+    ids = manifest.ids_of(digest)  # one index per manifest: linear over the closure
+    if ids:
+        return ", ".join(ids)
+    # Not a CUBIN: the source bundle of a family's JIT template (a manifest has a few).
+    return ", ".join(f"{family} JIT sources" for family, t in manifest.jit_templates.items() if t.bundle == digest)
+
+
+def _closure(manifest: Manifest, archs: set[str] | None) -> list[tuple[Digest, int]]:
+    """The blobs of ``manifest`` a host of ``archs`` (None: every arch) needs, sorted by digest: the
+    kernels' CUBINs, and the source bundle of each family JIT template that compiles for one of them."""
+    blobs = {(k.digest, k.size) for k in manifest.kernels if archs is None or k.arch in archs}
+    blobs.update((t.bundle, t.bundle_size) for t in manifest.jit_templates.values()
+                 if archs is None or not t.archs or archs.intersection(t.archs))
+    return sorted(blobs, key=lambda b: b[0].hex)
+
+
+def _build_trees(ref: str) -> list[Path]:
+    """The build trees a manifest path lies in: a ``bazel-bin`` above it, or ``bazel-out/<config>/bin``
+    (the same tree reached by its real path). A digest or a channel names none."""
+    if ref.startswith(("sha256:", "channel:")):
+        return []
+    path = Path(os.path.abspath(ref))
+    return [parent for parent in path.parents
+            if parent.name == "bazel-bin" or (parent.name == "bin" and parent.parent.parent.name == "bazel-out")]
+
+
+def _with_build_trees(store: Store, ref: str) -> Store:
+    """``store`` with the build tree of the manifest path ``ref`` searched after its local layers
+    (memory, local store, disk cache) and before any remote. Whatever a build tree holds is
+    verified like any layer's bytes (size, then sha256)."""
+    trees = [DirectorySource(tree) for tree in _build_trees(ref) if tree.is_dir()]
+    if not trees:
+        return store
+    layers = list(store.layers)
+    at = next((i for i, layer in enumerate(layers) if not isinstance(layer, (MemoryStore, LocalStore, DiskCacheStore))),
+              len(layers))
+    return Store([*layers[:at], *trees, *layers[at:]], strict=store.strict, backfill=store.backfill)
 
 
 def _archs(values: Sequence[str] | None) -> set[str] | None:
@@ -150,16 +200,17 @@ def _load_manifest(ref: str, store: Store | None = None, policy: str | None = No
 def _cmd_prefetch(args: argparse.Namespace) -> int:
     from cubinstore._prefetch import fetch_blobs, without_memory
 
-    store = Store.from_env(extra_remotes=args.remote or (), strict=True)
-    manifest = _load_manifest(args.manifest, store, args.policy)
+    store = _with_build_trees(Store.from_env(extra_remotes=args.remote or (), strict=True), args.manifest)
     local = store.local
     if local is None:  # from_env always adds one; kept for type checkers
         raise CubinstoreError("no local store configured")
+    _usable(local, check=True)  # before the manifest: a sha256: reference reads the store too
+    manifest = _load_manifest(args.manifest, store, args.policy)
     archs = _archs(args.arch)
-    specs = [k for k in manifest.kernels if archs is None or k.arch in archs]
-    if archs is not None and not specs:
+    if archs is not None and not archs.intersection(manifest.archs):
         raise BadArgumentError(f"--arch {','.join(sorted(archs))}: manifest {manifest.digest} has archs {', '.join(manifest.archs)}")
-    blobs = sorted({(k.digest, k.size) for k in specs}, key=lambda b: b[0].hex)
+    blobs = _closure(manifest, archs)
+    _usable(local, create=True)  # every blob writes below v1/cas
     store = without_memory(store)
     before = store.stats
     progress = _Progress("prefetch")
@@ -192,7 +243,7 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
 def _cmd_ls(args: argparse.Namespace) -> int:
     manifest = _load_manifest(args.manifest)
-    local = _local()
+    local = _usable(_local())
     status: dict[Digest, str] = {}  # kernels sharing a CUBIN read it once
     rows = [(k.id, k.arch, str(k.size), status.get(k.digest) or status.setdefault(k.digest, local.status(k.digest, k.size)))
             for k in sorted(manifest.kernels, key=lambda k: k.id)]
@@ -206,7 +257,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from cubinstore._maint import verify_store
 
-    local = _local()
+    local = _usable(_local())
     blobs = None
     if args.manifest:
         manifest = _load_manifest(args.manifest, Store([local]))
@@ -228,8 +279,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_gc(args: argparse.Namespace) -> int:
     from cubinstore._maint import gc
 
-    local = _local()
     limit = _parse_bytes(args.max_bytes)
+    local = _usable(_local())
     result = gc(local, limit)
     print(
         f"gc {local.root}: {_human(result.total_before)} -> {_human(result.total_after)}, evicted "
@@ -269,7 +320,9 @@ def _cmd_unpin(args: argparse.Namespace) -> int:
 def _cmd_pack(args: argparse.Namespace) -> int:
     from cubinstore._bundle import pack
 
-    store = Store.from_env(extra_remotes=args.remote or ())
+    store = _with_build_trees(Store.from_env(extra_remotes=args.remote or ()), args.manifest)
+    if store.local is not None:
+        _usable(store.local)  # pack only reads it (and keeps what it fetches, if it can)
     manifest = _load_manifest(args.manifest, store)
     progress = _Progress("pack")
     try:
@@ -283,8 +336,8 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 def _cmd_unpack(args: argparse.Namespace) -> int:
     from cubinstore._bundle import unpack
 
-    local = _local()
     expect = Digest.parse(args.expect) if args.expect else None
+    local = _usable(_local(), check=True)  # created once the bundle has verified
     progress = _Progress("unpack")
     try:
         manifest = unpack(args.bundle, local, expect=expect, progress=progress, pin=args.pin)
@@ -300,13 +353,14 @@ def _publish_sources(args: argparse.Namespace) -> list[Layer]:
     if disk_cache is not None:
         sources.append(DiskCacheStore(disk_cache))
     dirs = [Path(d) for d in args.source or ()]
-    if not args.manifest.startswith("sha256:"):
-        # A manifest under bazel-bin/ names its build tree; found by content, not by label.
-        path = Path(os.path.abspath(args.manifest))
-        dirs.extend(parent for parent in path.parents if parent.name == "bazel-bin")
+    # A manifest under bazel-bin/ names its build tree; found by content, not by label.
+    dirs.extend(_build_trees(args.manifest))
     if Path("bazel-bin").is_dir():
         dirs.append(Path("bazel-bin"))
-    for directory in dict.fromkeys(dirs):
+    unique: dict[str, Path] = {}  # one layer per directory however it was named (bazel-bin, its absolute path)
+    for d in dirs:
+        unique.setdefault(os.path.abspath(d), d)
+    for directory in unique.values():
         if not directory.is_dir():
             raise BadArgumentError(f"--from {directory}: not a directory")
         sources.append(DiskCacheStore(directory) if (directory / "cas").is_dir() else DirectorySource(directory))
@@ -410,7 +464,7 @@ def _check_remote(remote: HttpStore, digest: Digest, size: int, name: str) -> st
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    local = _local()
+    local = _usable(_local())
     counts = local.read_stats()
     entries, _ = local.scan()
     for key, value in counts.items():
