@@ -518,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.command == "compile":
-        from cubinstore._jitfamily import cutlass_include
+        from cubinstore._jit.family import cutlass_include
         from cubinstore.errors import BadArgumentError
 
         try:

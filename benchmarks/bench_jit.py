@@ -55,7 +55,7 @@ def _median(values: list[float]) -> float:
 # -- what a child process runs ----------------------------------------------------------------------
 
 def _template(store: Any) -> Any:
-    from cubinstore._jitfamily import template_for_sources
+    from cubinstore._jit.family import template_for_sources
 
     return template_for_sources("gemm", list(GEMM_POINT), GEMM_FILES[0], {p: (ROOT / p).read_text() for p in GEMM_FILES},
                                 store, defines=list(GEMM_DEFINES), entries=GEMM_ENTRY, archs=["sm_90a"],
@@ -87,18 +87,18 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         import cubinstore.launch  # noqa: F401
         import cubinstore.manifest  # noqa: F401
     if gpu:
-        from cubinstore import _cuda
+        from cubinstore._driver import cuda as _cuda
 
         _cuda.driver()
         _cuda.primary_context(0)
     if kind == "key_cutlass_statcached":
-        from cubinstore import _jitkey
+        from cubinstore._jit import key as _jitkey
 
         t = time.perf_counter()
         _jitkey.tree(args["cutlass"], local=LocalStore(args["home"]))
         out["seconds"] = time.perf_counter() - t
     elif kind in ("identity_statcached", "core_statcached"):
-        from cubinstore import _jitkey
+        from cubinstore._jit import key as _jitkey
 
         local = LocalStore(args["home"])
         t = time.perf_counter()
@@ -151,8 +151,8 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = time.perf_counter() - t
     elif kind == "gpu_jit_by_key":
         import cubinstore
-        from cubinstore import _env
-        from cubinstore._jitindex import JitIndex
+        from cubinstore._core import knobs as _env
+        from cubinstore._jit.index import JitIndex
         from cubinstore.manifest import KernelSpec, Manifest
 
         t = time.perf_counter()
@@ -187,7 +187,7 @@ def _repeat(kind: str, args: dict[str, Any], env: dict[str, str], n: int, field:
 # -- the rows ---------------------------------------------------------------------------------------
 
 def _have_nvcc() -> bool:
-    from cubinstore._jitkey import locate_toolkit
+    from cubinstore._jit.key import locate_toolkit
     from cubinstore.errors import BadArgumentError
 
     try:
@@ -198,7 +198,7 @@ def _have_nvcc() -> bool:
 
 
 def _have_gpu() -> bool:
-    from cubinstore import _cuda
+    from cubinstore._driver import cuda as _cuda
 
     ok, _ = _cuda.available()
     return ok
@@ -211,7 +211,7 @@ def _env_for(home: Path) -> dict[str, str]:
     return env
 
 
-_RACY_S = 2.1  # stats younger than this are not cached (cubinstore._jitkey._RACY_NS)
+_RACY_S = 2.1  # stats younger than this are not cached (cubinstore._jit.key._RACY_NS)
 
 
 def _past_racy_window(since: float) -> None:
@@ -236,7 +236,7 @@ def _found(results: list[dict[str, Any]]) -> str:
 
 
 def cpu_rows(work: Path, cutlass: Path, repeats: int) -> list[tuple[str, str, str]]:
-    from cubinstore import _jitkey
+    from cubinstore._jit import key as _jitkey
 
     pre = work / "cpu"
     recorded = prepare(pre, cutlass)  # the GEMM point compiled, and a one-kernel manifest of it
@@ -311,7 +311,7 @@ def gpu_rows(home: Path, manifest: Path, kid: str, cutlass: Path | None, recorde
 def prepare(out: Path, cutlass: Path) -> dict[str, Any]:
     """Compile the GEMM point into ``out/home`` and write a one-kernel AOT manifest of the same CUBIN."""
     from cubinstore import jit
-    from cubinstore._abi import dumps_canonical
+    from cubinstore._core.abi import dumps_canonical
     from cubinstore.manifest import SCHEMA
     from cubinstore.store import LocalStore, Store
 
@@ -319,7 +319,7 @@ def prepare(out: Path, cutlass: Path) -> dict[str, Any]:
     spec = jit.compile_family_point(_template(store), GEMM_POINT, "sm_90a", store=store,
                                     include_roots={"cutlass": str(cutlass)})
     (out / "manifest.json").write_bytes(dumps_canonical({"schema": SCHEMA, "kernels": [spec.to_json()]}))
-    from cubinstore import _warmset
+    from cubinstore._release import warmset as _warmset
 
     rec = next(r for r in _warmset.records(LocalStore(out / "home")) if r.digest == spec.digest)
     desc = {"key": rec.key, "spec": {"id": spec.id, "params": dict(spec.params), "target": spec.target},
@@ -347,7 +347,7 @@ def main() -> int:
     if args.child:
         print(json.dumps(_child(args.child[0], json.loads(args.child[1]))))
         return 0
-    from cubinstore._jitfamily import cutlass_include
+    from cubinstore._jit.family import cutlass_include
     from cubinstore.errors import BadArgumentError
 
     try:

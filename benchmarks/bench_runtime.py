@@ -160,7 +160,8 @@ def synthetic_release(work: Path, copies: int = 4) -> Path:
 
 def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tuple[int, int], gpu: bool) -> list[dict[str, Any]]:
     """Per CUBIN: read + sha256 | Store.get | Library.kernel() without the driver, fresh loads (ms)."""
-    from cubinstore import _cuda, _loader, launch
+    from cubinstore import _loader, launch
+    from cubinstore._driver import cuda as _cuda
     from cubinstore.manifest import arch_compatible
     from cubinstore.store import LocalStore, MemoryStore, Store
 
@@ -247,7 +248,7 @@ def print_rows(rows: list[dict[str, Any]], row: Callable[[str, object, dict[str,
 def _make_primary_current() -> None:
     """GPU 0's primary context current, as in a torch process (and in the load-phase children): a
     load then switches no context, ours and the peers' alike."""
-    from cubinstore import _cuda
+    from cubinstore._driver import cuda as _cuda
 
     drv = _cuda.driver()
     _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent")
@@ -255,7 +256,7 @@ def _make_primary_current() -> None:
 
 def _unload(library: int) -> None:
     """cuLibraryUnload of a library loaded on GPU 0."""
-    from cubinstore import _cuda
+    from cubinstore._driver import cuda as _cuda
 
     drv = _cuda.driver()
     with _cuda.on_device(0):
@@ -273,7 +274,8 @@ def _unload_loaded() -> None:
 
 
 def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
-    from cubinstore import _cuda, _loader, launch
+    from cubinstore import _loader, launch
+    from cubinstore._driver import cuda as _cuda
     from cubinstore.store import LocalStore, MemoryStore, Store
 
     _make_primary_current()
@@ -349,7 +351,8 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     for the peer (read + sha256, load, get function) and for Library.kernel() (Store.get and the
     same two driver calls, timed inside it). Medians: a load now and then takes the driver's
     deferred work of earlier unloads, which would weigh on a mean."""
-    from cubinstore import _cuda, _loader, launch
+    from cubinstore import _loader, launch
+    from cubinstore._driver import cuda as _cuda
     from cubinstore.store import LocalStore, Store
 
     _make_primary_current()
@@ -435,7 +438,7 @@ def print_load_breakdown(parts: dict[str, dict[str, float]], kernels: int, sampl
 CHILD = """
 import sys, time, json
 import cubinstore
-from cubinstore import _cuda
+from cubinstore._driver import cuda as _cuda
 from cubinstore.manifest import arch_compatible
 lib = cubinstore.open(sys.argv[1])
 drv = _cuda.driver()
@@ -565,7 +568,7 @@ def main() -> None:
     gpu_reason = None
     cc = None
     try:
-        from cubinstore import _cuda
+        from cubinstore._driver import cuda as _cuda
 
         ok, why = _cuda.available()
         if ok:

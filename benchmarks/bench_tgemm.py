@@ -118,7 +118,7 @@ def render(point: Point) -> str:
 
 
 def compile_grid(out: Path, nvcc: str) -> None:
-    from cubinstore._jitfamily import cutlass_include
+    from cubinstore._jit.family import cutlass_include
     from cubinstore.errors import BadArgumentError
 
     try:

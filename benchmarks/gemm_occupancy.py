@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing cubinstore
 
 import cubinstore  # noqa: E402
-from cubinstore import _cuda  # noqa: E402
+from cubinstore._driver import cuda as _cuda  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, Store  # noqa: E402
 import cubinstore.ops.gemm  # noqa: E402

@@ -41,7 +41,8 @@ DEFAULT_KERNELS = ("axpy/f32/vec4/sm_90a", "transpose/bf16/tile64/sm_90a")
 def child(manifest_path: str, kernel_id: str, started: float) -> None:
     """Runs in a fresh interpreter; prints one JSON line of wall-clock marks (time.time())."""
     marks = {"spawned": started, "interpreter": time.time()}
-    from cubinstore import _cuda, launch
+    from cubinstore import launch
+    from cubinstore._driver import cuda as _cuda
 
     marks["imported"] = time.time()
     lib = launch.open(manifest_path)  # Store.from_env(): CUBINSTORE_HOME / CUBINSTORE_REMOTE
@@ -143,7 +144,8 @@ def _nvcc_seconds(nvcc: str, spec: Any, cutlass: str | None, repeats: int, work:
 
 
 def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list[dict[str, Any]]:
-    from cubinstore import _cuda, _loader, launch
+    from cubinstore import _loader, launch
+    from cubinstore._driver import cuda as _cuda
     from cubinstore.store import LocalStore, Store
 
     local = LocalStore(home)
@@ -203,7 +205,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write all numbers here")
     opts = parser.parse_args()
     if opts.cutlass_include is None:
-        from cubinstore._jitfamily import cutlass_include
+        from cubinstore._jit.family import cutlass_include
         from cubinstore.errors import BadArgumentError
 
         try:
@@ -211,7 +213,7 @@ def main() -> None:
         except BadArgumentError as exc:  # only the nvcc column needs them
             print(f"note: {exc}", file=sys.stderr)
 
-    from cubinstore import _cuda
+    from cubinstore._driver import cuda as _cuda
     from cubinstore.manifest import Manifest
     from cubinstore.store import DirectorySource, LocalStore, Store
 

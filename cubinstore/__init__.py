@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from cubinstore._digest import Digest
+from cubinstore._core.digest import Digest
 from cubinstore.errors import (
     BadArgumentError,
     BundleError,
@@ -71,7 +71,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 # A library logs, the application decides what is shown: every module that logs gets its logger
-# from cubinstore._log, which gives the "cubinstore" logger a NullHandler first (so `import
+# from cubinstore._core.log, which gives the "cubinstore" logger a NullHandler first (so `import
 # cubinstore` itself does not import logging).
 
 __all__ = [

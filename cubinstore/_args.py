@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cubinstore import _abi
+from cubinstore._core import abi as _abi
 from cubinstore.errors import BadArgumentError, ParamLayoutError
 
 
@@ -76,7 +76,7 @@ def _types(kernel_id: str, entry: str, types: Sequence[str]) -> list[_abi.ParamT
 def expected_layout(
     kernel_id: str, entry: str, types: Sequence[str], arch: str | _abi.Arch
 ) -> tuple[ParamSlot, ...]:
-    """The layout the compiler gives the declared types on ``arch`` (``cubinstore._abi``'s rule)."""
+    """The layout the compiler gives the declared types on ``arch`` (``cubinstore._core.abi``'s rule)."""
     parsed = _types(kernel_id, entry, types)
     offsets = _abi.param_layout(parsed, arch if isinstance(arch, _abi.Arch) else _abi.Arch.parse(arch))
     return tuple(ParamSlot(o, t.size) for o, t in zip(offsets, parsed))

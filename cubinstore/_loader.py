@@ -14,11 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore import _abi, _cuda
-from cubinstore._abi import Arch
+from cubinstore._core import abi as _abi
+from cubinstore._driver import cuda as _cuda
+from cubinstore._core.abi import Arch
 from cubinstore._args import ParamSlot, check_layout
-from cubinstore._digest import Digest
-from cubinstore._log import get_logger
+from cubinstore._core.digest import Digest
+from cubinstore._core.log import get_logger
 from cubinstore.errors import IncompatibleArchError, ManifestError
 from cubinstore.manifest import KernelSpec
 

@@ -6,9 +6,9 @@
     k.compiled, k.key, k.digest        # whether this call ran nvcc; xxh3:<key>; sha256:<CUBIN>
     k.launch("axpy_f32", grid=..., block=..., args=...)   # like lib.kernel(...).launch
 
-The key (``cubinstore._jitkey``) covers content only, so a second install of the same
+The key (``cubinstore._jit.key``) covers content only, so a second install of the same
 library at another prefix, a relocated container or a fresh process hits. A warm call first
-tries the direct key (``cubinstore._jitdirect``): only the files an earlier compile of the
+tries the direct key (``cubinstore._jit.direct``): only the files an earlier compile of the
 same TU included, and the shape of each root, are checked, so it needs no walk of the trees;
 ``k.found_by`` says whether the direct key, the full key or a compile found it. The CUBIN is an
 ordinary blob of the local CAS (by sha256); ``<store>/v1/jit/index`` maps key -> digest.
@@ -47,10 +47,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore import _env, _jitkey
-from cubinstore._abi import Arch, CubinImage, module_anchor, param_layout, param_type
-from cubinstore._digest import Digest, show
-from cubinstore._jitdirect import (
+from cubinstore._core import knobs as _env
+from cubinstore._jit import key as _jitkey
+from cubinstore._core.abi import Arch, CubinImage, module_anchor, param_layout, param_type
+from cubinstore._core.digest import Digest, show
+from cubinstore._jit.direct import (
     DEPS_NAME,
     Deps,
     DirectRequest,
@@ -65,8 +66,8 @@ from cubinstore._jitdirect import (
     remember,
     shapes_of,
 )
-from cubinstore._jitindex import IndexEntry, JitIndex
-from cubinstore._jitkey import (
+from cubinstore._jit.index import IndexEntry, JitIndex
+from cubinstore._jit.key import (
     ACTION_ENV,
     Flags,
     HostCompiler,
@@ -83,7 +84,7 @@ from cubinstore._jitkey import (
     unchanged,
     xxh3,
 )
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
@@ -188,7 +189,7 @@ def _read_source(source: str | os.PathLike[str]) -> str:
 
 
 def _device_arch() -> Arch:
-    from cubinstore import _cuda
+    from cubinstore._driver import cuda as _cuda
 
     ordinal = _cuda.check_ordinal(_cuda.current_device())
     major, minor = _cuda.compute_capability(ordinal)
@@ -516,7 +517,7 @@ def _cubin_problem(data: bytes, entry: IndexEntry, k: JitKey) -> str | None:
 
 def _record(local: Any, k: JitKey, arch: Arch, digest: Digest | None, family: str | None,
             params: Mapping[str, str | int] | None, kind: str = "jit") -> None:
-    from cubinstore import _warmset
+    from cubinstore._release import warmset as _warmset
 
     try:
         _warmset.record(local, kind=kind, family=family, params=params, arch=str(arch), key=k.hex, digest=digest)
@@ -820,7 +821,7 @@ def _check_declared(kernels: Sequence[str], entries: Mapping[str, tuple[str, ...
 def __getattr__(name: str) -> Any:
     # The family-template side lives in its own module; re-exported here as the public API.
     if name in ("FamilyTemplate", "compile_family_point", "resolve_miss"):
-        from cubinstore import _jitfamily
+        from cubinstore._jit import family as _jitfamily
 
         return getattr(_jitfamily, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,11 +24,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore import _abi, _cuda
+from cubinstore._core import abi as _abi
+from cubinstore._driver import cuda as _cuda
 from cubinstore._args import ArgBuffer, pack_args
 from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
-from cubinstore._digest import Digest, show
-from cubinstore._log import get_logger
+from cubinstore._core.digest import Digest, show
+from cubinstore._core.log import get_logger
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -58,7 +59,7 @@ def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | No
         store = store if store is not None else _default_store()
         man = Manifest.from_digest(manifest, store)
     elif isinstance(manifest, str) and manifest.startswith("channel:"):
-        from cubinstore._trust import resolve_channel  # signed release; CUBINSTORE_TRUST_POLICY names the keys
+        from cubinstore.trust.channel import resolve_channel  # signed release; CUBINSTORE_TRUST_POLICY names the keys
 
         store = store if store is not None else _default_store()
         man = Manifest.from_digest(resolve_channel(manifest, store), store)
@@ -131,7 +132,7 @@ class Library:
 
 
     def _missing_point(self, family: str, params: dict[str, str | int], cc: tuple[int, int], jit: bool | None) -> KernelSpec:
-        from cubinstore._jitfamily import resolve_miss  # standard library up to the compile
+        from cubinstore._jit.family import resolve_miss  # standard library up to the compile
 
         template = self.manifest.jit_templates.get(family)
         return resolve_miss(self.manifest, family, params, _jit_arch(family, template, cc), template=template,

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError
 
 __all__ = [
@@ -368,7 +368,7 @@ class AddressEncoder:
     """
 
     def __init__(self, args: TiledArgs, device: int | None = None) -> None:
-        from cubinstore import _cuda
+        from cubinstore._driver import cuda as _cuda
 
         drv = _cuda.driver()
         self.args = args
@@ -402,7 +402,7 @@ class AddressEncoder:
             raise BadArgumentError(f"tensor map address: expected a multiple of {self._align} bytes, got 0x{address:x}")
         result = self._encode_tiled(*self._head, address, *self._tail)
         if result[0] != self._success:
-            from cubinstore import _cuda
+            from cubinstore._driver import cuda as _cuda
 
             where = "" if self._device is None else f" on device {self._device}"
             _cuda.check(result, f"cuTensorMapEncodeTiled({self.args.describe()}) at 0x{address:x}{where}")

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from cubinstore import _cuda, launch
+from cubinstore import launch
+from cubinstore._driver import cuda as _cuda
 from cubinstore.manifest import Manifest
 from cubinstore.store import DirectorySource, LocalStore, Store
 

@@ -1,4 +1,4 @@
-"""The ABI contract (cubinstore._abi) against real CUBINs: the layout rule on a table of
+"""The ABI contract (cubinstore._core.abi) against real CUBINs: the layout rule on a table of
 parameter lists, local kernels, the arch grammar, reproducible bytes, and the Starlark
 mirror in tools/private/types.bzl."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cubinstore import _abi
+from cubinstore._core import abi as _abi
 from cubinstore._args import check_layout
 from cubinstore.errors import BadArgumentError, CubinFormatError
 

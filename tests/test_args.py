@@ -392,7 +392,7 @@ def test_kernel_without_parameters_passes_a_null_param_array() -> None:
 
 def test_importing_cubinstore_launch_touches_no_cuda() -> None:
     code = (
-        "import sys, cubinstore.launch, cubinstore._args, cubinstore._cuda;"
+        "import sys, cubinstore.launch, cubinstore._args, cubinstore._driver.cuda;"
         "bad = [m for m in sys.modules if m == 'cuda' or m.startswith('cuda.') or m in ('torch', 'cupy')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

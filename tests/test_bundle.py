@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import BundleError, CubinstoreError, Digest, Manifest, Store
-from cubinstore._bundle import pack, unpack
+from cubinstore._release.bundle import pack, unpack
 from cubinstore.store import LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -102,7 +102,7 @@ def test_pack_never_bundles_a_bad_local_entry_it_quarantines_and_refetches_it(pa
 
 
 def test_pack_counts_a_hit_per_local_blob_and_bumps_old_entries_for_gc(packed, tmp_path: Path) -> None:
-    from cubinstore._safedir import TOUCH_AFTER
+    from cubinstore.store.local.root import TOUCH_AFTER
 
     _, manifest, out = packed
     local = LocalStore(tmp_path / "source")
@@ -289,7 +289,7 @@ _UNPACK_UNDER_A_MEMORY_LIMIT = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]), int(sys.argv[3])))
 from cubinstore import CubinstoreError
-from cubinstore._bundle import unpack
+from cubinstore._release.bundle import unpack
 from cubinstore.store import LocalStore
 try:
     unpack(sys.argv[1], LocalStore(sys.argv[2]))

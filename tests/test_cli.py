@@ -261,7 +261,7 @@ def test_pack_from_a_full_local_store_imports_no_maintenance_or_fetch_code(make_
     bundle = tmp_path / "release.tar"
     code = ("import sys\nfrom cubinstore.cli import main\n"
             f"status = main(['pack', {str(release.path)!r}, {str(bundle)!r}])\n"
-            "print(status, sorted(m for m in sys.modules if m in ('cubinstore._maint', 'cubinstore._prefetch', 'queue')))")
+            "print(status, sorted(m for m in sys.modules if m in ('cubinstore._release.maint', 'cubinstore._release.prefetch', 'queue')))")
     out = subprocess.run([sys.executable, "-c", code], env=cli_env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "0 []"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest, Store
-from cubinstore._maint import verify_store
+from cubinstore._release.maint import verify_store
 from cubinstore.store import HttpStore, LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -79,8 +79,8 @@ def test_an_entry_pending_in_an_idle_grouped_batch_is_committed_for_a_process_th
     # group timer's commit, not wait until the prefetch ends (nor download it again).
     from _blobs import random_blob
 
-    from cubinstore._layer import Layer
-    from cubinstore._local import GROUP_SECONDS
+    from cubinstore.store.layer import Layer
+    from cubinstore.store.local.cas import GROUP_SECONDS
 
     digest, data = random_blob(3000, 7)
 
@@ -115,8 +115,8 @@ def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish
 
     from _blobs import random_blob
 
-    from cubinstore import _lock
-    from cubinstore._layer import Layer
+    from cubinstore.store.local import lock as _lock
+    from cubinstore.store.layer import Layer
 
     (a, data_a), (b, data_b) = random_blob(3000, 1), random_blob(3000, 2)
     blobs = {a: data_a, b: data_b}

@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from cubinstore._digest import EMPTY_SHA256_HEX, Digest
+from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest
 from cubinstore.errors import BadArgumentError
 
 

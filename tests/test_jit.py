@@ -18,9 +18,9 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy_with_changed_header  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore._digest import Digest  # noqa: E402
-from cubinstore._jitfamily import cutlass_include  # noqa: E402
-from cubinstore._jitindex import JitIndex  # noqa: E402
+from cubinstore._core.digest import Digest  # noqa: E402
+from cubinstore._jit.family import cutlass_include  # noqa: E402
+from cubinstore._jit.index import JitIndex  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
@@ -246,7 +246,7 @@ def test_jit_off_serves_hits_and_refuses_misses(env: SimpleNamespace, monkeypatc
     assert _compile(env).compiled is False
     with pytest.raises(KernelNotFoundError, match=r"^JIT key xxh3:[0-9a-f]{32} \(arch sm_90a, family axpy dtype='f32'\)"):
         _compile(env, flags=["-DFACTOR=7"], family="axpy", params={"dtype": "f32"})
-    from cubinstore import _warmset
+    from cubinstore._release import warmset as _warmset
 
     (rec,) = [r for r in _warmset.records(LocalStore(env.home)) if r.family == "axpy" and r.params == {"dtype": "f32"}]
     assert (rec.kind, rec.digest, rec.count) == ("miss", None, 1)  # recorded, so CI can build it ahead
@@ -285,8 +285,8 @@ def test_jit_kernel_is_a_one_kernel_library_with_the_declared_entries(env: Simpl
 
 
 def test_import_cubinstore_and_its_cli_do_not_import_xxhash() -> None:
-    code = ("import sys, cubinstore, cubinstore.cli, cubinstore._maint\n"
-            "print(sorted(m for m in ('xxhash', 'cubinstore.jit', 'cubinstore._jitkey') if m in sys.modules))\n")
+    code = ("import sys, cubinstore, cubinstore.cli, cubinstore._release.maint\n"
+            "print(sorted(m for m in ('xxhash', 'cubinstore.jit', 'cubinstore._jit.key') if m in sys.modules))\n")
     out = run_child(code, child_env(Path("/nonexistent")))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

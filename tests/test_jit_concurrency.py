@@ -18,8 +18,8 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from _jit import ENTRIES, TU, child_env, counting_toolkit, make_library  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore._digest import Digest  # noqa: E402
-from cubinstore._jitindex import JitIndex  # noqa: E402
+from cubinstore._core.digest import Digest  # noqa: E402
+from cubinstore._jit.index import JitIndex  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
@@ -107,7 +107,7 @@ def put(self, entry):
 JitIndex.put = put
 """,
     "index_half_written": """
-from cubinstore._abi import dumps_canonical
+from cubinstore._core.abi import dumps_canonical
 def put(self, entry):
     data = dumps_canonical(entry.to_json())
     with self.local.stream_file(*self._at("index", entry.key)) as f:
@@ -119,7 +119,7 @@ JitIndex.put = put
 _CHILD = """
 import subprocess, sys
 from cubinstore import jit
-from cubinstore._jitindex import JitIndex
+from cubinstore._jit.index import JitIndex
 def stop(stage):
     print(stage, flush=True)
     sys.stdin.readline()  # the parent kills us here

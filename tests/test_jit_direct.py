@@ -18,9 +18,11 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy  # noqa: E402
 
-from cubinstore import _jitdirect, _jitkey, jit  # noqa: E402
-from cubinstore._jitfamily import cutlass_include  # noqa: E402
-from cubinstore._jitindex import JitIndex  # noqa: E402
+from cubinstore import jit  # noqa: E402
+from cubinstore._jit import direct as _jitdirect
+from cubinstore._jit import key as _jitkey
+from cubinstore._jit.family import cutlass_include  # noqa: E402
+from cubinstore._jit.index import JitIndex  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
@@ -29,7 +31,8 @@ ARCH = "sm_90a"
 # A child that must find its kernel without listing or hashing any tree: every walk raises.
 _NO_WALK = """
 import sys
-from cubinstore import _jitkey, jit
+from cubinstore import jit
+from cubinstore._jit import key as _jitkey
 walk = _jitkey._walk
 def refuse(root, *a, **k):
     if str(root).endswith("nvvm/libdevice"):  # the toolkit's programs: a few files, not a tree
@@ -318,7 +321,8 @@ def test_parts_that_do_not_make_the_key_are_not_trusted(lib: SimpleNamespace) ->
 
 _KILL_AFTER_INDEX = """
 import sys
-from cubinstore import jit, _jitdirect
+from cubinstore import jit
+from cubinstore._jit import direct as _jitdirect
 def record(*a, **k):
     print("index_written", flush=True)
     sys.stdin.readline()

@@ -8,10 +8,11 @@ import pytest
 
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
-from cubinstore import _warmset, jit  # noqa: E402
-from cubinstore._digest import Digest  # noqa: E402
-from cubinstore import _jitfamily as jit_family  # noqa: E402
-from cubinstore._jitfamily import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
+from cubinstore import jit  # noqa: E402
+from cubinstore._release import warmset as _warmset
+from cubinstore._core.digest import Digest  # noqa: E402
+from cubinstore._jit import family as jit_family  # noqa: E402
+from cubinstore._jit.family import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
 from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
@@ -124,7 +125,7 @@ def test_a_miss_without_the_jit_extra_is_recorded_and_names_what_is_missing(tmp_
     release = make_release(n=4, archs=("sm_80",))
     code = (
         "import sys\nsys.modules['xxhash'] = None  # the jit extra is not installed\n"
-        "from cubinstore import _jitfamily, _warmset\nfrom cubinstore.manifest import Manifest\n"
+        "from cubinstore._jit import family as _jitfamily\nfrom cubinstore._release import warmset as _warmset\nfrom cubinstore.manifest import Manifest\n"
         "from cubinstore.store import LocalStore, Store\nfrom cubinstore.errors import KernelNotFoundError\n"
         f"m = Manifest.from_path({str(release.path)!r})\n"
         f"store = Store([LocalStore({str(tmp_path / 'home')!r})])\n"

@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch", reason="the GPU tests use torch tensors")
 
 import cubinstore  # noqa: E402
 from cubinstore import jit  # noqa: E402
-from cubinstore._jitfamily import cutlass_include, template_for_sources  # noqa: E402
-from cubinstore._jitkey import locate_toolkit  # noqa: E402
+from cubinstore._jit.family import cutlass_include, template_for_sources  # noqa: E402
+from cubinstore._jit.key import locate_toolkit  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, MemoryStore, Store  # noqa: E402

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from cubinstore import _abi
+from cubinstore._core import abi as _abi
 from cubinstore import manifest as manifest_module
 from cubinstore.errors import BadArgumentError, ManifestError
 from cubinstore.manifest import Manifest, dumps_canonical

@@ -127,7 +127,7 @@ GEMM_TYPES = ["u32", "u32", "tensormap", "ptr"]
 
 @pytest.fixture(scope="module")
 def library_cubin(tmp_path_factory) -> Path:
-    from cubinstore._jitfamily import cutlass_include
+    from cubinstore._jit.family import cutlass_include
     from cubinstore.errors import BadArgumentError
 
     try:

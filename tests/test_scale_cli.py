@@ -20,9 +20,9 @@ import pytest
 from _scale import assert_linear, count_work
 
 from cubinstore import Digest, Manifest, Store
-from cubinstore._bundle import pack, unpack
-from cubinstore._maint import gc, verify_store
-from cubinstore._prefetch import fetch_blobs
+from cubinstore._release.bundle import pack, unpack
+from cubinstore._release.maint import gc, verify_store
+from cubinstore._release.prefetch import fetch_blobs
 from cubinstore.manifest import dumps_canonical
 from cubinstore.store import DiskCacheStore, HttpStore, LocalStore
 
@@ -200,7 +200,7 @@ def test_prefetch_failures_come_back_in_blob_order(server: _CountingServer, blob
 # -- fsync: each file, each directory once per batch ----------------------------------------------
 
 def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]]:
-    from cubinstore import _local
+    from cubinstore.store.local import cas as _local
 
     synced: list[str] = []
     filesystems: list[Path] = []
@@ -221,7 +221,7 @@ def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]
 
 def _record_commits(monkeypatch: pytest.MonkeyPatch, *, syncfs: bool = True) -> list[tuple[str, str]]:
     """Events of a grouped batch in order: ("temp", entry), ("sync", ""), ("fsync", ""), ("rename", entry)."""
-    from cubinstore import _local
+    from cubinstore.store.local import cas as _local
 
     events: list[tuple[str, str]] = []
     real_temp, real_replace, real_fsync = _local.write_temp_at, os.replace, os.fsync
@@ -267,7 +267,7 @@ def _durable_before_visible(events: list[tuple[str, str]], kind: str) -> None:
 def test_prefetch_makes_each_blob_durable_before_visible_with_one_sync_per_group(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A power loss mid-prefetch never leaves a short entry at a final path; one sync per group.
-    from cubinstore._local import GROUP_MAX
+    from cubinstore.store.local.cas import GROUP_MAX
 
     manifest, blobs = release(tmp_path / "src", 600)
     local = LocalStore(tmp_path / "home")
@@ -309,7 +309,7 @@ def test_a_waiter_in_another_process_gets_a_blob_held_in_a_pending_group(tmp_pat
         import sys
         from cubinstore import Digest, Store
         from cubinstore.store import LocalStore, MemoryStore
-        from cubinstore._layer import Layer
+        from cubinstore.store.layer import Layer
 
         class Never(Layer):  # a second fetch would come here and fail
             name = "a source that must not be asked"
@@ -376,7 +376,7 @@ def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
     import io
     import tarfile
 
-    from cubinstore._bundle import MANIFEST_NAME, _member, _ustar_header
+    from cubinstore._release.bundle import MANIFEST_NAME, _member, _ustar_header
 
     for name, size in [("manifest.json", 1), ("cas/" + "ab" * 32, 4096), ("cas/" + "0f" * 32, 511), ("x", 8**11 - 1)]:
         assert _ustar_header(name, size) == _member(name, size).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
@@ -415,7 +415,7 @@ def test_pack_writes_the_bundle_in_small_pieces_even_a_large_manifest_or_blob(tm
     import io
     import tarfile
 
-    from cubinstore import _bundle
+    from cubinstore._release import bundle as _bundle
 
     manifest, blobs = release(tmp_path / "src", 200, size=3 * _bundle._WRITE_CHUNK)
     assert len(manifest.raw) > 2 * _bundle._WRITE_CHUNK  # the manifest member is bigger than one piece too
@@ -452,7 +452,7 @@ def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -
         import sys
         from cubinstore import Manifest, Store
         from cubinstore.store import DiskCacheStore, LocalStore
-        from cubinstore._prefetch import fetch_blobs
+        from cubinstore._release.prefetch import fetch_blobs
         m = Manifest.from_path({str(tmp_path / "m.json")!r})
         store = Store([LocalStore({str(home)!r}), DiskCacheStore({str(tmp_path / "src")!r})], strict=True)
         seen = []

@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 REPO = Path(__file__).resolve().parent.parent
-HEAVY = ["http.client", "ssl", "email", "cubinstore._http", "cubinstore.launch", "cubinstore.tensormap",
+HEAVY = ["http.client", "ssl", "email", "cubinstore.store.http", "cubinstore.launch", "cubinstore.tensormap",
          "cubinstore.store", "cubinstore.manifest", "cryptography", "ctypes", "tempfile", "tarfile", "xxhash"]
 
 
@@ -42,16 +42,16 @@ def test_public_names_load_on_first_use() -> None:
 
 def test_a_store_without_remotes_never_imports_http(tmp_path: Path) -> None:
     code = "import cubinstore\ncubinstore.Store.from_env()"
-    assert not {"cubinstore._http", "http.client", "ssl"} & modules_after(code, CUBINSTORE_HOME=str(tmp_path))
+    assert not {"cubinstore.store.http", "http.client", "ssl"} & modules_after(code, CUBINSTORE_HOME=str(tmp_path))
     with_remote = modules_after(code, CUBINSTORE_HOME=str(tmp_path), CUBINSTORE_REMOTE="http://127.0.0.1:9")
-    assert "cubinstore._http" in with_remote
+    assert "cubinstore.store.http" in with_remote
 
 
 def test_opening_a_manifest_imports_no_http_tensor_maps_or_bundles(make_release) -> None:
     release = make_release(n=2)
     loaded = modules_after(f"import cubinstore\nassert len(cubinstore.open({str(release.path)!r}).manifest.kernels) == 2")
     assert "cubinstore.launch" in loaded
-    assert not {"cubinstore._http", "ssl", "cubinstore.tensormap", "tarfile", "cryptography"} & loaded
+    assert not {"cubinstore.store.http", "ssl", "cubinstore.tensormap", "tarfile", "cryptography"} & loaded
 
 
 def test_import_cubinstore_adds_only_its_errors_and_digest() -> None:
@@ -61,6 +61,7 @@ def test_import_cubinstore_adds_only_its_errors_and_digest() -> None:
     out = subprocess.run([sys.executable, "-S", "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60, check=True)
     added = set(ast.literal_eval(out.stdout.splitlines()[-1]))
-    assert {m for m in added if m.startswith("cubinstore")} == {"cubinstore", "cubinstore._digest", "cubinstore.errors"}
+    assert {m for m in added if m.startswith("cubinstore")} == {"cubinstore", "cubinstore._core", "cubinstore._core.digest",
+                                                                  "cubinstore.errors"}
     # logging (and traceback, re, threading with it), dataclasses, hashlib and typing come with first use.
     assert not {"logging", "re", "dataclasses", "hashlib", "typing", "threading", "traceback"} & added

@@ -132,7 +132,7 @@ def test_a_blob_is_read_and_hashed_once_per_process_however_many_devices_load_it
     import hashlib
     import os
 
-    from cubinstore._digest import Digest
+    from cubinstore._core.digest import Digest
     from cubinstore.store import LocalStore, MemoryStore, Store
 
     data = cubin_like(0)

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import cubinstore.ops as ops
-from cubinstore import _cuda, launch
+from cubinstore import launch
+from cubinstore._driver import cuda as _cuda
 from _gpu import check_gemm, family_ids, family_library, gemm_operands
 
 G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name

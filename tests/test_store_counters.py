@@ -19,7 +19,7 @@ import pytest
 from _blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Store
-from cubinstore import _local
+from cubinstore.store.local import cas as _local
 from cubinstore.store import LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, LockTimeoutError, Manifest, Store
-from cubinstore._bundle import pack, unpack
-from cubinstore._lock import RANGE_LOCKS, file_lock
-from cubinstore._maint import gc, pin
+from cubinstore._release.bundle import pack, unpack
+from cubinstore.store.local.lock import RANGE_LOCKS, file_lock
+from cubinstore._release.maint import gc, pin
 from cubinstore.store import DiskCacheStore, LocalStore
 
 from _blobs import disk_cache_with

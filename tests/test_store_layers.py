@@ -8,7 +8,7 @@ import pytest
 from _blobs import random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store
-from cubinstore import _env
+from cubinstore._core import knobs as _env
 from cubinstore.store import DirectorySource, DiskCacheStore, HttpStore, LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")

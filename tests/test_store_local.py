@@ -16,8 +16,8 @@ import pytest
 from _blobs import disk_cache_with, random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, LockTimeoutError, MissingBlobError, Store, StoreError
-from cubinstore._lock import RANGE_LOCKS
-from cubinstore._maint import verify_store
+from cubinstore.store.local.lock import RANGE_LOCKS
+from cubinstore._release.maint import verify_store
 from cubinstore.store import LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -196,7 +196,7 @@ def test_a_grouped_batch_whose_sync_fails_renames_nothing_and_leaves_no_temp(tmp
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from cubinstore import _local
+    from cubinstore.store.local import cas as _local
 
     local = LocalStore(tmp_path)
     (d1, b1), (d2, b2) = blob(seed=1), blob(seed=2)

@@ -14,8 +14,8 @@ import pytest
 from _blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Manifest, Store, StoreError, UnsafeStoreError
-from cubinstore._bundle import pack, unpack
-from cubinstore._maint import gc, pin, unpin, verify_store
+from cubinstore._release.bundle import pack, unpack
+from cubinstore._release.maint import gc, pin, unpin, verify_store
 from cubinstore.store import LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")

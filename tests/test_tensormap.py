@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cubinstore import _cuda
+from cubinstore._driver import cuda as _cuda
 from cubinstore.errors import BadArgumentError, CudaError
 from cubinstore.tensormap import DTYPES, check_tiled, encode_tiled, from_tensor
 

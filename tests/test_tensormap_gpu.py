@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cubinstore import _cuda
+from cubinstore._driver import cuda as _cuda
 from cubinstore.errors import BadArgumentError
 from cubinstore.tensormap import DTYPES, TENSORMAP_BYTES, check_tiled, encode_2d_bf16, encode_tiled, from_tensor
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, RollbackError, Store, TrustError
-from cubinstore._trust import (
+from cubinstore.trust.channel import (
     MAX_SMALL_BLOB,
     SignatureBlob,
     TrustPolicy,
@@ -183,7 +183,7 @@ def test_a_huge_channel_document_is_refused_after_4096_bytes_and_never_stored(
 CHILD = """
 import json, sys
 from cubinstore import CubinstoreError, Store
-from cubinstore._trust import resolve_channel
+from cubinstore.trust.channel import resolve_channel
 from cubinstore.store import HttpStore, LocalStore
 home, url, policy = sys.argv[1:]
 try:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest
-from cubinstore import _warmset
-from cubinstore._maint import gc
+from cubinstore._release import warmset as _warmset
+from cubinstore._release.maint import gc
 from cubinstore.errors import BadArgumentError
 from cubinstore.store import LocalStore
 
@@ -34,7 +34,7 @@ def test_one_point_recorded_three_times_is_one_record_counted_three(tmp_path: Pa
 
 
 def test_concurrent_processes_never_lose_a_count(tmp_path: Path, clean_env: Path) -> None:
-    code = ("from cubinstore import _warmset\nfrom cubinstore.store import LocalStore\nfrom cubinstore import _env\n"
+    code = ("from cubinstore._release import warmset as _warmset\nfrom cubinstore.store import LocalStore\nfrom cubinstore._core import knobs as _env\n"
             "_warmset.record(LocalStore(_env.home()), kind='miss', family='gemm', params={'bn': 176}, arch='sm_90a')\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(8)]
@@ -213,13 +213,13 @@ def test_a_damaged_record_is_skipped_with_one_warning_naming_its_file(tmp_path: 
     path = _damage(local, DAMAGES[damage])
     listed = cli(["warmset", "list"], cli_env, timeout=60)
     assert listed.returncode == 0, listed.stderr
-    _one_line(listed.stderr, f"cubinstore: WARNING: cubinstore._warmset: ignoring damaged warm set record {path}: ")
+    _one_line(listed.stderr, f"cubinstore: WARNING: cubinstore._release.warmset: ignoring damaged warm set record {path}: ")
     assert listed.stdout == "miss  axpy dtype=f32  sm_90a  count 1  key -  -\n"
 
     out_path = tmp_path / "warmset.bzl"
     exported = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path)], cli_env, timeout=60)
     assert exported.returncode == 0, exported.stderr
-    _one_line(exported.stderr, f"cubinstore: WARNING: cubinstore._warmset: ignoring damaged warm set record {path}: ")
+    _one_line(exported.stderr, f"cubinstore: WARNING: cubinstore._release.warmset: ignoring damaged warm set record {path}: ")
     assert _points(out_path) == [{"dtype": "f32"}]
     assert "seen at run time: sm_90a)" in out_path.read_text()
 

@@ -5,7 +5,7 @@ The bundle (schema cubinstore/jit-sources/v1) holds the family's TU (or TU templ
 headers by workspace path; it is an action output, so Bazel's caches keep it under its
 sha256 like any CUBIN and the runtime fetches it by digest. The template (schema
 cubinstore/jit-family/v1) names the bundle by the digest computed here from the written
-bytes, and is validated by the runtime's own parser (`cubinstore._jitfamily`).
+bytes, and is validated by the runtime's own parser (`cubinstore._jit.family`).
 
 Usage: jit_template_tool.py SPEC.json TEMPLATE.json SOURCES.json
 SPEC.json: {"family", "grid_keys", "source", "files", "defines", "copts", "includes",
@@ -22,12 +22,12 @@ import sys
 # Under Bazel the package's sources are inputs at their workspace paths below the working
 # directory (the execution root); run by hand, they are beside this script's directory.
 for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__file__)))):
-    if os.path.isfile(os.path.join(_root, "cubinstore", "_jitfamily.py")):
+    if os.path.isfile(os.path.join(_root, "cubinstore", "_jit", "family.py")):
         sys.path.insert(0, _root)
         break
 
-from cubinstore._abi import dumps_canonical  # noqa: E402
-from cubinstore._jitfamily import TEMPLATE_SCHEMA, FamilyTemplate, make_bundle  # noqa: E402
+from cubinstore._core.abi import dumps_canonical  # noqa: E402
+from cubinstore._jit.family import TEMPLATE_SCHEMA, FamilyTemplate, make_bundle  # noqa: E402
 from cubinstore.errors import CubinstoreError  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 """Writes a manifest (schema cubinstore/manifest/v2) from the CUBINs a build produced.
 
 Run by the CubinManifest action (`//tools:manifest_tool`). Everything in the manifest comes
-from the produced bytes and the ABI contract in `cubinstore._abi`, which the runtime imports
+from the produced bytes and the ABI contract in `cubinstore._core.abi`, which the runtime imports
 too:
 - digests and sizes are computed here;
 - each declared entry is resolved to a kernel of its CUBIN: by symbol (an extern "C" name or
@@ -37,11 +37,11 @@ from typing import Any
 # Under Bazel the package's sources are inputs at their workspace paths below the working
 # directory (the execution root); run by hand, they are beside this script's directory.
 for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__file__)))):
-    if os.path.isfile(os.path.join(_root, "cubinstore", "_abi.py")):
+    if os.path.isfile(os.path.join(_root, "cubinstore", "_core", "abi.py")):
         sys.path.insert(0, _root)
         break
 
-from cubinstore import _abi  # noqa: E402
+from cubinstore._core import abi as _abi  # noqa: E402
 from cubinstore.errors import CubinstoreError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 
@@ -248,7 +248,7 @@ def check_layout(kernel: dict[str, Any], declared: str, symbol: str, types: list
             raise BuildError(
                 f"{_where(kernel)}: entry '{declared}' parameter {i} is {size} bytes at offset {offset}, "
                 f"but declared '{t}' is {t.size} bytes at offset {want} by the layout rule for {arch} "
-                f"(cubinstore/_abi.py); the declaration does not match the kernel's signature")
+                f"(cubinstore/_core/abi.py); the declaration does not match the kernel's signature")
     return list(expected)
 
 

@@ -10,10 +10,10 @@ if [[ ! -f bazel-bin/kernels/manifest.json ]]; then
   echo "stage_device: no bazel-bin/kernels/manifest.json: run 'npx bazelisk build //kernels:all' first" >&2
   exit 1
 fi
-# The headers the JIT would use: cubinstore/_jitfamily.py's cutlass_include() is the one lookup.
+# The headers the JIT would use: cubinstore/_jit/family.py's cutlass_include() is the one lookup.
 cutlass_include="$(.venv/bin/python -c '
 import sys
-from cubinstore._jitfamily import cutlass_include
+from cubinstore._jit.family import cutlass_include
 from cubinstore.errors import BadArgumentError
 try:
     print(cutlass_include())

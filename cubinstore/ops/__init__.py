@@ -18,7 +18,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from cubinstore import _env
+from cubinstore._core import knobs as _env
 from cubinstore.errors import KernelNotFoundError
 from cubinstore.ops.gemm import gemm
 

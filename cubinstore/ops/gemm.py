@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import cubinstore.ops as _package  # get_library; partly initialised while it imports this module
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, KernelNotFoundError
 
 if TYPE_CHECKING:
@@ -551,7 +551,7 @@ def sm_count(device: int) -> int:
     """Multiprocessor count of `device` (cached)."""
     count = _sm_counts.get(device)
     if count is None:
-        from cubinstore import _cuda
+        from cubinstore._driver import cuda as _cuda
 
         count = _cuda.device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
         _sm_counts[device] = count

@@ -1,5 +1,5 @@
 """The rules' smaller promises, in a throwaway package of the matrix workspace: the Starlark
-mirror of cubinstore._abi computes what Python computes, a copt replaces a default flag
+mirror of cubinstore._core.abi computes what Python computes, a copt replaces a default flag
 instead of repeating it, two manifests fit in one package, and per-point headers re-key only
 the points that include them."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cubinstore import _abi
+from cubinstore._core import abi as _abi
 
 from ._workspace import COMPILE, replace_once
 from .conftest import Matrix

@@ -1,6 +1,6 @@
 """Starlark mirror of the ABI facts the rules need at analysis time.
 
-The definitions live in `cubinstore/_abi.py` (imported by the runtime and by the manifest
+The definitions live in `cubinstore/_core/abi.py` (imported by the runtime and by the manifest
 tool); Starlark cannot import Python, so the few facts the rules check or use before any
 action runs are repeated here, and `tests/test_abi.py` checks that both copies agree:
 the parameter types, the arch grammar, nvcc's default flags and how copts override them,
@@ -53,7 +53,7 @@ def merge_flags(copts):
 def module_anchor(source_path):
     """The header force-included before a TU so its CUBIN bytes are reproducible.
 
-    See `module_anchor` in cubinstore/_abi.py for why.
+    See `module_anchor` in cubinstore/_core/abi.py for why.
 
     Args:
       source_path: the TU's workspace-relative path.

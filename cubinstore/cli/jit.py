@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cubinstore import _env
+from cubinstore._core import knobs as _env
 from cubinstore.errors import BadArgumentError
 
 __all__ = ["add_parsers"]
@@ -69,7 +69,7 @@ def _local() -> Any:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from cubinstore import _warmset
+    from cubinstore._release import warmset as _warmset
 
     out = Path(args.out) if args.out else Path("kernels") / args.family / "warmset.bzl"
     since = int(time.time() - args.since_days * 86400) if args.since_days is not None else 0
@@ -81,7 +81,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
-    from cubinstore import _warmset
+    from cubinstore._release import warmset as _warmset
     from cubinstore.manifest import Manifest
     from cubinstore.store import Store
 
@@ -98,7 +98,7 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from cubinstore import _warmset
+    from cubinstore._release import warmset as _warmset
 
     for r in _warmset.records(_local()):
         name = (r.family or "jit") + "".join(f" {k}={v}" for k, v in sorted(r.params.items()))
@@ -125,14 +125,14 @@ def _value(name: str, text: str) -> str | int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     if _KEY_RE.fullmatch(args.what):
-        from cubinstore._explain import explain_key
-        from cubinstore._jitindex import JitIndex
+        from cubinstore._jit.explain import explain_key
+        from cubinstore._jit.index import JitIndex
 
         if args.params or args.manifest or args.arch:
             raise BadArgumentError("explain KEY takes no NAME=VALUE, --manifest or --arch")
         sys.stdout.write(explain_key(JitIndex(_local(), _env.lock_timeout()), args.what))
         return 0
-    from cubinstore._explain import explain_point
+    from cubinstore._jit.explain import explain_point
     from cubinstore.manifest import Manifest
 
     if not _WORD_RE.fullmatch(args.what) or len(args.what) > 256:

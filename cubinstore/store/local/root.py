@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import StoreError, UnsafeStoreError
 
 __all__ = ["DIR_MODE", "StoreRoot", "atomic_file_at", "atomic_write_at", "fsync_fd", "read_at", "read_below"]

@@ -16,14 +16,14 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cubinstore import _env
-from cubinstore._digest import Digest, show
-from cubinstore._files import verify
-from cubinstore._layer import Layer, UNSIZED_LIMIT, limit_for
-from cubinstore._local import LocalStore
-from cubinstore._log import get_logger
-from cubinstore._memory import MemoryStore
-from cubinstore._sources import DirectorySource, DiskCacheStore
+from cubinstore._core import knobs as _env
+from cubinstore._core.digest import Digest, show
+from cubinstore.store.local.files import verify
+from cubinstore.store.layer import Layer, UNSIZED_LIMIT, limit_for
+from cubinstore.store.local.cas import LocalStore
+from cubinstore._core.log import get_logger
+from cubinstore.store.memory import MemoryStore
+from cubinstore.store.sources import DirectorySource, DiskCacheStore
 from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
@@ -36,7 +36,7 @@ from cubinstore.errors import (
 from cubinstore.manifest import MAX_BLOB_SIZE
 
 if TYPE_CHECKING:
-    from cubinstore._http import HttpStore
+    from cubinstore.store.http import HttpStore
 
 __all__ = [
     "DirectorySource",
@@ -56,7 +56,7 @@ _log = get_logger(__name__)
 def __getattr__(name: str) -> Any:
     # http.client pulls in ssl and email: a process with no remote never imports them.
     if name == "HttpStore":
-        from cubinstore._http import HttpStore
+        from cubinstore.store.http import HttpStore
 
         return HttpStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -112,7 +112,7 @@ class Store:
             layers.append(DiskCacheStore(disk_cache))
         remotes = [*extra_remotes, *_env.remotes()]
         if remotes:
-            from cubinstore._http import HttpStore, redact
+            from cubinstore.store.http import HttpStore, redact
         if _env.offline():
             if remotes:
                 _log.debug("CUBINSTORE_OFFLINE is set: not using remotes %s", ", ".join(map(redact, remotes)))
@@ -275,7 +275,7 @@ class Store:
                  errors: list[CubinstoreError]) -> CubinstoreError:
         tried = "; ".join(dict.fromkeys(outcomes)) or "no layers configured"  # the re-check under the lock repeats
         hint = ""
-        http = sys.modules.get("cubinstore._http")  # not imported: no layer can be an HttpStore
+        http = sys.modules.get("cubinstore.store.http")  # not imported: no layer can be an HttpStore
         if http is None or not any(isinstance(layer, http.HttpStore) for layer in self.layers):
             hint = (
                 " (no remote store: CUBINSTORE_OFFLINE is set)" if _env.offline()

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Final
 from cubinstore.errors import KernelNotFoundError
 
 if TYPE_CHECKING:  # the JIT modules need xxhash; a family point's explanation does not
-    from cubinstore._jitindex import JitIndex
-    from cubinstore._jitkey import KeyParts, Tree
+    from cubinstore._jit.index import JitIndex
+    from cubinstore._jit.key import KeyParts, Tree
 
 __all__ = ["explain_key", "explain_point", "nearest_points", "part_differences"]
 
@@ -46,7 +46,7 @@ def _compared(a: KeyParts, b: KeyParts) -> int:
 
 
 def _tree_diff(index: JitIndex, label: str, old: str, new: str, prefix: str = "") -> list[str]:
-    from cubinstore._jitkey import load_tree
+    from cubinstore._jit.key import load_tree
 
     a, b = load_tree(index.local, old), load_tree(index.local, new)
     if a is None or b is None or a.files is None or b.files is None:
@@ -152,7 +152,7 @@ def _nearest(index: JitIndex, key: str, parts: KeyParts) -> _Nearest | None:
 
 def explain_key(index: JitIndex, key: str) -> str:
     """The report for one JIT key (``xxh3:<hex>`` or the hex)."""
-    from cubinstore._jitindex import check_key
+    from cubinstore._jit.index import check_key
 
     key = check_key(key)
     parts = index.get_parts(key)

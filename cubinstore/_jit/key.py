@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
-from cubinstore import _env
-from cubinstore._abi import Arch, dumps_canonical, merge_flags
-from cubinstore._digest import show
-from cubinstore._log import get_logger
+from cubinstore._core import knobs as _env
+from cubinstore._core.abi import Arch, dumps_canonical, merge_flags
+from cubinstore._core.digest import show
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, StoreError
 
 if TYPE_CHECKING:
-    from cubinstore._local import LocalStore
+    from cubinstore.store.local.cas import LocalStore
 
 __all__ = [
     "ACTION_ENV",
@@ -249,7 +249,7 @@ def clear_caches() -> None:
     and every direct check that passed."""
     import sys
 
-    direct = sys.modules.get("cubinstore._jitdirect")
+    direct = sys.modules.get("cubinstore._jit.direct")
     if direct is not None:
         direct.clear()
     with _cache_lock:

@@ -8,10 +8,10 @@ import stat
 import threading
 from pathlib import Path
 
-from cubinstore._digest import Digest
-from cubinstore._files import NotRegularFile, read_regular
-from cubinstore._layer import Layer, limit_for
-from cubinstore._log import get_logger
+from cubinstore._core.digest import Digest
+from cubinstore.store.local.files import NotRegularFile, read_regular
+from cubinstore.store.layer import Layer, limit_for
+from cubinstore._core.log import get_logger
 
 __all__ = ["BUILD_TREE_SUFFIXES", "DirectorySource", "DiskCacheStore"]
 

@@ -42,14 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore._abi import dumps_canonical, loads_strict
-from cubinstore._digest import Digest
-from cubinstore._jitkey import KeyParts
-from cubinstore._log import get_logger
+from cubinstore._core.abi import dumps_canonical, loads_strict
+from cubinstore._core.digest import Digest
+from cubinstore._jit.key import KeyParts
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError
 
 if TYPE_CHECKING:
-    from cubinstore._local import LocalStore
+    from cubinstore.store.local.cas import LocalStore
 
 __all__ = ["IndexEntry", "JitIndex"]
 

@@ -3,7 +3,7 @@ validation, lookup, arch selection.
 
 A manifest is untrusted input until ``Manifest.from_bytes`` has validated every field; after
 that its ``KernelSpec`` values are frozen and safe to use. The facts it is checked against
-(parameter types, the layout rule, the arch grammar, ids, limits) live in ``cubinstore._abi``.
+(parameter types, the layout rule, the arch grammar, ids, limits) live in ``cubinstore._core.abi``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from cubinstore import _abi
-from cubinstore._abi import (
+from cubinstore._core import abi as _abi
+from cubinstore._core.abi import (
     MAX_BLOB_SIZE,
     MAX_MANIFEST_BYTES,
     Arch,
@@ -33,8 +33,8 @@ from cubinstore._abi import (
     no_duplicate_keys,
     reject_constant,
 )
-from cubinstore._digest import EMPTY_SHA256_HEX, Digest, show
-from cubinstore._log import get_logger
+from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest, show
+from cubinstore._core.log import get_logger
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -89,7 +89,7 @@ ComputeCapability = tuple[int, int]
 
 
 def parse_arch(arch: object) -> tuple[int, int, bool]:
-    """``"sm_90a"`` -> ``(9, 0, True)``: the arch grammar of ``cubinstore._abi.Arch``."""
+    """``"sm_90a"`` -> ``(9, 0, True)``: the arch grammar of ``cubinstore._core.abi.Arch``."""
     parsed = Arch.parse(arch)
     return parsed.major, parsed.minor, parsed.suffix == "a"
 
@@ -451,12 +451,12 @@ def _upgrade_v1_entries(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _jit_templates(check: _Checker, families: object, kernel_families: set[str]) -> dict[str, Any]:
-    """The ``families`` section: each family's JIT template, validated (``cubinstore._jitfamily``)."""
+    """The ``families`` section: each family's JIT template, validated (``cubinstore._jit.family``)."""
     if not isinstance(families, dict):
         raise check.fail(_FAMILIES_KEY, f"expected an object of family -> {{jit}}, got {show(families)}")
     if not families:
         return {}
-    from cubinstore._jitfamily import FamilyTemplate  # standard library only; read only when present
+    from cubinstore._jit.family import FamilyTemplate  # standard library only; read only when present
 
     out = {}
     for family, section in families.items():
@@ -1049,7 +1049,7 @@ class Manifest:
     source: str
     schema: str = SCHEMA
     _index: _Index = field(default=None, repr=False)  # type: ignore[assignment]
-    #: family -> its JIT template (``cubinstore._jitfamily.FamilyTemplate``), for families that allow
+    #: family -> its JIT template (``cubinstore._jit.family.FamilyTemplate``), for families that allow
     #: compiling points the release lacks
     jit_templates: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
@@ -1137,7 +1137,7 @@ class Manifest:
     @classmethod
     def from_path(cls, path: str | Path) -> Manifest:
         """Read and validate the manifest file at ``path``."""
-        from cubinstore._files import open_regular  # refuses a FIFO or device without blocking
+        from cubinstore.store.local.files import open_regular  # refuses a FIFO or device without blocking
 
         path = Path(path)
         try:

@@ -10,7 +10,7 @@ content key, index, single flight and warm set) and returns the ``KernelSpec`` t
 would have had, so ``Library.kernel`` can load it like any other.
 
 A template and its bundle are data from a release: ``FamilyTemplate.from_json`` (at manifest
-open) admits only the copts and defines of ``cubinstore._jitflags``'s allow-list, real archs
+open) admits only the copts and defines of ``cubinstore._jit.flags``'s allow-list, real archs
 and parameter types; the filled flags are checked again before each compile; the compile is
 sealed (a file read outside the bundle, the include roots, the toolkit and the host compiler's
 system headers fails it); and the materialised sources are compared with the verified bundle
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore import _env
-from cubinstore._abi import Arch, dumps_canonical, kernel_id, loads_strict, param_type, render_param, type_grammar
-from cubinstore._digest import Digest, show
-from cubinstore._jitflags import copt_problem, define_problem
-from cubinstore._log import get_logger
-from cubinstore._safedir import TEMP_PREFIX
+from cubinstore._core import knobs as _env
+from cubinstore._core.abi import Arch, dumps_canonical, kernel_id, loads_strict, param_type, render_param, type_grammar
+from cubinstore._core.digest import Digest, show
+from cubinstore._jit.flags import copt_problem, define_problem
+from cubinstore._core.log import get_logger
+from cubinstore.store.local.root import TEMP_PREFIX
 from cubinstore.errors import BadArgumentError, CubinstoreError, KernelNotFoundError, ManifestError, StoreError
 
 if TYPE_CHECKING:
@@ -437,8 +437,8 @@ def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], ar
     """
     # Standard library only up to the compile: a host without the jit extra still records the
     # miss and gets the nearest points.
-    from cubinstore import _warmset
-    from cubinstore._explain import nearest_points
+    from cubinstore._release import warmset as _warmset
+    from cubinstore._jit.explain import nearest_points
     from cubinstore.errors import CubinstoreError
 
     if store is None:

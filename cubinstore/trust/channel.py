@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cubinstore import _env
-from cubinstore._abi import loads_strict
-from cubinstore._digest import Digest, show
-from cubinstore._files import open_regular
-from cubinstore._log import get_logger
-from cubinstore._safedir import _DIR_FLAGS, NotRegularFile, read_at
+from cubinstore._core import knobs as _env
+from cubinstore._core.abi import loads_strict
+from cubinstore._core.digest import Digest, show
+from cubinstore.store.local.files import open_regular
+from cubinstore._core.log import get_logger
+from cubinstore.store.local.root import _DIR_FLAGS, NotRegularFile, read_at
 from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
@@ -59,8 +59,8 @@ from cubinstore.errors import (
 )
 
 if TYPE_CHECKING:
-    from cubinstore._http import HttpStore
-    from cubinstore._local import LocalStore
+    from cubinstore.store.http import HttpStore
+    from cubinstore.store.local.cas import LocalStore
     from cubinstore.store import Store
 
 __all__ = [
@@ -584,8 +584,8 @@ class _Candidate:
 def _small_document(store: Store, digest: Digest, what: str) -> bytes:
     """The verified bytes of ``digest``, a record or a signature: read no further than
     ``MAX_SMALL_BLOB`` bytes from any layer, and stored nowhere (``_remember`` stores what is accepted)."""
-    from cubinstore._http import HttpStore
-    from cubinstore._local import LocalStore
+    from cubinstore.store.http import HttpStore
+    from cubinstore.store.local.cas import LocalStore
 
     outcomes: list[str] = []
     # Kinds only, never the exceptions: a traceback would keep a refused download's socket open.
@@ -695,7 +695,7 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
     (signature under ``policy``, channel, expiry, no rollback); the highest valid version wins
     and becomes the host's new floor. ``policy`` defaults to ``CUBINSTORE_TRUST_POLICY``.
     """
-    from cubinstore._http import HttpStore
+    from cubinstore.store.http import HttpStore
     from cubinstore.store import Store as _Store
 
     channel = channel_name(name[len(CHANNEL_PREFIX):] if name.startswith(CHANNEL_PREFIX) else name)

@@ -16,17 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from cubinstore import _env
-from cubinstore._digest import Digest
-from cubinstore._files import open_regular, verify
-from cubinstore._layer import Layer
-from cubinstore._log import get_logger
+from cubinstore._core import knobs as _env
+from cubinstore._core.digest import Digest
+from cubinstore.store.local.files import open_regular, verify
+from cubinstore.store.layer import Layer
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest, parse_arch
 from cubinstore.store import DirectorySource, DiskCacheStore, LocalStore, MemoryStore, Store
 
 if TYPE_CHECKING:
-    from cubinstore._http import HttpStore
+    from cubinstore.store.http import HttpStore
 
 # Imported by the commands that need them, so that a process running another one never pays
 # for them: _bundle (tarfile) by pack and unpack, _maint by verify, gc, pin and unpin, _http
@@ -114,7 +114,7 @@ def _usable(local: LocalStore, *, check: bool = False, create: bool = False) -> 
     others can write, a root that cannot be made) fails the command here, in one line naming
     the store and the cause, rather than once for every blob of a closure.
     """
-    from cubinstore._safedir import StoreRoot
+    from cubinstore.store.local.root import StoreRoot
 
     with StoreRoot(local.root, allow_shared=_env.allow_shared_store()).dir("v1", "cas", create=create, check=check):
         pass
@@ -181,7 +181,7 @@ def _load_manifest(ref: str, store: Store | None = None, policy: str | None = No
     A path is opened non-blocking and must be a regular file: a FIFO must not hang the CLI.
     """
     if ref.startswith("channel:"):
-        from cubinstore._trust import resolve_channel
+        from cubinstore.trust.channel import resolve_channel
 
         store = store if store is not None else Store.from_env()
         return Manifest.from_digest(resolve_channel(ref, store, policy), store)
@@ -198,7 +198,7 @@ def _load_manifest(ref: str, store: Store | None = None, policy: str | None = No
 # -- commands -------------------------------------------------------------------------------------
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
-    from cubinstore._prefetch import fetch_blobs, without_memory
+    from cubinstore._release.prefetch import fetch_blobs, without_memory
 
     store = _with_build_trees(Store.from_env(extra_remotes=args.remote or (), strict=True), args.manifest)
     local = store.local
@@ -255,7 +255,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from cubinstore._maint import verify_store
+    from cubinstore._release.maint import verify_store
 
     local = _usable(_local())
     blobs = None
@@ -277,7 +277,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from cubinstore._maint import gc
+    from cubinstore._release.maint import gc
 
     limit = _parse_bytes(args.max_bytes)
     local = _usable(_local())
@@ -292,7 +292,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_pin(args: argparse.Namespace) -> int:
-    from cubinstore._maint import pin, pinned
+    from cubinstore._release.maint import pin, pinned
 
     local = _local()
     if not args.manifest:
@@ -306,7 +306,7 @@ def _cmd_pin(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpin(args: argparse.Namespace) -> int:
-    from cubinstore._maint import unpin
+    from cubinstore._release.maint import unpin
 
     ref = args.manifest
     digest = Digest.parse(ref) if ref.startswith("sha256:") else _load_manifest(ref).digest
@@ -318,7 +318,7 @@ def _cmd_unpin(args: argparse.Namespace) -> int:
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from cubinstore._bundle import pack
+    from cubinstore._release.bundle import pack
 
     store = _with_build_trees(Store.from_env(extra_remotes=args.remote or ()), args.manifest)
     if store.local is not None:
@@ -334,7 +334,7 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_unpack(args: argparse.Namespace) -> int:
-    from cubinstore._bundle import unpack
+    from cubinstore._release.bundle import unpack
 
     expect = Digest.parse(args.expect) if args.expect else None
     local = _usable(_local(), check=True)  # created once the bundle has verified
@@ -368,7 +368,7 @@ def _publish_sources(args: argparse.Namespace) -> list[Layer]:
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from cubinstore._http import HttpStore
+    from cubinstore.store.http import HttpStore
 
     remote = HttpStore(args.to)
     sources = Store(_publish_sources(args), backfill=False)
@@ -378,7 +378,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         manifest = Manifest.from_digest(manifest_digest, sources)
     else:
         manifest = _load_manifest(args.manifest, sources)
-    from cubinstore._prefetch import run_each
+    from cubinstore._release.prefetch import run_each
 
     blobs = list(manifest.blobs)
 
@@ -422,7 +422,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 def _channel_release(ref: str, sources: Store) -> tuple[str, Digest, Digest, Digest]:
     """(channel, signature digest, record digest, manifest digest) of the release signed here last."""
-    from cubinstore._trust import ReleaseRecord, SignatureBlob, channel_name, local_pointer
+    from cubinstore.trust.channel import ReleaseRecord, SignatureBlob, channel_name, local_pointer
 
     name = channel_name(ref[len("channel:"):])
     pointer = local_pointer(_local(), name)
@@ -538,12 +538,12 @@ def _parser(*, extras: bool = True) -> _Parser:
     if not extras:
         return parser
     # warmset export|prefetch|list and explain: the JIT's commands, defined beside their logic.
-    from cubinstore import _jitcli
+    from cubinstore.cli import jit as _jitcli
 
     _jitcli.add_parsers(sub, m_help)
 
     # keygen and sign: the signer's side of release channels (_trust), defined beside their logic.
-    from cubinstore import _trustcli
+    from cubinstore.cli import trust as _trustcli
 
     _trustcli.add_parsers(sub, m_help, _load_manifest, _local)
     return parser

@@ -19,10 +19,10 @@ from itertools import count, repeat
 from pathlib import Path
 from typing import BinaryIO
 
-from cubinstore._digest import Digest, show
-from cubinstore._files import atomic_file, open_regular
-from cubinstore._local import LocalStore
-from cubinstore._log import get_logger
+from cubinstore._core.digest import Digest, show
+from cubinstore.store.local.files import atomic_file, open_regular
+from cubinstore.store.local.cas import LocalStore
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BundleError, ManifestError, StoreError
 from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest
 from cubinstore.store import Store
@@ -144,7 +144,7 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
                 hex_ = digest.hex
                 if data is None:
                     if fallback is None:
-                        from cubinstore._prefetch import without_memory  # only here: most packs never miss
+                        from cubinstore._release.prefetch import without_memory  # only here: most packs never miss
 
                         fallback = without_memory(store)  # each blob is read once: caching it would only copy it
                     data = fallback.get(digest, size, name=", ".join(manifest.ids_of(digest)))
@@ -337,8 +337,8 @@ def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
             except OSError as exc:
                 raise BundleError(f"cannot read bundle {path}: {exc.strerror or exc}") from exc
         # Everything verified: publish. A failure here leaves only complete, verified entries.
-        from cubinstore._maint import pin as pin_manifest  # unpack's only: pack never imports it
-        from cubinstore._maint import pins_lock
+        from cubinstore._release.maint import pin as pin_manifest  # unpack's only: pack never imports it
+        from cubinstore._release.maint import pins_lock
 
         try:
             local.sync_staged(staged)  # every staged byte durable before any rename

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from cubinstore._digest import Digest
-from cubinstore._layer import Layer
+from cubinstore._core.digest import Digest
+from cubinstore.store.layer import Layer
 
 __all__ = ["MemoryStore"]
 

@@ -8,10 +8,10 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cubinstore._digest import Digest
-from cubinstore._files import NotRegularFile, verify
-from cubinstore._local import Entry, LocalStore
-from cubinstore._log import get_logger
+from cubinstore._core.digest import Digest
+from cubinstore.store.local.files import NotRegularFile, verify
+from cubinstore.store.local.cas import Entry, LocalStore
+from cubinstore._core.log import get_logger
 from cubinstore.errors import CubinstoreError, IntegrityError, StoreError
 from cubinstore.manifest import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
 
@@ -108,7 +108,7 @@ def gc(local: LocalStore, max_bytes: int) -> GcResult:
             protected.update(digest for digest, _ in manifest.blobs)
         result.pinned_bytes = sum(e.size for e in entries if e.digest in protected)
         # The warm set's CUBINs (run-time compiles a release lacks) go last: they cost a compile to get back.
-        from cubinstore._warmset import warm_digests
+        from cubinstore._release.warmset import warm_digests
 
         warm = warm_digests(local)
         victims = []

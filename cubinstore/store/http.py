@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from cubinstore import _env
-from cubinstore._digest import Digest, show
-from cubinstore._layer import Layer, limit_for
-from cubinstore._log import get_logger
+from cubinstore._core import knobs as _env
+from cubinstore._core.digest import Digest, show
+from cubinstore.store.layer import Layer, limit_for
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
 
 __all__ = ["HttpStore", "redact"]

@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 import xxhash
 
-from cubinstore._abi import Arch, dumps_canonical
-from cubinstore._jitkey import (
+from cubinstore._core.abi import Arch, dumps_canonical
+from cubinstore._jit.key import (
     _RACY_NS,
     Flags,
     HostCompiler,
@@ -65,14 +65,14 @@ from cubinstore._jitkey import (
     toolkit_core,
     xxh3,
 )
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import CubinstoreError
 
-from cubinstore._jitindex import check_key
+from cubinstore._jit.index import check_key
 
 if TYPE_CHECKING:
-    from cubinstore._jitindex import JitIndex
-    from cubinstore._local import LocalStore
+    from cubinstore._jit.index import JitIndex
+    from cubinstore.store.local.cas import LocalStore
 
 __all__ = ["DEPS_NAME", "DirectRequest", "Deps", "Roots", "classify", "clear", "forget", "lookup", "observe", "outside_match",
            "parse_deps", "put_deps", "record", "remember"]

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from cubinstore import _env
-from cubinstore._digest import Digest
-from cubinstore._files import verify
-from cubinstore._layer import Layer, limit_for
-from cubinstore._lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
-from cubinstore._log import get_logger
-from cubinstore._safedir import (
+from cubinstore._core import knobs as _env
+from cubinstore._core.digest import Digest
+from cubinstore.store.local.files import verify
+from cubinstore.store.layer import Layer, limit_for
+from cubinstore.store.local.lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
+from cubinstore._core.log import get_logger
+from cubinstore.store.local.root import (
     _DIR_FLAGS,
     TEMP_PREFIX,
     NotRegularFile,

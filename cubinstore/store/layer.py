@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
-from cubinstore._digest import Digest
+from cubinstore._core.digest import Digest
 from cubinstore.errors import StoreError
 
 __all__ = ["Layer", "UNSIZED_LIMIT", "limit_for"]

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import TypeVar
 
-from cubinstore._digest import Digest
-from cubinstore._local import LocalStore
-from cubinstore._log import get_logger
-from cubinstore._memory import MemoryStore
+from cubinstore._core.digest import Digest
+from cubinstore.store.local.cas import LocalStore
+from cubinstore._core.log import get_logger
+from cubinstore.store.memory import MemoryStore
 from cubinstore.errors import CubinstoreError, LockTimeoutError, StoreError, UnsafeStoreError
 from cubinstore.store import Store
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import LockTimeoutError, StoreError
 
 __all__ = ["RANGE_LOCKS", "acquire", "file_lock", "range_lock", "remove_if_unheld"]

@@ -12,7 +12,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from cubinstore._log import get_logger
+from cubinstore._core.log import get_logger
 from cubinstore.errors import CudaError
 
 logger = get_logger(__name__)

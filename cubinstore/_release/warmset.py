@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from cubinstore._abi import Arch, dumps_canonical, loads_strict
-from cubinstore._digest import Digest, show
-from cubinstore._files import atomic_write
-from cubinstore._log import get_logger
+from cubinstore._core.abi import Arch, dumps_canonical, loads_strict
+from cubinstore._core.digest import Digest, show
+from cubinstore.store.local.files import atomic_write
+from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
 
 __all__ = ["Record", "export", "prefetch", "record", "records", "warm_digests"]
@@ -372,8 +372,8 @@ def prefetch(manifest: Any, store: Any, local: Any) -> tuple[int, list[str]]:
     """Fetch the warm set's closure in ``manifest`` into the local store; (blobs fetched, failures).
 
     A failure about the store itself (``_prefetch.store_failure``) is raised once as a ``StoreError``."""
-    from cubinstore import _env
-    from cubinstore._prefetch import fetch_blobs
+    from cubinstore._core import knobs as _env
+    from cubinstore._release.prefetch import fetch_blobs
 
     specs = closure(manifest, records(local))
     names = {k.digest: k.id for k in specs}

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cubinstore._digest import show
+from cubinstore._core.digest import show
 from cubinstore.errors import BadArgumentError
 
 __all__ = [

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cubinstore._trust import channel_name, format_time, generate_key, public_line, sign_release
+from cubinstore.trust.channel import channel_name, format_time, generate_key, public_line, sign_release
 from cubinstore.errors import BadArgumentError, StoreError
 
 __all__ = ["add_parsers", "parse_duration"]

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from cubinstore._digest import Digest
-from cubinstore._log import get_logger
-from cubinstore._safedir import NotRegularFile, read_at
+from cubinstore._core.digest import Digest
+from cubinstore._core.log import get_logger
+from cubinstore.store.local.root import NotRegularFile, read_at
 from cubinstore.errors import BadArgumentError, CubinstoreError, IntegrityError, StoreError
 
 __all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]

@@ -1,0 +1,1 @@
+"""The CUDA driver, loaded lazily."""

@@ -1,0 +1,1 @@
+"""Moving releases: prefetch, offline bundles, maintenance, the warm set."""

@@ -1,0 +1,1 @@
+"""Signed release channels."""
