@@ -245,21 +245,10 @@ def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathL
     return _Request(_Inputs(source, include_dirs, arch), flags, _local_store(store)).key
 
 
-_default: tuple[tuple[Any, ...], Store] | None = None
-_default_lock = threading.Lock()
-
-
 def _default_store() -> Store:
-    """``Store.from_env()``, one per process (so hits share its memory layer), rebuilt when the
-    variables that shape it change."""
-    global _default
-    from cubinstore.store import Store
+    from cubinstore.store import default_store
 
-    config = (_env.home(), _env.remotes(), _env.disk_cache(), _env.offline(), _env.memory_bytes())
-    with _default_lock:
-        if _default is None or _default[0] != config:
-            _default = (config, Store.from_env())
-        return _default[1]
+    return default_store()
 
 
 def compile(  # noqa: A001 - the verb a kernel library expects

@@ -51,7 +51,7 @@ def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | No
     """A `Library` over `manifest`: a path, a `Manifest`, a `sha256:` digest fetched through `store`,
     or `channel:NAME`, the newest release of that channel signed by a key the trust policy allows.
 
-    `store` defaults to `Store.from_env()`. Touches no GPU.
+    `store` defaults to `cubinstore.store.default_store()`. Touches no GPU.
     """
     if isinstance(manifest, Manifest):
         man = manifest
@@ -71,9 +71,9 @@ def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | No
 
 
 def _default_store() -> Store:
-    from cubinstore.store import Store
+    from cubinstore.store import default_store
 
-    return Store.from_env()
+    return default_store()
 
 
 class Library:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cubinstore.errors import BadArgumentError
+from cubinstore.errors import BadArgumentError, IntegrityError
 
-__all__ = ["Digest", "EMPTY_SHA256_HEX", "show"]
+__all__ = ["Digest", "EMPTY_SHA256_HEX", "show", "verify"]
 
 _PREFIX = "sha256:"
 _HEX_LEN = 64
@@ -114,3 +114,17 @@ class Digest:
 
     def __str__(self) -> str:
         return _PREFIX + self.hex
+
+
+def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: str | None = None) -> None:
+    """Raise ``IntegrityError`` unless ``data`` has ``size`` bytes (checked first) and hashes to ``digest``."""
+    # The one sha256 check of fetched and stored bytes. The messages are built only on a
+    # mismatch: this runs once per blob of every fetch and pack.
+    import hashlib  # not at import: `import cubinstore` stays small
+    if size is not None and len(data) != size:
+        what = f"{digest}" + (f" ({name})" if name else "")
+        raise IntegrityError(f"size mismatch for {what} from {where}: expected {size} bytes, got {len(data)}")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != digest.hex:
+        what = f"{digest}" + (f" ({name})" if name else "")
+        raise IntegrityError(f"digest mismatch for {what} from {where}: expected {digest}, got sha256:{actual}")

@@ -442,9 +442,9 @@ def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], ar
     from cubinstore.errors import CubinstoreError
 
     if store is None:
-        from cubinstore.store import Store
+        from cubinstore.store import default_store
 
-        store = Store.from_env()
+        store = default_store()
     if store.local is not None:
         try:
             _warmset.record(store.local, kind="miss", family=family, params=params, arch=str(arch))

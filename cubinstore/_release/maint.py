@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubinstore._core.digest import Digest
-from cubinstore.store.local.files import NotRegularFile, verify
+from cubinstore._core.digest import verify
+from cubinstore.store.local.files import NotRegularFile
 from cubinstore.store.local.cas import Entry, LocalStore
 from cubinstore._core.log import get_logger
 from cubinstore.errors import CubinstoreError, IntegrityError, StoreError

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.digest import Digest
-from cubinstore.store.local.files import open_regular, verify
+from cubinstore._core.digest import verify
+from cubinstore.store.local.files import open_regular
 from cubinstore.store.layer import Layer
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError

@@ -1156,12 +1156,12 @@ class Manifest:
 
     @classmethod
     def load(cls, ref: str | Path | Digest, store: Store | None = None) -> Manifest:
-        """A manifest from a path, or from a ``sha256:`` digest through ``store`` (default ``Store.from_env()``)."""
+        """A manifest from a path, or from a ``sha256:`` digest through ``store`` (default ``cubinstore.store.default_store()``)."""
         if isinstance(ref, Digest) or (isinstance(ref, str) and ref.startswith("sha256:")):
             if store is None:
-                from cubinstore.store import Store  # the store module imports this one
+                from cubinstore.store import default_store
 
-                store = Store.from_env()
+                store = default_store()
             return cls.from_digest(ref, store)
         if not isinstance(ref, (str, Path)):
             raise BadArgumentError(f"manifest reference: expected a path or 'sha256:<hex>', got {show(ref)}")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.digest import Digest, show
-from cubinstore.store.local.files import verify
+from cubinstore._core.digest import verify
 from cubinstore.store.layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore.store.local.cas import LocalStore
 from cubinstore._core.log import get_logger
@@ -33,12 +33,13 @@ from cubinstore.errors import (
     RemoteUnavailableError,
     StoreError,
 )
-from cubinstore.manifest import MAX_BLOB_SIZE
+from cubinstore._core.abi import MAX_BLOB_SIZE
 
 if TYPE_CHECKING:
     from cubinstore.store.http import HttpStore
 
 __all__ = [
+    "default_store",
     "DirectorySource",
     "DiskCacheStore",
     "HttpStore",
@@ -331,3 +332,19 @@ def _or_unlocked(lock: AbstractContextManager[None], layer: Layer, digest: Diges
 
 def _for(name: str | None) -> str:
     return f" ({name})" if name else ""
+
+
+_default: tuple[tuple[object, ...], Store] | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> Store:
+    """The store a call that names none uses: ``Store.from_env()``, one per process (so every
+    caller shares its memory layer and counters), built again when a variable that shapes it
+    changes. The one definition: ``open``, ``Manifest.load``, ``Library``, ``jit`` and channels use it."""
+    global _default
+    config = (_env.home(), _env.remotes(), _env.disk_cache(), _env.offline(), _env.memory_bytes())
+    with _default_lock:
+        if _default is None or _default[0] != config:
+            _default = (config, Store.from_env())
+        return _default[1]

@@ -696,7 +696,7 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
     and becomes the host's new floor. ``policy`` defaults to ``CUBINSTORE_TRUST_POLICY``.
     """
     from cubinstore.store.http import HttpStore
-    from cubinstore.store import Store as _Store
+    from cubinstore.store import default_store as _default_store
 
     channel = channel_name(name[len(CHANNEL_PREFIX):] if name.startswith(CHANNEL_PREFIX) else name)
     if policy is None:
@@ -706,7 +706,7 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
                              "(or pass one) to the file that lists the keys allowed to sign it")
     if not isinstance(policy, TrustPolicy):
         policy = TrustPolicy.load(policy)
-    store = store if store is not None else _Store.from_env()
+    store = store if store is not None else _default_store()
     local = store.local
     now = time.time() if now is None else now
 

@@ -25,7 +25,7 @@ from typing import BinaryIO
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.digest import Digest
-from cubinstore.store.local.files import verify
+from cubinstore._core.digest import verify
 from cubinstore.store.layer import Layer, limit_for
 from cubinstore.store.local.lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
 from cubinstore._core.log import get_logger

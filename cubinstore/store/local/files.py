@@ -54,18 +54,6 @@ def open_regular(path: Path, what: str, error: type[CubinstoreError] = BadArgume
         raise
 
 
-def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: str | None = None) -> None:
-    """Raise ``IntegrityError`` unless ``data`` has ``size`` bytes (checked first) and hashes to ``digest``."""
-    # The messages are built only on a mismatch: this runs once per blob of every fetch and pack.
-    if size is not None and len(data) != size:
-        what = f"{digest}" + (f" ({name})" if name else "")
-        raise IntegrityError(f"size mismatch for {what} from {where}: expected {size} bytes, got {len(data)}")
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != digest.hex:
-        what = f"{digest}" + (f" ({name})" if name else "")
-        raise IntegrityError(f"digest mismatch for {what} from {where}: expected {digest}, got sha256:{actual}")
-
-
 def fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable; best effort (not every OS or filesystem supports it)."""
     try:
