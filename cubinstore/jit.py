@@ -82,7 +82,6 @@ from cubinstore._jit.key import (
     toolkit_unchanged,
     tree,
     unchanged,
-    xxh3,
 )
 from cubinstore._core.log import get_logger
 from cubinstore.errors import (

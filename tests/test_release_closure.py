@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tarfile
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path

@@ -11,7 +11,7 @@ from cubinstore import Digest, LockTimeoutError, Manifest, Store
 from cubinstore._release.bundle import pack, unpack
 from cubinstore.store.local.lock import RANGE_LOCKS, file_lock
 from cubinstore._release.maint import gc, pin
-from cubinstore.store import DiskCacheStore, LocalStore
+from cubinstore.store import LocalStore
 
 from _blobs import disk_cache_with
 

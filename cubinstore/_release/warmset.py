@@ -29,7 +29,7 @@ from cubinstore._core.abi import Arch, dumps_canonical, loads_strict
 from cubinstore._core.digest import Digest, show
 from cubinstore.store.local.files import atomic_write
 from cubinstore._core.log import get_logger
-from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
+from cubinstore.errors import BadArgumentError, StoreError
 
 __all__ = ["Record", "export", "prefetch", "record", "records", "warm_digests"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -10,10 +9,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore.store.local.root import NotRegularFile, read_at
-from cubinstore.errors import BadArgumentError, CubinstoreError, IntegrityError, StoreError
+from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
 
 __all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]
 
