@@ -3,6 +3,7 @@
 load("@local_cuda//:defs.bzl", "HOST_CC")
 load("//third_party/cuda:header_sets.bzl", "ALL", "TOOLKIT_HEADER_SETS", "resolve_header_sets")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
+load("//tools/private/actions:compile.bzl", "cubin_compile_args")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "merge_flags", "module_anchor")
 
 # Actions see a fixed environment: nothing from the shell that runs Bazel.
@@ -37,23 +38,24 @@ def _cuda_cubin_impl(ctx):
     anchor = ctx.actions.declare_file(ctx.label.name + ".anchor.h")
     ctx.actions.write(anchor, module_anchor(source_path))
 
-    args = ctx.actions.args()
-    args.add("-cubin")
-    args.add("-arch=" + ctx.attr.arch)
-    args.add("-ccbin", HOST_CC)
-    args.add_all(merge_flags(ctx.attr.copts))
-    args.add("-I.")
-    args.add_all(includes, format_each = "-I%s")
-    args.add_all(ctx.attr.defines, format_each = "-D%s")
-    args.add("-include", anchor)
-
-    # nvcc hands cicc the source's resolved absolute path, which salts the mangled names of
-    # anonymous-namespace symbols (e.g. CuTe's): pin it to the workspace-relative path so the
-    # CUBIN's bytes do not depend on where the workspace lives. cicc keeps the last value.
-    args.add("-Xcicc", "--orig_src_path_name")
-    args.add("-Xcicc", source_path)
-    args.add("-o", cubin)
-    args.add(src)
+    # The command's shape is one table, shared with the JIT (tools/private/actions/compile.bzl).
+    args = cubin_compile_args(
+        ctx,
+        values = {
+            "anchor": anchor,
+            "arch": ctx.attr.arch,
+            "host_cc": HOST_CC,
+            "output": cubin,
+            "source": src,
+            "source_name": source_path,
+        },
+        lists = {
+            "defines": ctx.attr.defines,
+            "extra": [],
+            "flags": merge_flags(ctx.attr.copts),
+            "includes": includes,
+        },
+    )
 
     ctx.actions.run(
         executable = ctx.executable._nvcc,
