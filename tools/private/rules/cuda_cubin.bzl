@@ -3,8 +3,8 @@
 load("@local_cuda//:defs.bzl", "HOST_CC")
 load("//third_party/cuda:header_sets.bzl", "ALL", "TOOLKIT_HEADER_SETS", "resolve_header_sets")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
-load("//tools/private/actions:compile.bzl", "cubin_compile_args")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "merge_flags", "module_anchor")
+load("//tools/private/actions:compile.bzl", "cubin_compile_args")
 
 # Actions see a fixed environment: nothing from the shell that runs Bazel.
 ACTION_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
