@@ -24,11 +24,10 @@ if str(ROOT) not in sys.path:
 
 import cubinstore  # noqa: E402
 from cubinstore._driver import cuda as _cuda  # noqa: E402
+from cubinstore._driver import device as _device  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, Store  # noqa: E402
-import cubinstore.ops.gemm  # noqa: E402
-
-gemm = sys.modules["cubinstore.ops.gemm"]  # the module: cubinstore.ops.gemm the attribute is the function
+from cubinstore.ops import _gemm as gemm  # noqa: E402
 
 SHAPE = (8192, 8192, 8192)  # enough tiles that every instantiation fills the GPU
 
@@ -44,7 +43,7 @@ def main() -> int:
     # The blobs come from the directory the manifest sits in (as after a local build).
     lib = cubinstore.open(Manifest.from_path(manifest), Store([LocalStore(home), DirectorySource(manifest.parent)]))
     drv = _cuda.driver()
-    sms = _cuda.sm_count(args.device)
+    sms = _device.sm_count(args.device)
     ids = sorted(spec.id for spec in lib.manifest.kernels if spec.id.startswith("gemm/"))
     print(f"device {args.device}: {sms} SMs; grid for {SHAPE[0]}x{SHAPE[1]}x{SHAPE[2]}, splits 1")
     print(f"{'instantiation':44} {'cluster':>7} {'smem KiB':>8} {'grid CTAs':>9} {'max clusters':>12} "

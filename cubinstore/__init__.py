@@ -3,6 +3,8 @@
 Public names: ``Manifest``/``KernelSpec`` (what a release contains), ``Store`` (where the
 bytes come from, verified), ``open``/``Library``/``Kernel`` (load and launch),
 ``TensorMap``, ``Digest``, and the errors in ``cubinstore.errors``.
+The subpackages ``cubinstore.ops``, ``.jit``, ``.launch``, ``.manifest``, ``.store`` and
+``.tensormap`` are attributes too, imported on first access.
 Nothing here imports CUDA; the GPU side loads lazily.
 """
 
@@ -55,7 +57,16 @@ _LAZY = {
 }
 
 
+# The public subpackages, so that `import cubinstore` then `cubinstore.ops.gemm(...)` works as
+# `import cubinstore.ops` does; none is imported before its first access (ops never imports
+# torch, launch and tensormap load the driver on first use only).
+_SUBMODULES = frozenset({"jit", "launch", "manifest", "ops", "store", "tensormap"})
+
+
 def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        # Importing a submodule binds it on this package, so this runs once per name.
+        return importlib.import_module(f"cubinstore.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'cubinstore' has no attribute {name!r}")
@@ -65,7 +76,7 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
 __version__ = "0.1.0"

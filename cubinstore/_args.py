@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cubinstore._core import abi as _abi
+from cubinstore._core import abi
 from cubinstore.errors import BadArgumentError, ParamLayoutError
 
 
-PARAM_TYPES: Final[frozenset[str]] = frozenset(_abi.SCALAR_TYPES)
+PARAM_TYPES: Final[frozenset[str]] = frozenset(abi.SCALAR_TYPES)
 TENSORMAP_BYTES: Final = 128
 
 _INT_RANGE: Final[dict[str, tuple[int, int]]] = {
@@ -63,22 +63,22 @@ class ParamSlot:
     size: int
 
 
-def _types(kernel_id: str, entry: str, types: Sequence[str]) -> list[_abi.ParamType]:
+def _types(kernel_id: str, entry: str, types: Sequence[str]) -> list[abi.ParamType]:
     parsed = []
     for index, name in enumerate(types):
         try:
-            parsed.append(_abi.param_type(name))
+            parsed.append(abi.param_type(name))
         except BadArgumentError as exc:
             raise BadArgumentError(f"kernel {kernel_id!r} entry {entry!r} parameter {index}: {exc}") from None
     return parsed
 
 
 def expected_layout(
-    kernel_id: str, entry: str, types: Sequence[str], arch: str | _abi.Arch
+    kernel_id: str, entry: str, types: Sequence[str], arch: str | abi.Arch
 ) -> tuple[ParamSlot, ...]:
     """The layout the compiler gives the declared types on ``arch`` (``cubinstore._core.abi``'s rule)."""
     parsed = _types(kernel_id, entry, types)
-    offsets = _abi.param_layout(parsed, arch if isinstance(arch, _abi.Arch) else _abi.Arch.parse(arch))
+    offsets = abi.param_layout(parsed, arch if isinstance(arch, abi.Arch) else abi.Arch.parse(arch))
     return tuple(ParamSlot(o, t.size) for o, t in zip(offsets, parsed))
 
 
@@ -87,33 +87,32 @@ def check_layout(
     entry: str,
     types: Sequence[str],
     actual: Sequence[tuple[int, int]],
-    arch: str | _abi.Arch,
+    arch: str | abi.Arch,
     offsets: Sequence[int] | None = None,
 ) -> tuple[ParamSlot, ...]:
-    """Compare the declared parameters with the CUBIN's real (offset, size) list.
+    """Compare the declared parameters with the CUBIN's real (offset, size) list (``abi.layout_mismatch``).
 
     ``actual`` comes from ``cuFuncGetParamInfo`` (the driver reads the CUBIN's .nv.info);
     ``offsets`` are the manifest's, which the build checked against the same CUBIN, else the
-    ABI rule's. Layout cannot tell i32 from f32 or ptr from i64 (same size and alignment); it
-    does catch a wrong count, a wrong size, and a parameter the compiler placed elsewhere.
+    ABI rule's. Returns the declared layout; raises ``ParamLayoutError`` naming the first difference.
     """
     parsed = _types(kernel_id, entry, types)
     if offsets is None:
-        offsets = _abi.param_layout(parsed, arch if isinstance(arch, _abi.Arch) else _abi.Arch.parse(arch))
-    expected = tuple(ParamSlot(o, t.size) for o, t in zip(offsets, parsed))
-    if len(actual) != len(expected):
+        offsets = abi.param_layout(parsed, arch if isinstance(arch, abi.Arch) else abi.Arch.parse(arch))
+    mismatch = abi.layout_mismatch(parsed, None, actual, offsets=offsets)
+    if mismatch is None:
+        return tuple(ParamSlot(o, t.size) for o, t in zip(offsets, parsed))
+    if mismatch.index is None:
         raise ParamLayoutError(
-            f"kernel {kernel_id!r} entry {entry!r}: manifest declares {len(expected)} parameters "
-            f"({', '.join(types)}), the CUBIN's function takes {len(actual)}"
+            f"kernel {kernel_id!r} entry {entry!r}: manifest declares {len(mismatch.expected)} parameters "
+            f"({', '.join(types)}), the CUBIN's function takes {len(mismatch.actual)}"
         )
-    for index, (slot, (offset, size), name) in enumerate(zip(expected, actual, types)):
-        if slot.offset != offset or slot.size != size:
-            raise ParamLayoutError(
-                f"kernel {kernel_id!r} entry {entry!r} parameter {index}: manifest declares {name} "
-                f"({slot.size} bytes at offset {slot.offset}), the CUBIN's function has "
-                f"{size} bytes at offset {offset}"
-            )
-    return expected
+    index = mismatch.index
+    (want, size), (offset, got) = mismatch.expected[index], mismatch.actual[index]
+    raise ParamLayoutError(
+        f"kernel {kernel_id!r} entry {entry!r} parameter {index}: manifest declares {types[index]} "
+        f"({size} bytes at offset {want}), the CUBIN's function has {got} bytes at offset {offset}"
+    )
 
 
 @dataclass

@@ -30,6 +30,7 @@ from cubinstore._args import ArgBuffer, pack_args
 from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
 from cubinstore._core.digest import Digest, show
 from cubinstore._core.log import get_logger
+from cubinstore._release.refs import is_path, load_manifest
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -51,27 +52,16 @@ def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | No
     """A `Library` over `manifest`: a path, a `Manifest`, a `sha256:` digest fetched through `store`,
     or `channel:NAME`, the newest release of that channel signed by a key the trust policy allows.
 
-    `store` defaults to `cubinstore.store.default_store()`. Touches no GPU.
+    `store` defaults to `cubinstore.store.default_store()`. Touches no GPU. The reference is
+    resolved by `cubinstore._release.refs.load_manifest`, as every CLI command resolves it.
     """
-    if isinstance(manifest, Manifest):
-        man = manifest
-    elif isinstance(manifest, Digest) or (isinstance(manifest, str) and manifest.startswith("sha256:")):
-        store = store if store is not None else _default_store()
-        man = Manifest.from_digest(manifest, store)
-    elif isinstance(manifest, str) and manifest.startswith("channel:"):
-        from cubinstore.trust.channel import resolve_channel  # signed release; CUBINSTORE_TRUST_POLICY names the keys
-
-        store = store if store is not None else _default_store()
-        man = Manifest.from_digest(resolve_channel(manifest, store), store)
-    elif isinstance(manifest, (str, os.PathLike)):
-        man = Manifest.from_path(os.fspath(manifest))
-    else:
-        raise BadArgumentError(f"manifest: expected a path, a Manifest or 'sha256:<hex>', got {show(manifest)}")
-    return Library(man, store)
+    if store is None and not isinstance(manifest, Manifest) and not is_path(manifest):
+        store = _default_store()  # the one the digest is fetched through is the one the kernels are
+    return Library(load_manifest(manifest, store), store)
 
 
 def _default_store() -> Store:
-    from cubinstore.store import default_store
+    from cubinstore.store import default_store  # the store package: on first load, not at import
 
     return default_store()
 
@@ -132,7 +122,9 @@ class Library:
 
 
     def _missing_point(self, family: str, params: dict[str, str | int], cc: tuple[int, int], jit: bool | None) -> KernelSpec:
-        from cubinstore._jit.family import resolve_miss  # standard library up to the compile
+        # Imported on the first miss, not with this module (a layer down, so no circle): the JIT
+        # family side, its schema and allow-list add about a sixth to `import cubinstore.launch`.
+        from cubinstore._jit.family import resolve_miss
 
         template = self.manifest.jit_templates.get(family)
         return resolve_miss(self.manifest, family, params, _jit_arch(family, template, cc), template=template,

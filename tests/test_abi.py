@@ -1,6 +1,6 @@
-"""The ABI contract (cubinstore._core.abi) against real CUBINs: the layout rule on a table of
-parameter lists, local kernels, the arch grammar, reproducible bytes, and the Starlark
-mirror in tools/private/types.bzl."""
+"""The ABI contract (cubinstore._core.abi, .cubin) against real CUBINs: the layout rule on a table of
+parameter lists and the one layout comparison, local kernels, the arch grammar, the id grammar,
+reproducible bytes, and the Starlark mirror in tools/private/types.bzl."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore._core import abi as _abi
+from cubinstore._core.cubin import CubinImage
 from cubinstore._args import check_layout
 from cubinstore.errors import BadArgumentError, CubinFormatError
 
@@ -66,19 +67,19 @@ def nvcc(src: Path, out: Path, arch: str, *extra: str, cwd: Path | None = None) 
 
 
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, _abi.CubinImage]:
+def probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CubinImage]:
     if not Path(NVCC).exists():
         pytest.skip("nvcc is not installed")
     d = tmp_path_factory.mktemp("probe")
     (d / "probe.cu").write_text(PROBE)
-    return {a: _abi.CubinImage(nvcc(d / "probe.cu", d / f"{a}.cubin", a), a) for a in ARCHS}
+    return {a: CubinImage(nvcc(d / "probe.cu", d / f"{a}.cubin", a), a) for a in ARCHS}
 
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kernel", sorted(TABLE))
 def test_layout_rule_matches_the_compiler_and_the_runtime_check(
-        probes: dict[str, _abi.CubinImage], arch: str, kernel: str) -> None:
+        probes: dict[str, CubinImage], arch: str, kernel: str) -> None:
     cubin, types = probes[arch], TABLE[kernel]
     parsed = _abi.Arch.parse(arch)
     rule = _abi.param_layout([_abi.param_type(t) for t in types], parsed)
@@ -90,13 +91,51 @@ def test_layout_rule_matches_the_compiler_and_the_runtime_check(
     check_layout(kernel, kernel, types, list(actual), arch)
 
 
+def test_layout_mismatch_names_the_first_difference() -> None:
+    types = [_abi.param_type(t) for t in ("i32", "tensormap", "ptr")]
+    sm90 = _abi.Arch.parse("sm_90a")
+    assert _abi.param_layout(types, sm90) == (0, 112, 240)
+    assert _abi.layout_mismatch(types, sm90, [(0, 4), (112, 128), (240, 8)]) is None
+    count = _abi.layout_mismatch(types, sm90, [(0, 4), (112, 128)])
+    assert count is not None and count.index is None
+    assert str(count) == "declares 3 parameters, the CUBIN's function takes 2"
+    moved = _abi.layout_mismatch(types, sm90, [(0, 4), (16, 128), (144, 8)])
+    assert moved is not None and moved.index == 1
+    assert str(moved) == "parameter 1 is declared 128 bytes at offset 112, the CUBIN's function has 128 bytes at offset 16"
+    # Declared offsets (a manifest's) stand in for the rule: no arch needed.
+    assert _abi.layout_mismatch(types, None, [(0, 4), (16, 128), (144, 8)], offsets=(0, 16, 144)) is None
+    assert _abi.layout_mismatch(types, None, [(0, 4), (16, 128), (144, 4)], offsets=(0, 16, 144)).index == 2
+
+
+@pytest.mark.parametrize("params", [{"dtype": "f32", "vec": 4}, {"bm": 128, "neg": -3, "zero": 0}, {}])
+def test_parse_kernel_id_reads_what_kernel_id_renders(params: dict[str, object]) -> None:
+    for arch in ("sm_90a", "sm_100f", "sm_80"):
+        text = _abi.kernel_id("fam", params, arch)
+        parsed, parsed_arch = _abi.parse_kernel_id(text, "fam", list(params))
+        assert parsed == params and list(parsed) == list(params) and str(parsed_arch) == arch
+
+
+@pytest.mark.parametrize("text", [
+    "fam/bm128/sm_90", "other/bm128/bn64/sm_90a", "fam/bm128/bn64/sm90a", "fam//bn64/sm_90a", "fam/bm128/bn 64/sm_90a",
+    "fam/bm128/bn64", 42, None,
+])
+def test_parse_kernel_id_refuses_what_kernel_id_cannot_render(text: object) -> None:
+    with pytest.raises(BadArgumentError, match=r"^invalid (fam kernel id|arch) "):
+        _abi.parse_kernel_id(text, "fam", ["bm", "bn"])
+
+
+def test_parse_kernel_id_reads_a_non_canonical_int_as_a_string() -> None:
+    # `bm0128` is no int's rendering: as a string value it renders back the same.
+    assert _abi.parse_kernel_id("fam/bm0128/bn+1/sm_90a", "fam", ["bm", "bn"])[0] == {"bm": "bm0128", "bn": "bn+1"}
+
+
 @needs_nvcc
-def test_sm90_puts_the_first_tensor_map_after_scalars_at_112(probes: dict[str, _abi.CubinImage]) -> None:
+def test_sm90_puts_the_first_tensor_map_after_scalars_at_112(probes: dict[str, CubinImage]) -> None:
     assert [o for o, _ in probes["sm_90a"].param_layout("three_maps_after_scalars")] == [0, 8, 12, 16, 112, 240, 368]
 
 
 @needs_nvcc
-def test_local_template_kernels_are_kernels(probes: dict[str, _abi.CubinImage]) -> None:
+def test_local_template_kernels_are_kernels(probes: dict[str, CubinImage]) -> None:
     kernels = probes["sm_90a"].kernels
     assert kernels["_Z12local_kernelILi7EEvPfi"].local is True
     assert kernels["map_first"].local is False
@@ -110,11 +149,11 @@ def test_local_template_kernels_are_kernels(probes: dict[str, _abi.CubinImage]) 
 ])
 def test_malformed_cubins_are_typed_errors(data: bytes, message: str) -> None:
     with pytest.raises(CubinFormatError, match="^" + re.escape(message)):
-        _abi.CubinImage(data, "x")
+        CubinImage(data, "x")
 
 
 @needs_nvcc
-def test_truncated_or_garbled_cubins_raise_only_typed_errors(probes: dict[str, _abi.CubinImage]) -> None:
+def test_truncated_or_garbled_cubins_raise_only_typed_errors(probes: dict[str, CubinImage]) -> None:
     import random
 
     good = probes["sm_90a"]._data
@@ -124,7 +163,7 @@ def test_truncated_or_garbled_cubins_raise_only_typed_errors(probes: dict[str, _
         for _ in range(rng.randrange(0, 8)):
             data[rng.randrange(len(data))] = rng.randrange(256)
         try:
-            image = _abi.CubinImage(bytes(data), "fuzz")
+            image = CubinImage(bytes(data), "fuzz")
             for name in image.kernels:
                 image.param_layout(name)
         except CubinFormatError:
@@ -176,7 +215,7 @@ def test_static_only_tu_differs_between_compiles_without_the_anchor_and_not_with
     pinned = {nvcc(src, tmp_path / f"pinned{i}.cubin", "sm_90a", "-include", str(anchor),
                    "-Xcicc", "--orig_src_path_name", "-Xcicc", "kernels/jit/jit.cu") for i in range(2)}
     assert len(pinned) == 1
-    image = _abi.CubinImage(pinned.pop(), "pinned")
+    image = CubinImage(pinned.pop(), "pinned")
     assert not any("anchor" in name for name in image.kernels), "the anchor is host code"
 
 

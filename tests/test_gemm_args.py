@@ -8,7 +8,6 @@ without torch or a GPU.
 from __future__ import annotations
 
 import ctypes
-import importlib
 import os
 import subprocess
 import sys
@@ -22,10 +21,11 @@ from cubinstore.errors import CubinstoreError, BadArgumentError, KernelNotFoundE
 from cubinstore.manifest import Manifest
 from cubinstore import launch as ops_launch
 from cubinstore._args import ArgBuffer, PackedArgs, _plan, pack_args
+from cubinstore._driver import device
+from cubinstore.ops import _gemm as G
+from cubinstore.ops import _gemm_tuning as TUNING
 from cubinstore.tensormap import TensorMap, check_2d_bf16
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
-TUNING = importlib.import_module("cubinstore.ops._gemm_tuning")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -115,7 +115,7 @@ class Recorder:
             tried.append(name)
         return None
 sys.meta_path.insert(0, Recorder)
-import cubinstore, cubinstore.ops, cubinstore.ops.gemm, cubinstore.ops._gemm_op
+import cubinstore, cubinstore.ops, cubinstore.ops._gemm, cubinstore.ops._gemm_op
 print(tried)
 """
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -449,8 +449,26 @@ def test_reused_argument_buffer_checks_fixed_arguments_once() -> None:
         ArgBuffer("gemm/x", G.ENTRY, G.ENTRY_TYPES, (None, None, None, None, 2**31, 8, 8, None, None, 1), device=0)
 
 
-def test_selection_is_made_once_per_shape_and_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(G._sm_counts, 0, 132)  # device 0's SM count, as an H200 reports it; no driver here
+class _H200Driver:
+    """The driver as the device cache asks it, answering as an H200 would; no GPU needed."""
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_attribute(self, ordinal: int, name: str) -> int:
+        assert ordinal == 0
+        return {"CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 132}[name]
+
+
+@pytest.fixture
+def h200() -> Any:
+    """Device facts from `_H200Driver` for the test, then the real ones again."""
+    before = device.use(device.Devices(_H200Driver()))
+    yield
+    device.use(before)
+
+
+def test_selection_is_made_once_per_shape_and_library(tmp_path: Path, h200: None) -> None:
     library = ops_launch.open(write_gemm_manifest(tmp_path / "m.json", G.GemmConfig(128, 256, 64, 4, 1),
                                                   "sha256:" + "ab" * 32))
     before = G.cache_misses()["selection"]

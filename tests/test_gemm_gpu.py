@@ -10,7 +10,6 @@ not write fails the check.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,9 +17,9 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
+from cubinstore.ops import _gemm as G
 from _gpu import check_gemm, family_ids, family_library, gemm_operands
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
 pytestmark = pytest.mark.gpu
 
@@ -52,7 +51,7 @@ def test_every_instantiation_matches_float32_reference(
 ) -> None:
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
+    ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
     check_gemm(torch, d, a, b, f"{kernel_id} splits={splits} at {m}x{n}x{k}")
 
 
@@ -71,7 +70,7 @@ def test_split_k_counters_are_left_at_zero_for_the_next_call(lib: launch.Library
     for _ in range(3):
         a, b = gemm_operands(torch, 200, 1000, 4096)
         d = torch.full((200, 1000), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-        G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
+        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
         check_gemm(torch, d, a, b, f"{kernel_id} splits={splits}, repeated")
     counters = G._counters[(0, int(torch.cuda.current_stream(0).cuda_stream))]
     assert int(counters.abs().sum()) == 0
@@ -129,7 +128,7 @@ def test_a_cluster_points_grid_is_no_more_than_the_device_holds_at_once(
     m, n, k = 4096, 4096, 256
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=3)
+    ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=3)
     check_gemm(torch, d, a, b, f"{kernel_id} splits=3 at {m}x{n}x{k}")
     grids = {c.plan.grid for c in list(G._calls.values())
              if c.shape == (m, n) and c.plan.config.kernel_id == kernel_id and c.plan.splits == 3}
@@ -149,7 +148,7 @@ def test_a_swapped_instantiation_writes_d_transposed_and_nothing_past_it(
     storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
     d = storage[offset : offset + m * n].view(m, n)
     assert G.stores_by_tma(n, d.data_ptr()) == (n % 8 == 0 and offset == 0)
-    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
+    ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
     check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}, D {offset * 2} bytes in")
     assert bool(torch.isnan(storage[:offset]).all() and torch.isnan(storage[offset + m * n :]).all()), \
         "a store wrote outside D"

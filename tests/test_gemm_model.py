@@ -9,7 +9,6 @@ can return must exist in the built manifest.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import os
@@ -22,7 +21,8 @@ import pytest
 
 from cubinstore.errors import BadArgumentError
 from cubinstore.manifest import Manifest
-from cubinstore.ops import _gemm_calibration, _gemm_model
+from cubinstore.ops import _gemm as G
+from cubinstore.ops import _gemm_calibration, _gemm_model, _gemm_tuning
 from cubinstore.ops._gemm_model import MachineCosts, Model, TileCosts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,6 @@ import bench_gemm  # noqa: E402  (benchmarks/bench_gemm.py: GRID, the instantiat
 import gemm_shapes  # noqa: E402  (benchmarks/gemm_shapes.py: the one definition of the shape sets)
 import tune_gemm  # noqa: E402  (benchmarks/tune_gemm.py: the calibration's fit and module writer)
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 MANIFEST = ROOT / "bazel-bin" / "kernels" / "manifest.json"
 H200_SMS = 132
 H200_SLOTS = {2: 66, 4: 30}  # the clusters of 2 and of 4 an H200 holds at once (Kernel.max_active_clusters)
@@ -223,7 +222,7 @@ def test_a_cluster_point_wins_where_unaligned_rows_make_the_feed_the_bound() -> 
 def test_the_2026_11_29_winners_are_predicted_near_the_models_best() -> None:
     # The table's measured winners; the model need not pick them (many are near-ties) but must
     # not predict them much slower than its own pick on most shapes.
-    table = importlib.import_module("cubinstore.ops._gemm_tuning").TABLE
+    table = _gemm_tuning.TABLE
     model = Model()
     near = 0
     for (m, n, k), winner in table.items():
@@ -326,7 +325,7 @@ def test_tuning_and_held_out_shapes_are_disjoint_and_tma_legal() -> None:
     tuning = {s.mnk for s in gemm_shapes.TUNING}
     held_out = {s.mnk for s in gemm_shapes.HELD_OUT}
     assert not tuning & held_out
-    assert set(importlib.import_module("cubinstore.ops._gemm_tuning").TABLE) <= tuning
+    assert set(_gemm_tuning.TABLE) <= tuning
     assert all(k % 8 == 0 for _, _, k in tuning | held_out)
     groups = {s.group for s in gemm_shapes.HELD_OUT}
     assert {"square", "llm", "moe", "tail"} <= groups

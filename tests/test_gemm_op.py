@@ -8,7 +8,6 @@ torch is pinned in requirements-dev.txt (tools/bootstrap.sh installs it); a venv
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore.errors import BadArgumentError
+from cubinstore.ops import _gemm_op
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,10 +95,8 @@ def test_compile_fullgraph_with_out_puts_the_mutating_op_in_the_graph() -> None:
 
 
 def test_make_fx_traces_the_forced_instantiation_into_the_graph() -> None:
-    module = sys.modules["cubinstore.ops.gemm"]
-
     def f(a: Any, b: Any) -> Any:
-        return module.gemm_with(a, b, kernel_id="gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a", splits=2)
+        return ops.gemm_with(a, b, kernel_id="gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a", splits=2)
 
     with FakeTensorMode():
         gm = make_fx(f, tracing_mode="fake")(fake_cuda(2, 128), fake_cuda(64, 128))
@@ -134,7 +132,7 @@ def test_bad_out_through_the_op_is_a_typed_error() -> None:
 
 def test_cpu_tensors_through_the_op_are_a_typed_device_error() -> None:
     a = torch.zeros(4, 64, dtype=torch.bfloat16)
-    importlib.import_module("cubinstore.ops._gemm_op").register()
+    _gemm_op.register()
     with pytest.raises(BadArgumentError, match=r"^gemm a: expected a CUDA tensor, got one on cpu$"):
         torch.ops.cubinstore.gemm(a, a)
 

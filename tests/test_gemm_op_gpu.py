@@ -8,7 +8,6 @@ the kernel does not write, or a result computed from stale inputs, fails the che
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,11 +16,11 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore import launch
 from cubinstore.errors import BadArgumentError
+from cubinstore.ops import _gemm as G
 from cubinstore.ops import _gemm_model
 from cubinstore.ops._timing import host_us_per_call
 from _gpu import family_library, gemm_operands, gemm_rel_error
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
 pytestmark = pytest.mark.gpu
 
@@ -81,9 +80,9 @@ def test_split_k_gives_the_same_bits_whichever_split_arrives_last(
     n, k = 4096, 4096
     a, b = gemm_operands(torch, m, n, k)
     kernel_id = _gemm_tile(lib, m, n, k)
-    first = G.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
+    first = ops.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
     for i in range(50):
-        again = G.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
+        again = ops.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
         assert torch.equal(again, first), f"{kernel_id} splits={splits}: launch {i + 1} differs from the first"
     assert _rel_error(torch, first, a, b) < MAX_REL_ERROR
 
@@ -114,11 +113,11 @@ def test_two_graphs_on_one_capture_stream_each_zero_their_split_k_counters(lib: 
     inputs = [gemm_operands(torch, m, n, k) for _ in range(2)]
     graphs, outs = [], []
     for a, b in inputs:
-        G.gemm_with(a, b, kernel_id=kernel_id, splits=8)
+        ops.gemm_with(a, b, kernel_id=kernel_id, splits=8)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs.append(G.gemm_with(a, b, kernel_id=kernel_id, splits=8))
+            outs.append(ops.gemm_with(a, b, kernel_id=kernel_id, splits=8))
         graphs.append(graph)
     for i in (1, 0, 1):
         outs[i].fill_(float("nan"))

@@ -11,14 +11,13 @@ what the deal gives.
 
 from __future__ import annotations
 
-import importlib
 from collections import defaultdict
 
 import pytest
 
+from cubinstore.ops import _gemm as G
 from cubinstore.ops import _gemm_model
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
 
 def walk(cluster_tiles: int, clusters: int, kblocks: int, g: int) -> list[tuple[int, int, int, int, int, int]]:

@@ -19,6 +19,7 @@ from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy_w
 
 from cubinstore import jit  # noqa: E402
 from cubinstore._core.digest import Digest  # noqa: E402
+from cubinstore._jit import compiler  # noqa: E402
 from cubinstore._jit.family import cutlass_include  # noqa: E402
 from cubinstore._jit.index import JitIndex  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
@@ -305,24 +306,21 @@ def test_a_symlinked_jit_directory_in_the_store_is_never_written_through(env: Si
     assert list(elsewhere.iterdir()) == []
 
 
-def test_a_header_edited_during_the_compile_caches_nothing(env: SimpleNamespace, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_header_edited_during_the_compile_caches_nothing(env: SimpleNamespace, tmp_path: Path) -> None:
     include = tmp_path / "include"
     shutil.copytree(env.shallow, include)
-    real_run = jit._run_nvcc
 
     def edit_then_run(argv, work):  # another process upgrades the library mid-compile
         with open(include / "mylib" / "twice.cuh", "a") as f:
             f.write("// upgraded\n")
-        return real_run(argv, work)
+        return compiler.run_nvcc(argv, work)
 
-    monkeypatch.setattr(jit, "_run_nvcc", edit_then_run)
     flags = ["-DFACTOR=11"]  # a key not compiled yet
     k = jit.key(TU, include_dirs=[include], flags=flags, arch=ARCH, store=env.store)
     with pytest.raises(JitCompileError, match=r"^include_dirs\[0\] \(.*\) changed after JIT key xxh3:[0-9a-f]{32} was computed"):
-        jit.compile(TU, include_dirs=[include], flags=flags, arch=ARCH, entries=ENTRIES, store=env.store)
+        compiler.compile(TU, include_dirs=[include], flags=flags, arch=ARCH, entries=ENTRIES, store=env.store,
+                         nvcc=edit_then_run)
     assert JitIndex(LocalStore(env.home)).get(k.hex) is None
-    monkeypatch.setattr(jit, "_run_nvcc", real_run)
     again = jit.compile(TU, include_dirs=[include], flags=flags, arch=ARCH, entries=ENTRIES, store=env.store)
     assert again.compiled is True and again.key != k  # the new content, under its own key
 

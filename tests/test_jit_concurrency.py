@@ -27,9 +27,9 @@ PROCESSES = 16
 SIGNAL_TIMEOUT_S = 120  # only bounds a broken child; the test never sleeps on a timer
 
 
-def _compile_call(include: Path, factor: int) -> str:
-    return (f"jit.compile({TU!r}, include_dirs=[{str(include)!r}], flags=['-DFACTOR={factor}'], "
-            f"arch={ARCH!r}, entries={ENTRIES!r})")
+def _compile_call(include: Path, factor: int, module: str = "jit", extra: str = "") -> str:
+    return (f"{module}.compile({TU!r}, include_dirs=[{str(include)!r}], flags=['-DFACTOR={factor}'], "
+            f"arch={ARCH!r}, entries={ENTRIES!r}{', ' + extra if extra else ''})")
 
 
 def _read_line(proc: subprocess.Popen[str], what: str) -> str:
@@ -80,7 +80,8 @@ def test_sixteen_processes_missing_one_key_run_nvcc_once(tmp_path: Path) -> None
     assert len({r[1] for r in results}) == 1
 
 
-# Where the child stops and waits to be killed. Each patch wraps one step of jit.compile.
+# Where the child stops and waits to be killed. Each stage wraps one step of the compile: a
+# public method of the index or the CAS, or nvcc itself through ``compile(nvcc=...)`` (``kw``).
 _STAGES = {
     "lock_held_before_nvcc": """
 orig = JitIndex.put_parts
@@ -90,15 +91,14 @@ JitIndex.put_parts = put_parts
 """,
     "nvcc_running": """
 def run_nvcc(argv, work):
-    p = subprocess.Popen(argv, cwd=work, env=dict(jit.ACTION_ENV, TMPDIR=str(work / "tmp")))
+    p = subprocess.Popen(argv, cwd=work, env=dict(ACTION_ENV, TMPDIR=str(work / "tmp")))
     stop("nvcc_running")
-jit._run_nvcc = run_nvcc
+kw["nvcc"] = run_nvcc
 """,
     "cubin_in_memory_not_stored": """
-orig = jit._compile
-def compile_(*args):
-    data = orig(*args); stop("cubin_in_memory_not_stored")
-jit._compile = compile_
+def write(self, digest, data):  # the CUBIN is compiled, read back and checked; the CAS write is next
+    stop("cubin_in_memory_not_stored")
+LocalStore.write = write
 """,
     "cubin_stored_index_not_written": """
 orig = JitIndex.put
@@ -118,8 +118,11 @@ JitIndex.put = put
 
 _CHILD = """
 import subprocess, sys
-from cubinstore import jit
+from cubinstore._jit import compiler
 from cubinstore._jit.index import JitIndex
+from cubinstore._jit.key import ACTION_ENV
+from cubinstore.store import LocalStore
+kw = {}
 def stop(stage):
     print(stage, flush=True)
     sys.stdin.readline()  # the parent kills us here
@@ -132,7 +135,7 @@ def test_compile_killed_at_each_stage_leaves_no_entry_and_recovers(stage: str, t
     home = tmp_path / "home"
     include = make_library(tmp_path / "lib")
     factor = 10 + list(_STAGES).index(stage)
-    code = _CHILD + _STAGES[stage] + f"{_compile_call(include, factor)}\n"
+    code = _CHILD + _STAGES[stage] + f"{_compile_call(include, factor, 'compiler', '**kw')}\n"
     proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(home), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

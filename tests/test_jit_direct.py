@@ -19,8 +19,9 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from _jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore._jit import direct as _jitdirect
-from cubinstore._jit import key as _jitkey
+from cubinstore._jit import compiler  # noqa: E402
+from cubinstore._jit import direct as _jitdirect  # noqa: E402
+from cubinstore._jit import key as _jitkey  # noqa: E402
 from cubinstore._jit.family import cutlass_include  # noqa: E402
 from cubinstore._jit.index import JitIndex  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
@@ -45,8 +46,7 @@ _jitkey._walk = _jitkey._light_walk = refuse
 @pytest.fixture
 def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
     # Files these tests write are seconds old; stats are trusted only outside the racy window.
-    monkeypatch.setattr(_jitkey, "_RACY_NS", 0)
-    monkeypatch.setattr(_jitdirect, "_RACY_NS", 0)
+    monkeypatch.setattr(_jitkey, "RACY_NS", 0)  # the one window, for the key's and the direct key's caches
 
 
 @pytest.fixture
@@ -322,12 +322,12 @@ def test_parts_that_do_not_make_the_key_are_not_trusted(lib: SimpleNamespace) ->
 _KILL_AFTER_INDEX = """
 import sys
 from cubinstore import jit
-from cubinstore._jit import direct as _jitdirect
-def record(*a, **k):
+from cubinstore._jit.index import JitIndex
+def add_direct(*a, **k):  # the first step after the index entry: the direct entry
     print("index_written", flush=True)
     sys.stdin.readline()
     raise SystemExit("not killed")
-jit.record = record
+JitIndex.add_direct = add_direct
 """
 
 
@@ -361,7 +361,7 @@ def test_an_evicted_cubin_under_a_direct_hit_compiles_again(lib: SimpleNamespace
 
 def test_the_direct_key_holds_no_path(lib: SimpleNamespace) -> None:
     deep = make_library(lib.tmp / "a" / "much" / "deeper" / "prefix")
-    keys = {_jitdirect.DirectRequest(TU, jit.SOURCE_NAME, [str(d)], [f"-I{d}"], jit.Arch.parse(ARCH),
+    keys = {_jitdirect.DirectRequest(TU, compiler.SOURCE_NAME, [str(d)], [f"-I{d}"], jit.Arch.parse(ARCH),
                                      LocalStore(lib.home)).key for d in (lib.include, deep)}
     assert len(keys) == 1
 

@@ -7,7 +7,6 @@ On the H200 host: `CUBINSTORE_CUTLASS_INCLUDE=<carried include> python3 -m pytes
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,13 @@ from cubinstore._jit.family import cutlass_include, template_for_sources  # noqa
 from cubinstore._jit.key import locate_toolkit  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
+from cubinstore.ops import _library as ops_library  # noqa: E402
+from cubinstore.ops._gemm_config import ENTRY, ENTRY_TYPES  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, MemoryStore, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GEMM_FILES = ["kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh"]
-_G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
-GEMM_ENTRY = {_G.ENTRY: list(_G.ENTRY_TYPES)}
+GEMM_ENTRY = {ENTRY: list(ENTRY_TYPES)}
 # Two stages: a point the family's grid (kernels/gemm/BUILD.bazel) does not have.
 POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1, "swap": 0}
 
@@ -62,16 +62,15 @@ def test_jit_compiled_gemm_point_matches_torch(store: Store, gemm_spec, splits: 
     from cubinstore import ops
 
     assert gemm_spec.id == "gemm/bm128/bn128/bk64/stages2/cluster1/swap0/sm_90a"
-    previous = ops._library  # restored after: other GPU tests use the default library
+    previous = ops_library._library  # restored after: other GPU tests use the default library
     ops.set_library(cubinstore.open(Manifest.build([gemm_spec]), store))
     try:
         torch.manual_seed(0)
         m, n, k = 1000, 776, 520  # tails in every dimension
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        gemm_module = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function
         d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poison: every element is written
-        gemm_module.gemm_with(a, b, out=d, kernel_id=gemm_spec.id, splits=splits)
+        ops.gemm_with(a, b, out=d, kernel_id=gemm_spec.id, splits=splits)
         torch.cuda.synchronize()
         ref = a.double() @ b.double().T
         err = (torch.linalg.norm(d.double() - ref) / torch.linalg.norm(ref)).item()
@@ -114,14 +113,14 @@ def test_a_point_the_release_lacks_compiles_from_the_manifests_own_template(
     assert dict(kernel.spec.params) == POINT and kernel.spec.arch == "sm_90a"
     with pytest.raises(cubinstore.KernelNotFoundError, match=r"^no kernel gemm bm=128 .* run-time compilation is off"):
         cubinstore.open(manifest, Store([MemoryStore(1 << 20)])).kernel("gemm", jit=False, bm=128, bn=128, bk=64, stages=3, cluster=1)
-    previous = ops._library
+    previous = ops_library._library
     ops.set_library(cubinstore.open(Manifest.build([kernel.spec]), build))
     try:
         m, n, k = 1000, 776, 520
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        importlib.import_module("cubinstore.ops.gemm").gemm_with(a, b, out=d, kernel_id=kernel.spec.id, splits=1)
+        ops.gemm_with(a, b, out=d, kernel_id=kernel.spec.id, splits=1)
         torch.cuda.synchronize()
         ref = a.double() @ b.double().T
         assert (torch.linalg.norm(d.double() - ref) / torch.linalg.norm(ref)).item() < 1e-2

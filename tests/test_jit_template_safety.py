@@ -18,7 +18,7 @@ from cubinstore import cli, jit  # noqa: E402
 from cubinstore._core.abi import DEFAULT_NVCC_FLAGS, dumps_canonical  # noqa: E402
 from cubinstore._core.digest import Digest  # noqa: E402
 from cubinstore._jit.family import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
-from cubinstore._jit.flags import copt_problem, define_problem  # noqa: E402
+from cubinstore.manifest.flags import copt_problem, define_problem  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, ManifestError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402

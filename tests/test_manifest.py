@@ -277,6 +277,9 @@ def test_from_digest_pins_the_manifest_bytes() -> None:
     m = Manifest.from_digest(str(digest), Store([memory]))
     assert m.digest == digest and m.source == str(digest)
     assert Manifest.load(str(digest), Store([memory])).kernels == m.kernels
+    # The manifest sits below the store: it builds none, and names the resolver that does.
+    with pytest.raises(BadArgumentError, match=r"pass store=, or call cubinstore\._release\.refs\.load_manifest"):
+        Manifest.load(str(digest))
 
 
 # -- arch selection -------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ and with both families to choose from the calibrated model's picks exist in the 
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 
 from cubinstore.errors import BadArgumentError
 from cubinstore.manifest import Manifest
+from cubinstore.ops import _gemm as G
 from cubinstore.ops import _gemm_model
 from cubinstore.ops._gemm_model import Model
 
@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gemm_shapes  # noqa: E402  (the tuning and held-out shape sets)
 import tune_gemm  # noqa: E402  (what the calibration times)
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 MANIFEST = ROOT / "bazel-bin" / "kernels" / "manifest.json"
 H200_SMS = 132
 

@@ -7,7 +7,6 @@ inputs and poisons D with NaN, so an element the kernel does not write fails the
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,9 +15,9 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore import launch
 from cubinstore._driver import cuda as _cuda
+from cubinstore.ops import _gemm as G
 from _gpu import check_gemm, family_ids, family_library, gemm_operands
 
-G = importlib.import_module("cubinstore.ops.gemm")  # the module, not the function of that name
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +47,7 @@ def test_every_instantiation_matches_float32_reference(
 ) -> None:
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-    G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
+    ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
     check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}")
 
 
@@ -68,9 +67,9 @@ def test_an_sm_holds_the_ctas_the_selection_model_counts(lib: launch.Library, to
 def test_the_same_inputs_give_the_same_bits_every_launch(lib: launch.Library, torch: Any, kernel_id: str) -> None:
     # The warps' partial sums are added in warp order: no atomics, no arrival order.
     a, b = gemm_operands(torch, 16, 2048, 7168)
-    first = G.gemm_with(a, b, kernel_id=kernel_id, splits=1)
+    first = ops.gemm_with(a, b, kernel_id=kernel_id, splits=1)
     for _ in range(20):
-        again = G.gemm_with(a, b, kernel_id=kernel_id, splits=1)
+        again = ops.gemm_with(a, b, kernel_id=kernel_id, splits=1)
         assert torch.equal(first, again), f"{kernel_id}: bits differ between launches"
 
 
@@ -80,7 +79,7 @@ def test_padded_rows_and_an_offset_start_are_read_by_row_stride(lib: launch.Libr
     a, b = a_store[:, 8 : k + 8], b_store[:, :k]  # row stride k + 64; a starts 16 bytes in
     for kernel_id in family_ids(G.SKINNY_FAMILY):
         d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-        G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
+        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
         check_gemm(torch, d, a, b, f"{kernel_id}, padded rows")
 
 
@@ -92,7 +91,7 @@ def test_nothing_is_written_past_d(lib: launch.Library, torch: Any) -> None:
         buf = torch.full((m * n + 96,), 7.0, dtype=torch.bfloat16, device="cuda:0")
         d = buf[1 : 1 + m * n].view(m, n)
         d.fill_(float("nan"))
-        G.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
+        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
         check_gemm(torch, d, a, b, f"{kernel_id}, D inside a buffer")
         assert float(buf[0]) == 7.0 and bool((buf[1 + m * n :] == 7.0).all()), f"{kernel_id} wrote outside D"
 

@@ -19,7 +19,7 @@ import pytest
 from _blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Store
-from cubinstore.store.local import cas as _local
+from cubinstore.store.local import stats as _stats
 from cubinstore.store import LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -92,7 +92,7 @@ def test_a_memory_hit_touches_no_file(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_counts_are_flushed_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_local, "_FLUSH_EVENTS", 10)
+    monkeypatch.setattr(_stats, "_FLUSH_EVENTS", 10)
     local = LocalStore(tmp_path / "home")
     digest, data = blob()
     local.write(digest, data)
@@ -105,11 +105,11 @@ def test_counts_are_flushed_in_batches(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_counts_of_a_quiet_process_are_flushed_after_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(_local.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_stats.time, "monotonic", lambda: clock[0])
     local = LocalStore(tmp_path / "home")
     local.add_stats({"hits": 1})
     assert not local.stats_path.exists()
-    clock[0] += _local._FLUSH_SECONDS
+    clock[0] += _stats._FLUSH_SECONDS
     local.add_stats({"hits": 1})
     assert b'"hits": 2' in local.stats_path.read_bytes()
 

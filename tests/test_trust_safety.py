@@ -19,15 +19,9 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, RollbackError, Store, TrustError
-from cubinstore.trust.channel import (
-    MAX_SMALL_BLOB,
-    SignatureBlob,
-    TrustPolicy,
-    generate_key,
-    key_id,
-    resolve_channel,
-    sign_release,
-)
+from cubinstore.trust.channel import resolve_channel
+from cubinstore.trust.records import MAX_SMALL_BLOB, SignatureBlob, TrustPolicy, key_id
+from cubinstore.trust.sign import generate_key, sign_release
 from cubinstore.store import HttpStore, LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")

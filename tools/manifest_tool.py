@@ -2,8 +2,8 @@
 """Writes a manifest (schema cubinstore/manifest/v2) from the CUBINs a build produced.
 
 Run by the CubinManifest action (`//tools:manifest_tool`). Everything in the manifest comes
-from the produced bytes and the ABI contract in `cubinstore._core.abi`, which the runtime imports
-too:
+from the produced bytes and the ABI contract in `cubinstore._core` (abi, cubin, geometry), which
+the runtime imports too:
 - digests and sizes are computed here;
 - each declared entry is resolved to a kernel of its CUBIN: by symbol (an extern "C" name or
   a mangled name) or by its C++ name (`ns::gemm<128, 256>`), demangling the CUBIN's kernels;
@@ -41,11 +41,12 @@ for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__fi
         sys.path.insert(0, _root)
         break
 
-from cubinstore._core import abi as _abi  # noqa: E402
+from cubinstore._core import abi  # noqa: E402
+from cubinstore._core.cubin import CubinImage  # noqa: E402
+from cubinstore._core.geometry import LaunchGeometry, eval_rule  # noqa: E402
 from cubinstore.errors import CubinstoreError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 
-_SYMBOL_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 _INT_SUFFIX_RE = re.compile(r"\b(\d+)(?:u|l|ul|lu|ll|ull|llu)\b", re.IGNORECASE)
 # A C++ name's tokens: words, numbers, '::', and single punctuation ('>>' is two closing brackets).
 _TOKEN_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|::|\S", re.ASCII)
@@ -213,7 +214,7 @@ def names_entry(declared: str, readable: str) -> bool:
     return unqualified == wanted and _unqualified(wanted) == wanted  # `wanted` has no '::' of its own
 
 
-def resolve_entry(kernel: dict[str, Any], declared: str, cubin: _abi.CubinImage,
+def resolve_entry(kernel: dict[str, Any], declared: str, cubin: CubinImage,
                   readable: dict[str, str]) -> tuple[str, str]:
     """(symbol, readable name) of the declared entry: its symbol, or its whole C++ name (qualified or,
     when unique, unqualified)."""
@@ -232,23 +233,24 @@ def resolve_entry(kernel: dict[str, Any], declared: str, cubin: _abi.CubinImage,
 
 
 def check_layout(kernel: dict[str, Any], declared: str, symbol: str, types: list[str],
-                 cubin: _abi.CubinImage, arch: _abi.Arch) -> list[int]:
-    """The offsets of the entry's parameters; fails unless the CUBIN has exactly them."""
+                 cubin: CubinImage, arch: abi.Arch) -> list[int]:
+    """The offsets of the entry's parameters; fails unless the CUBIN has exactly them (``abi.layout_mismatch``)."""
     try:
-        parsed = [_abi.param_type(t) for t in types]
+        parsed = [abi.param_type(t) for t in types]
     except CubinstoreError as exc:
         raise BuildError(f"{_where(kernel)}: entry '{declared}': {exc}") from None
-    actual = cubin.param_layout(symbol)
-    if len(actual) != len(parsed):
-        raise BuildError(f"{_where(kernel)}: entry '{declared}' takes {len(actual)} parameters, "
+    expected = abi.param_layout(parsed, arch)
+    mismatch = abi.layout_mismatch(parsed, arch, cubin.param_layout(symbol), offsets=expected)
+    if mismatch is not None and mismatch.index is None:
+        raise BuildError(f"{_where(kernel)}: entry '{declared}' takes {len(mismatch.actual)} parameters, "
                          f"declared {len(parsed)}: {types}")
-    expected = _abi.param_layout(parsed, arch)
-    for i, ((offset, size), t, want) in enumerate(zip(actual, parsed, expected)):
-        if size != t.size or offset != want:
-            raise BuildError(
-                f"{_where(kernel)}: entry '{declared}' parameter {i} is {size} bytes at offset {offset}, "
-                f"but declared '{t}' is {t.size} bytes at offset {want} by the layout rule for {arch} "
-                f"(cubinstore/_core/abi.py); the declaration does not match the kernel's signature")
+    if mismatch is not None:
+        i = mismatch.index
+        (want, size), (offset, got) = mismatch.expected[i], mismatch.actual[i]
+        raise BuildError(
+            f"{_where(kernel)}: entry '{declared}' parameter {i} is {got} bytes at offset {offset}, "
+            f"but declared '{parsed[i]}' is {size} bytes at offset {want} by the layout rule for {arch} "
+            f"(cubinstore/_core/abi.py); the declaration does not match the kernel's signature")
     return list(expected)
 
 
@@ -258,7 +260,7 @@ def _const(kernel: dict[str, Any], where: str, value: Any) -> Any:
         return [_const(kernel, f"{where}[{i}]", v) for i, v in enumerate(value)]
     if isinstance(value, str):
         try:
-            return _abi.eval_rule(value)
+            return eval_rule(value)
         except CubinstoreError as exc:
             raise BuildError(f"{_where(kernel)}: launch {where}: {exc}") from None
     return value
@@ -273,12 +275,12 @@ def launch_geometry(kernel: dict[str, Any], declared: str) -> dict[str, Any] | N
         grid = []
         for item in geometry["grid"] if isinstance(geometry["grid"], list) else [geometry["grid"]]:
             try:  # constant arithmetic becomes a number; a rule over args/sm_count stays
-                grid.append(_abi.eval_rule(item) if isinstance(item, str) else item)
+                grid.append(eval_rule(item) if isinstance(item, str) else item)
             except CubinstoreError:
                 grid.append(item)
         out["grid"] = grid
     try:
-        return _abi.LaunchGeometry.from_json(out, f"{_where(kernel)}: launch of entry '{declared}'").to_json()
+        return LaunchGeometry.from_json(out, f"{_where(kernel)}: launch of entry '{declared}'").to_json()
     except CubinstoreError as exc:
         raise BuildError(str(exc)) from None
 
@@ -286,9 +288,9 @@ def launch_geometry(kernel: dict[str, Any], declared: str) -> dict[str, Any] | N
 def manifest_entry(kernel: dict[str, Any], demangler: str, timeout: float = DEMANGLE_TIMEOUT) -> dict[str, Any]:
     with open(kernel["cubin"], "rb") as f:
         data = f.read()
-    arch = _abi.Arch.parse(kernel["arch"])
+    arch = abi.Arch.parse(kernel["arch"])
     try:
-        cubin = _abi.CubinImage(data, _where(kernel))
+        cubin = CubinImage(data, _where(kernel))
         readable = demangle(demangler, sorted(cubin.kernels), timeout=timeout)
         entries = {}
         for declared, types in kernel["entries"].items():

@@ -4,13 +4,15 @@ Both sides import this module: the runtime (``manifest``, ``_args``, ``launch``)
 build's manifest tool (``//tools:manifest_tool``, run by the ``CubinManifest`` action), so
 what the build checks is what the runtime relies on. It defines:
 
+- size limits, and the names that become ids, keys and paths;
 - parameter types: size and alignment, and ``struct:<size>:<align>`` for structs by value;
-- the compiler's parameter-layout rule (offsets from the parameter bank, per arch);
+- the compiler's parameter-layout rule (offsets from the parameter bank, per arch), and the
+  one comparison of a declared layout with a CUBIN's (``layout_mismatch``);
 - ``Arch``: the one arch grammar and what runs where;
-- kernel-id rendering, canonical JSON, size limits;
-- the CUBIN ELF reader (kernel symbols, parameter layouts, target SM);
+- kernel ids (``kernel_id`` renders, ``parse_kernel_id`` reads), canonical and strict JSON;
 - nvcc's default flags and the module anchor that makes CUBIN bytes reproducible.
 
+The CUBIN ELF reader is ``cubinstore._core.cubin``; launch geometry ``cubinstore._core.geometry``.
 Starlark cannot import Python: ``tools/private/types.bzl`` mirrors the type table, the arch
 grammar, the default flags and the anchor; ``tests/test_abi.py`` checks the mirror.
 Standard library only.
@@ -21,27 +23,34 @@ from __future__ import annotations
 import functools
 import json
 import re
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cubinstore.errors import BadArgumentError, CubinFormatError
+from cubinstore.errors import BadArgumentError
 
 __all__ = [
     "Arch",
-    "CubinImage",
     "DEFAULT_NVCC_FLAGS",
+    "IDENT_RE",
+    "LayoutMismatch",
     "MAX_BLOB_SIZE",
     "MAX_MANIFEST_BYTES",
+    "MAX_PARAMS",
+    "MAX_POINT_PARAMS",
+    "MAX_STRUCT_BYTES",
     "ParamType",
+    "REL_PATH_RE",
+    "WORD_RE",
     "dumps_canonical",
     "kernel_id",
+    "layout_mismatch",
     "loads_strict",
     "merge_flags",
     "module_anchor",
     "param_layout",
     "param_type",
+    "parse_kernel_id",
     "render_param",
 ]
 
@@ -51,6 +60,16 @@ MAX_MANIFEST_BYTES: Final = 64 * 1024 * 1024
 MAX_BLOB_SIZE: Final = 1024 * 1024 * 1024
 # 32 KiB of parameter space (sm_70+) holds at most this many 1-byte parameters.
 MAX_PARAMS: Final = 32764
+# Parameters of one grid point (a key of its family's grid each): bounds the id-order check's work.
+MAX_POINT_PARAMS: Final = 64
+
+# -- names ------------------------------------------------------------------------------------
+# A parameter key, a grid key, a placeholder: a C identifier.
+IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# Family names and string parameter values become id segments (and target names): no '/', no spaces.
+WORD_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
+# A relative path of words. '..' is a word: a caller that resolves the path refuses it itself.
+REL_PATH_RE: Final = re.compile(rf"{WORD_RE.pattern}(?:/{WORD_RE.pattern})*", re.ASCII)
 
 # -- parameter types --------------------------------------------------------------------------
 # (size, alignment) in the kernel's parameter space; the same rules a C++ compiler applies.
@@ -147,6 +166,51 @@ def param_layout(types: Sequence[ParamType], arch: Arch) -> tuple[int, ...]:
     return tuple(offsets)
 
 
+@dataclass(frozen=True)
+class LayoutMismatch:
+    """How a declared parameter list differs from a CUBIN's: the (offset, size) lists and the first difference."""
+
+    expected: tuple[tuple[int, int], ...]  # what the declared types get
+    actual: tuple[tuple[int, int], ...]  # what the CUBIN has
+    index: int | None  # the first parameter that differs; None when the counts differ
+
+    def __str__(self) -> str:
+        if self.index is None:
+            return f"declares {len(self.expected)} parameters, the CUBIN's function takes {len(self.actual)}"
+        (want, size), (offset, got) = self.expected[self.index], self.actual[self.index]
+        return (f"parameter {self.index} is declared {size} bytes at offset {want}, "
+                f"the CUBIN's function has {got} bytes at offset {offset}")
+
+
+def layout_mismatch(
+    types: Sequence[ParamType],
+    arch: Arch | None,
+    actual: Sequence[tuple[int, int]],
+    *,
+    offsets: Sequence[int] | None = None,
+) -> LayoutMismatch | None:
+    """THE comparison of a declared layout with a CUBIN's: None when they agree.
+
+    ``actual`` is the CUBIN's (offset, size) per parameter (``.nv.info``, or the driver's
+    ``cuFuncGetParamInfo``, which reads it); ``offsets`` are the declared offsets (a manifest's,
+    which its build checked), else the layout rule's for ``arch``. Layout cannot tell i32 from
+    f32 or ptr from i64 (same size and alignment); it does catch a wrong count, a wrong size,
+    and a parameter the compiler placed elsewhere.
+    """
+    if offsets is None:
+        if arch is None:
+            raise BadArgumentError("layout_mismatch: expected an arch or the declared offsets")
+        offsets = param_layout(types, arch)
+    expected = tuple((o, t.size) for o, t in zip(offsets, types))
+    actual = tuple((int(o), int(s)) for o, s in actual)
+    if len(actual) != len(expected):
+        return LayoutMismatch(expected, actual, None)
+    for index, (want, got) in enumerate(zip(expected, actual)):
+        if want != got:
+            return LayoutMismatch(expected, actual, index)
+    return None
+
+
 # -- archs ------------------------------------------------------------------------------------
 # sm_<major><minor><suffix>: major 1..99 (no leading zero), minor one digit; `a` is
 # arch-specific (runs on exactly that compute capability), `f` family-specific (that major,
@@ -201,6 +265,36 @@ def render_param(key: str, value: str | int) -> str:
 def kernel_id(family: str, params: Mapping[str, str | int], arch: str | Arch) -> str:
     """``<family>/<values in the grid's order>/<arch>``, e.g. ``axpy/f32/vec4/sm_90a``."""
     return "/".join([family, *(render_param(k, v) for k, v in params.items()), str(arch)])
+
+
+# An int as ``render_param`` writes it after its key: canonical decimal, so parse and render agree.
+_INT_RE: Final = re.compile(r"-?(?:0|[1-9][0-9]*)", re.ASCII)
+
+
+def parse_kernel_id(text: object, family: str, keys: Sequence[str]) -> tuple[dict[str, str | int], Arch]:
+    """The params (in the grid's order ``keys``) and arch that an id of ``family`` renders.
+
+    The inverse of ``kernel_id``: a segment ``<key><int>`` reads as that int, any other as a
+    string value (a string spelled like ``<key><int>`` reads as the int: the rendering cannot
+    tell them apart). Raises ``BadArgumentError`` unless ``kernel_id(family, params, arch)``
+    gives ``text`` back.
+    """
+    parts = text.split("/") if isinstance(text, str) else []
+    if len(parts) != len(keys) + 2 or parts[0] != family:
+        shown = repr(text) if len(repr(text)) <= 80 else repr(text)[:77] + "..."
+        raise BadArgumentError(
+            f"invalid {family} kernel id {shown}: expected '{family}/{'/'.join(f'<{k}>' for k in keys)}/<arch>'"
+        )
+    params: dict[str, str | int] = {}
+    for key, segment in zip(keys, parts[1:-1]):
+        rest = segment[len(key):] if segment.startswith(key) else None
+        if rest is not None and _INT_RE.fullmatch(rest):
+            params[key] = int(rest)
+        elif WORD_RE.fullmatch(segment):
+            params[key] = segment
+        else:
+            raise BadArgumentError(f"invalid {family} kernel id {text!r}: segment {segment!r} of {key!r} is no value")
+    return params, Arch.parse(parts[-1])
 
 
 def dumps_canonical(doc: Mapping[str, Any]) -> bytes:
@@ -282,357 +376,6 @@ def module_anchor(source_path: str) -> str:
     return f"// cubinstore: pins the module id of {source_path}\nvoid __cubinstore_module_anchor_{name}(void) {{}}\n"
 
 
-# -- the CUBIN ELF reader ---------------------------------------------------------------------
-_ELF_MAGIC: Final = b"\x7fELF"
-_ELFCLASS64: Final = 2
-_ELFDATA2LSB: Final = 1
-_EM_CUDA: Final = 190
-_CUDA_ELF_ABI_V8: Final = 8
-_SHT_SYMTAB: Final = 2
-_STT_FUNC: Final = 2
-_STB_LOCAL: Final = 0
-_STO_CUDA_ENTRY: Final = 0x10  # st_other bit nvcc sets on __global__ functions
-_EIFMT_SVAL: Final = 4  # a record with a 2-byte size and that many bytes
-_EIATTR_PARAM_CBANK: Final = 0x0A
-_EIATTR_KPARAM_INFO: Final = 0x17
-
-
-@dataclass(frozen=True)
-class KernelSymbol:
-    """A ``__global__`` function of a CUBIN."""
-
-    name: str  # the (mangled) symbol
-    local: bool  # STB_LOCAL (e.g. `__global__ static`, CUTLASS_GLOBAL) rather than STB_GLOBAL
-
-
-class CubinImage:
-    """The facts of a CUBIN that cubinstore checks, read from untrusted bytes.
-
-    Every offset is bounds-checked: a malformed file raises ``CubinFormatError`` naming
-    ``what`` (a kernel id or path), never IndexError or struct.error.
-    """
-
-    def __init__(self, data: bytes, what: str) -> None:
-        self._data = bytes(data) if not isinstance(data, bytes) else data
-        self._what = what
-        if len(data) < 64 or data[:4] != _ELF_MAGIC:
-            raise CubinFormatError(f"{what}: not an ELF file (bad magic), so not a CUBIN")
-        if data[4] != _ELFCLASS64 or data[5] != _ELFDATA2LSB:
-            raise CubinFormatError(f"{what}: expected a 64-bit little-endian ELF, got class {data[4]}, data {data[5]}")
-        (machine,) = struct.unpack_from("<H", data, 0x12)
-        if machine != _EM_CUDA:
-            raise CubinFormatError(f"{what}: expected ELF machine {_EM_CUDA} (CUDA), got {machine}")
-        self._sections: list[tuple[int, ...]] | None = None
-        self._by_name: dict[str, tuple[int, ...]] = {}
-
-    @property
-    def sm(self) -> int | None:
-        """The SM number from the ELF header flags; None for an unknown ELF ABI version."""
-        if self._data[8] != _CUDA_ELF_ABI_V8:
-            return None
-        (flags,) = struct.unpack_from("<I", self._data, 0x30)
-        return (flags >> 8) & 0xFF
-
-    def _fail(self, why: str) -> CubinFormatError:
-        return CubinFormatError(f"{self._what}: malformed CUBIN: {why}")
-
-    def _unpack(self, fmt: str, offset: int) -> tuple[Any, ...]:
-        if offset < 0 or offset + struct.calcsize(fmt) > len(self._data):
-            raise self._fail(f"read of {struct.calcsize(fmt)} bytes at offset {offset} is past the end")
-        return struct.unpack_from(fmt, self._data, offset)
-
-    def _load_sections(self) -> list[tuple[int, ...]]:
-        if self._sections is None:
-            shoff, = self._unpack("<Q", 0x28)
-            shentsize, shnum, shstrndx = self._unpack("<HHH", 0x3A)
-            if shentsize != 64 or shnum > 65535 or shstrndx >= max(shnum, 1):
-                raise self._fail(f"section table: entry size {shentsize}, {shnum} sections, names in {shstrndx}")
-            sections = [self._unpack("<IIQQQQIIQQ", shoff + i * 64) for i in range(shnum)]
-            for sec in sections:
-                if sec[1] != 8 and sec[4] + sec[5] > len(self._data):  # SHT_NOBITS has no bytes
-                    raise self._fail(f"a section of {sec[5]} bytes at {sec[4]} is past the end")
-            self._sections = sections
-            names = sections[shstrndx] if sections else None
-            if names is not None:
-                self._by_name = {self._str(names, s[0]): s for s in sections}
-        return self._sections
-
-    def _str(self, table: tuple[int, ...], offset: int) -> str:
-        start = table[4] + offset
-        end = self._data.find(b"\0", start, table[4] + table[5])
-        if offset >= table[5] or end < 0:
-            raise self._fail(f"string at {offset} is outside its table")
-        return self._data[start:end].decode("utf-8", "replace")
-
-    def _body(self, section: tuple[int, ...]) -> bytes:
-        return self._data[section[4] : section[4] + section[5]]
-
-    @functools.cached_property
-    def kernels(self) -> Mapping[str, KernelSymbol]:
-        """Every ``__global__`` function, by symbol: CUDA's entry mark, not its binding, decides."""
-        found: dict[str, KernelSymbol] = {}
-        sections = self._load_sections()
-        for sec in sections:
-            if sec[1] != _SHT_SYMTAB:
-                continue
-            if sec[6] >= len(sections):
-                raise self._fail(f"symbol table links to section {sec[6]}")
-            strtab = sections[sec[6]]
-            body = self._body(sec)
-            for off in range(0, len(body) - len(body) % 24, 24):
-                st_name, st_info, st_other = struct.unpack_from("<IBB", body, off)
-                if st_info & 0xF == _STT_FUNC and st_other & _STO_CUDA_ENTRY:
-                    name = self._str(strtab, st_name)
-                    found[name] = KernelSymbol(name, st_info >> 4 == _STB_LOCAL)
-        return found
-
-    def _attributes(self, symbol: str) -> list[tuple[int, bytes]]:
-        """The (attribute, value) records of ``.nv.info.<symbol>``."""
-        self._load_sections()
-        sec = self._by_name.get(".nv.info." + symbol)
-        if sec is None:
-            return []
-        body, pos, out = self._body(sec), 0, []
-        while pos + 2 <= len(body):
-            fmt, attr = body[pos], body[pos + 1]
-            pos += 2
-            if fmt == _EIFMT_SVAL:
-                if pos + 2 > len(body):
-                    raise self._fail(f".nv.info.{symbol}: truncated attribute {attr:#x}")
-                (size,) = struct.unpack_from("<H", body, pos)
-                pos += 2
-                if pos + size > len(body):
-                    raise self._fail(f".nv.info.{symbol}: attribute {attr:#x} of {size} bytes is past the end")
-                out.append((attr, body[pos : pos + size]))
-                pos += size
-            else:  # every other format is a 2-byte value (or padding) after the header
-                out.append((attr, body[pos : pos + 2]))
-                pos += 2
-        return out
-
-    def param_layout(self, symbol: str) -> tuple[tuple[int, int], ...]:
-        """(offset, size) of each parameter of kernel ``symbol``, in order."""
-        params: dict[int, tuple[int, int]] = {}
-        for attr, value in self._attributes(symbol):
-            if attr == _EIATTR_KPARAM_INFO and len(value) >= 12:
-                _, ordinal, offset, bits = struct.unpack_from("<IHHI", value, 0)
-                params[ordinal] = (offset, (bits >> 18) & 0x3FFF)
-        if sorted(params) != list(range(len(params))):
-            raise self._fail(f"kernel {symbol!r}: parameter ordinals {sorted(params)} are not 0..{len(params) - 1}")
-        return tuple(params[i] for i in range(len(params)))
-
-    def param_bank(self, symbol: str) -> int | None:
-        """The constant-bank offset where ``symbol``'s parameters start (EIATTR_PARAM_CBANK)."""
-        for attr, value in self._attributes(symbol):
-            if attr == _EIATTR_PARAM_CBANK and len(value) >= 8:
-                return struct.unpack_from("<IHH", value, 0)[1]
-        return None
-
-
-# -- launch geometry --------------------------------------------------------------------------
-# A family declares how its entries are launched; the manifest carries it per entry, with the
-# grid point's values filled in. `block`, `shared_mem` and `cluster` are integers (the build
-# evaluates integer arithmetic such as "({bm} + {bn}) * {bk} * 2"); `grid` items may stay
-# rules evaluated at launch over the call's integer arguments `args[i]` and the device's
-# `sm_count`, with + - * // % min max cdiv.
-_RULE_FUNCS: Final[Mapping[str, Any]] = {"min": min, "max": max, "cdiv": lambda a, b: -(-a // b)}
-# (fewest, most) arguments of each function: checked when a rule is compiled, so a manifest with
-# `cdiv(x)` is refused when it is opened, not with a TypeError at launch.
-_RULE_ARITY: Final[Mapping[str, tuple[int, int | None]]] = {"min": (2, None), "max": (2, None), "cdiv": (2, 2)}
-MAX_RULE_CHARS: Final = 256
-# Integers a rule reads (its constants, args[i], sm_count) fit in 64 bits: with at most
-# MAX_RULE_CHARS characters of + - * // %, no value it computes exceeds a few thousand bits.
-_RULE_INT_MIN: Final = -(2**63)
-_RULE_INT_END: Final = 2**64
-
-
-class _RuleError(Exception):
-    pass
-
-
-def _compile_rule(text: str) -> Any:
-    import ast  # only the build and a manifest with rules need it
-
-    if type(text) is not str:
-        raise _RuleError(f"expected a string, got {type(text).__name__}")
-    if len(text) > MAX_RULE_CHARS:
-        raise _RuleError(f"longer than {MAX_RULE_CHARS} characters")
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError as exc:
-        raise _RuleError(f"not an expression ({exc.msg})") from None
-    except (RecursionError, MemoryError):
-        raise _RuleError("nested too deeply") from None
-    ops = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
-
-    def build(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            value = node.value
-            if not _RULE_INT_MIN <= value < _RULE_INT_END:
-                raise _RuleError(f"a constant of {value.bit_length()} bits does not fit in 64 bits")
-            return lambda env: value
-        if isinstance(node, ast.Name) and node.id == "sm_count":
-            return lambda env: env["sm_count"]
-        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "args"
-                and isinstance(node.slice, ast.Constant) and type(node.slice.value) is int):
-            index = node.slice.value
-            return lambda env: env["arg"](index)
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            op, left, right = ops[type(node.op)], build(node.left), build(node.right)
-            return lambda env: op(left(env), right(env))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            inner = build(node.operand)
-            return lambda env: -inner(env)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _RULE_FUNCS
-                and not node.keywords):
-            name = node.func.id
-            fewest, most = _RULE_ARITY[name]
-            if len(node.args) < fewest or (most is not None and len(node.args) > most):
-                takes = f"exactly {fewest}" if most == fewest else f"at least {fewest}"
-                call = "" if node is tree.body else f" in {ast.unparse(node)!r}"
-                raise _RuleError(f"{name} takes {takes} arguments, got {len(node.args)}{call}")
-            func, items = _RULE_FUNCS[name], [build(a) for a in node.args]
-            return lambda env: func(*(f(env) for f in items))
-        raise _RuleError(
-            f"{ast.unparse(node)!r} is not allowed; use integers, args[<i>], sm_count, + - * // %, "
-            f"min, max, cdiv"
-        )
-
-    try:
-        return build(tree.body)
-    except RecursionError:
-        raise _RuleError("nested too deeply") from None
-
-
-def _short_int(value: int) -> str:
-    """An int for a message: a huge one by its size (str() of one past 4300 digits raises)."""
-    return str(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
-
-
-def _rule_int(value: object, what: str) -> int:
-    if type(value) is not int:
-        raise _RuleError(f"{what} is {type(value).__name__}, expected an int")
-    if not _RULE_INT_MIN <= value < _RULE_INT_END:
-        raise _RuleError(f"{what} is {_short_int(value)}, which does not fit in 64 bits")
-    return value
-
-
-@functools.lru_cache(maxsize=4096)
-def _rule(text: str) -> Any:
-    return _compile_rule(text)
-
-
-def _no_args(index: int) -> int:
-    raise _RuleError(f"uses args[{index}], which only a launch has")
-
-
-def eval_rule(text: str, *, args: Sequence[Any] | None = None, sm_count: int | None = None) -> int:
-    """Evaluate one geometry rule; raises ``BadArgumentError`` naming the rule."""
-    def arg(index: int) -> int:
-        if args is None:
-            return _no_args(index)
-        if not 0 <= index < len(args):
-            raise _RuleError(f"args[{index}] does not exist: the launch has {len(args)} arguments")
-        value = args[index]
-        if isinstance(value, int) and not isinstance(value, bool) and type(value) is not int:
-            value = int(value)  # an IntEnum, say: its value
-        return _rule_int(value, f"args[{index}]")
-
-    def count() -> int:
-        if sm_count is None:
-            raise _RuleError("uses sm_count, which only a launch has")
-        return _rule_int(sm_count, "sm_count")
-
-    class _Env(dict):  # sm_count is looked up lazily so a constant rule never needs a device
-        def __missing__(self, key: str) -> int:
-            return count()
-
-    if type(text) is not str:
-        raise BadArgumentError(f"launch rule: expected a string, got {type(text).__name__}")
-    try:
-        value = _rule(text)(_Env(arg=arg))
-    except _RuleError as exc:
-        raise BadArgumentError(f"launch rule {text!r}: {exc}") from None
-    except ZeroDivisionError:
-        raise BadArgumentError(f"launch rule {text!r}: division by zero") from None
-    except (TypeError, OverflowError, RecursionError, MemoryError) as exc:  # a bound above missed: still typed
-        raise BadArgumentError(f"launch rule {text!r}: cannot be evaluated ({type(exc).__name__})") from None
-    return value
-
-
-def check_rule(text: str) -> None:
-    """Raise ``BadArgumentError`` unless ``text`` is a well-formed rule (its functions' arities included)."""
-    if type(text) is not str:
-        raise BadArgumentError(f"launch rule: expected a string, got {type(text).__name__}")
-    try:
-        _rule(text)
-    except _RuleError as exc:
-        raise BadArgumentError(f"launch rule {text!r}: {exc}") from None
-
-
-def _dims3(value: Any, where: str, *, limit: int) -> tuple[int, int, int]:
-    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
-    if (not isinstance(items, (list, tuple)) or not 1 <= len(items) <= 3
-            or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= limit for v in items)):
-        raise BadArgumentError(f"{where}: expected 1 to 3 integers in [1, {limit}], got {value!r}")
-    padded = [*items, 1, 1][:3]
-    return padded[0], padded[1], padded[2]
-
-
-@dataclass(frozen=True)
-class LaunchGeometry:
-    """How an entry is launched when the caller gives no geometry (manifest v2 ``launch``)."""
-
-    block: tuple[int, int, int]
-    shared_mem: int = 0
-    cluster: tuple[int, int, int] | None = None
-    grid: tuple[int | str, ...] | None = None  # ints, or rules over args[i] and sm_count
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> LaunchGeometry:
-        if not isinstance(obj, dict):
-            raise BadArgumentError(f"{where}: expected an object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"block", "shared_mem", "cluster", "grid"})
-        if unknown:
-            raise BadArgumentError(f"{where}: unknown key {unknown[0]!r}; allowed: block, cluster, grid, shared_mem")
-        if "block" not in obj:
-            raise BadArgumentError(f"{where}: missing key 'block'")
-        block = _dims3(obj["block"], f"{where}.block", limit=1024)
-        smem = obj.get("shared_mem", 0)
-        if isinstance(smem, bool) or not isinstance(smem, int) or not 0 <= smem <= 1 << 20:
-            raise BadArgumentError(f"{where}.shared_mem: expected an integer in [0, {1 << 20}], got {smem!r}")
-        cluster = None if obj.get("cluster") is None else _dims3(obj["cluster"], f"{where}.cluster", limit=16)
-        grid = obj.get("grid")
-        if grid is not None:
-            if not isinstance(grid, list) or not 1 <= len(grid) <= 3:
-                raise BadArgumentError(f"{where}.grid: expected a list of 1 to 3 integers or rules, got {grid!r}")
-            for i, item in enumerate(grid):
-                if isinstance(item, str):
-                    try:
-                        check_rule(item)
-                    except BadArgumentError as exc:
-                        raise BadArgumentError(f"{where}.grid[{i}]: {exc}") from None
-                elif isinstance(item, bool) or not isinstance(item, int) or not 1 <= item < 2**31:
-                    raise BadArgumentError(f"{where}.grid[{i}]: expected a positive integer or a rule, got {item!r}")
-            grid = tuple(grid)
-        return cls(block, smem, cluster, grid)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"block": list(self.block), "shared_mem": self.shared_mem}
-        if self.cluster is not None:
-            out["cluster"] = list(self.cluster)
-        if self.grid is not None:
-            out["grid"] = list(self.grid)
-        return out
-
-    def grid_for(self, args: Sequence[Any], sm_count: int | None) -> tuple[int, int, int] | None:
-        """The grid for one launch, or None when the family declares no grid rule."""
-        if self.grid is None:
-            return None
-        dims = [item if isinstance(item, int) else eval_rule(item, args=args, sm_count=sm_count) for item in self.grid]
-        for d, item in zip(dims, self.grid):
-            if not 1 <= d < 2**31:
-                raise BadArgumentError(f"launch rule {item!r} gave grid dimension {d}, expected 1 .. 2**31-1")
-        padded = [*dims, 1, 1][:3]
-        return padded[0], padded[1], padded[2]
+# -- moved; re-exported until callers import from the new module ------------------------------
+from cubinstore._core.cubin import CubinImage, KernelSymbol  # noqa: E402, F401
+from cubinstore._core.geometry import LaunchGeometry, MAX_RULE_CHARS, check_rule, eval_rule  # noqa: E402, F401

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 from cubinstore.errors import BadArgumentError, IntegrityError
 
-__all__ = ["Digest", "EMPTY_SHA256_HEX", "show", "verify"]
+__all__ = ["Digest", "EMPTY_SHA256_HEX", "verify"]
 
 _PREFIX = "sha256:"
 _HEX_LEN = 64
 _HEX_CHARS = frozenset("0123456789abcdef")
 # sha256(b""); a test checks it. A constant, so that importing this module does not import hashlib.
 EMPTY_SHA256_HEX = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-
-
-def show(value: object, limit: int = 80) -> str:
-    """``repr`` of an untrusted value, cut short so messages stay one readable line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _check_hex(hex_: object, original: object) -> str:
@@ -26,6 +20,8 @@ def _check_hex(hex_: object, original: object) -> str:
         )
     if len(hex_) == _HEX_LEN and _HEX_CHARS.issuperset(hex_):  # the common case; the checks below word the error
         return hex_
+    from cubinstore._core.text import show  # an error path: `import cubinstore` loads this module only
+
     if len(hex_) != _HEX_LEN:
         raise BadArgumentError(
             f"invalid digest length: {len(hex_)}, expected {_HEX_LEN} (in {show(original)})"
@@ -85,6 +81,8 @@ class Digest:
                 f"got {type(text).__name__}"
             )
         if not text.startswith(_PREFIX):
+            from cubinstore._core.text import show
+
             raise BadArgumentError(f"invalid digest {show(text)}: expected the prefix 'sha256:'")
         # Checked here once; the constructor would check the same hex again (a manifest parses thousands).
         digest = object.__new__(cls)
@@ -128,3 +126,14 @@ def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: s
     if actual != digest.hex:
         what = f"{digest}" + (f" ({name})" if name else "")
         raise IntegrityError(f"digest mismatch for {what} from {where}: expected {digest}, got sha256:{actual}")
+
+
+# -- moved; re-exported until callers import from the new module ------------------------------
+def __getattr__(name: str) -> object:
+    # `show` lives in cubinstore._core.text; looked up lazily, so `import cubinstore` (which
+    # imports this module) does not import that one too.
+    if name == "show":
+        from cubinstore._core.text import show
+
+        return show
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,30 +1,12 @@
-"""Every environment variable cubinstore reads, through typed accessors.
+"""Every environment variable cubinstore reads: one ``Variable`` descriptor each, read through typed accessors.
 
-Nothing else in the package calls ``os.environ``. Values are read at call time
-(not import time) so tests and long-lived processes see changes.
-
-=============================== ======== ================================= ==========================================
-Variable                        Type     Default                           Meaning
-=============================== ======== ================================= ==========================================
-CUBINSTORE_HOME                 path     user cache dir + ``/cubinstore``  root of the local store (``<root>/v1/...``)
-CUBINSTORE_REMOTE               URLs     (none)                            comma-separated HTTP CAS base URLs, tried in order
-CUBINSTORE_DISK_CACHE           path     (none)                            Bazel ``--disk_cache`` directory, read only
-CUBINSTORE_OFFLINE              bool     false                             never touch the network; a local miss is an error
-CUBINSTORE_HTTP_TIMEOUT         seconds  30                                read timeout: longest wait for the next bytes
-CUBINSTORE_HTTP_CONNECT_TIMEOUT seconds  5                                 TCP/TLS connect timeout
-CUBINSTORE_HTTP_RETRIES         int      3                                 retries after the first attempt (5xx, timeouts)
-CUBINSTORE_HTTP_DEADLINE        seconds  120                               total time for one blob, retries included
-CUBINSTORE_LOCK_TIMEOUT         seconds  600                               longest wait for another process's download
-CUBINSTORE_MEMORY_BYTES         int      268435456                         in-process cache size; 0 disables it
-CUBINSTORE_MANIFEST             str      (none)                            manifest ``cubinstore.ops`` opens by default: a path or ``sha256:<hex>``
-CUBINSTORE_JIT                  bool     true                              a JIT miss may run nvcc; off: only index hits
-CUBINSTORE_JIT_TIMEOUT          seconds  600                               longest JIT compile; past it nvcc's process group is killed
-CUBINSTORE_HOST_CC              str      gcc                               host compiler (name on /usr/bin:/bin) of Bazel and the JIT
-CUBINSTORE_CUTLASS_INCLUDE      path     (none)                            CUTLASS/CuTe include root (Bazel, family JIT templates)
-CUBINSTORE_ALLOW_SHARED_STORE   bool     false                             write to a store whose directories others can write
-CUBINSTORE_TRUST_POLICY         path     (none)                            trust policy for ``channel:NAME`` (signed releases)
-CUBINSTORE_FETCH_JOBS           int      16                                parallel downloads of ``prefetch`` (uploads of ``publish``)
-=============================== ======== ================================= ==========================================
+Nothing else in the package touches ``os.environ`` (tests/test_knobs.py checks it). Values are
+read at call time (not import time) so tests and long-lived processes see changes.
+``VARIABLES`` is the one table of the ``CUBINSTORE_*`` variables: README's "Environment
+variables" table is checked against it (names, types, defaults), so neither drifts.
+Also read here, with the meaning they have for ``third_party/cuda``: ``CUDA_PATH``,
+``CUDA_HOME``, ``PATH`` (finding the toolkit) and ``XDG_CACHE_HOME``/``LOCALAPPDATA`` (the
+user cache directory).
 """
 
 from __future__ import annotations
@@ -35,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cubinstore._core.digest import show
+from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError
 
 __all__ = [
@@ -61,91 +43,143 @@ __all__ = [
     "trust_policy",
 ]
 
+# What each type reads as: path (a Path, None when unset or empty), URLs (comma-separated),
+# bool (1/0/true/false/yes/no/on/off; empty is false), seconds (positive, finite), int
+# (non-negative, base 10), str (stripped).
+TYPES = ("path", "URLs", "bool", "seconds", "int", "str")
+
 
 @dataclass(frozen=True)
 class Variable:
+    """One environment variable: its name, type (one of ``TYPES``), default and meaning.
+
+    ``default`` is the value an unset variable reads as (None: no value), ``shown`` how the
+    README writes a default that is computed (the user cache directory).
+    """
+
     name: str
     type: str
-    default: str
+    default: object
     doc: str
+    shown: str | None = None
 
+    def get(self) -> object:
+        """The variable's value, parsed by its type (what its accessor below returns, before any fallback)."""
+        return _READERS[self.type](self)
+
+    @property
+    def default_text(self) -> str:
+        """The default as README's table writes it."""
+        if self.shown is not None:
+            return self.shown
+        if self.default is None or self.default == ():
+            return "(none)"
+        if isinstance(self.default, bool):
+            return "1" if self.default else "0"
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return str(self.default)
+
+
+HOME = Variable("CUBINSTORE_HOME", "path", None, "root of the local store", shown="user cache dir/cubinstore")
+REMOTE = Variable("CUBINSTORE_REMOTE", "URLs", (), "comma-separated HTTP CAS base URLs, tried in order")
+DISK_CACHE = Variable("CUBINSTORE_DISK_CACHE", "path", None, "Bazel --disk_cache directory, read only")
+OFFLINE = Variable("CUBINSTORE_OFFLINE", "bool", False, "never touch the network; a local miss is an error")
+HTTP_TIMEOUT = Variable("CUBINSTORE_HTTP_TIMEOUT", "seconds", 30.0, "read timeout: longest wait for the next bytes")
+HTTP_CONNECT_TIMEOUT = Variable("CUBINSTORE_HTTP_CONNECT_TIMEOUT", "seconds", 5.0, "TCP/TLS connect timeout")
+HTTP_RETRIES = Variable("CUBINSTORE_HTTP_RETRIES", "int", 3, "retries after the first attempt (5xx, timeouts)")
+HTTP_DEADLINE = Variable("CUBINSTORE_HTTP_DEADLINE", "seconds", 120.0, "total time for one blob, retries included")
+LOCK_TIMEOUT = Variable("CUBINSTORE_LOCK_TIMEOUT", "seconds", 600.0, "longest wait for another process's download")
+MEMORY_BYTES = Variable("CUBINSTORE_MEMORY_BYTES", "int", 256 * 1024 * 1024, "in-process cache size; 0 disables it")
+MANIFEST = Variable("CUBINSTORE_MANIFEST", "str", None, "manifest cubinstore.ops opens by default: a path or sha256:<hex>")
+JIT = Variable("CUBINSTORE_JIT", "bool", True, "a JIT miss may run nvcc at run time; off: only index hits")
+JIT_TIMEOUT = Variable("CUBINSTORE_JIT_TIMEOUT", "seconds", 600.0,
+                       "longest a JIT compile may run; past it nvcc and every process it started are killed")
+HOST_CC = Variable("CUBINSTORE_HOST_CC", "str", "gcc", "host compiler (a name on /usr/bin:/bin) of Bazel and the JIT")
+CUTLASS_INCLUDE = Variable("CUBINSTORE_CUTLASS_INCLUDE", "path", None,
+                           "CUTLASS/CuTe include root of Bazel and of family JIT templates")
+ALLOW_SHARED_STORE = Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", False,
+                              "write to a local store whose directories other users can write")
+TRUST_POLICY = Variable("CUBINSTORE_TRUST_POLICY", "path", None, "trust policy file for channel:NAME (signed releases)")
+FETCH_JOBS = Variable("CUBINSTORE_FETCH_JOBS", "int", 16, "blobs prefetch downloads (and publish uploads) at once")
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("CUBINSTORE_HOME", "path", "user cache dir/cubinstore", "root of the local store"),
-    Variable("CUBINSTORE_REMOTE", "URLs", "", "comma-separated HTTP CAS base URLs, tried in order"),
-    Variable("CUBINSTORE_DISK_CACHE", "path", "", "Bazel --disk_cache directory, read only"),
-    Variable("CUBINSTORE_OFFLINE", "bool", "0", "never touch the network; a local miss is an error"),
-    Variable("CUBINSTORE_HTTP_TIMEOUT", "seconds", "30", "read timeout"),
-    Variable("CUBINSTORE_HTTP_CONNECT_TIMEOUT", "seconds", "5", "connect timeout"),
-    Variable("CUBINSTORE_HTTP_RETRIES", "int", "3", "retries after the first attempt"),
-    Variable("CUBINSTORE_HTTP_DEADLINE", "seconds", "120", "total time for one blob, retries included"),
-    Variable("CUBINSTORE_LOCK_TIMEOUT", "seconds", "600", "longest wait for another process's download"),
-    Variable("CUBINSTORE_MEMORY_BYTES", "int", "268435456", "in-process cache size; 0 disables it"),
-    Variable("CUBINSTORE_MANIFEST", "str", "", "manifest cubinstore.ops opens by default: a path or sha256:<hex>"),
-    Variable("CUBINSTORE_JIT", "bool", "1", "a JIT miss may run nvcc at run time; off: only index hits"),
-    Variable("CUBINSTORE_JIT_TIMEOUT", "seconds", "600",
-             "longest a JIT compile may run; past it nvcc and every process it started are killed (JitTimeoutError)"),
-    Variable("CUBINSTORE_HOST_CC", "str", "gcc", "host compiler (a name on /usr/bin:/bin) of Bazel and the JIT"),
-    Variable("CUBINSTORE_CUTLASS_INCLUDE", "path", "", "CUTLASS/CuTe include root of Bazel and of family JIT templates"),
-    Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", "0",
-             "write to a local store whose directories other users can write (a store shared by a trusted group)"),
-    Variable("CUBINSTORE_TRUST_POLICY", "path", "", "trust policy file for channel:NAME (signed releases)"),
-    Variable("CUBINSTORE_FETCH_JOBS", "int", "16", "blobs prefetch downloads (and publish uploads) at once, each over a kept-alive connection"),
+    HOME, REMOTE, DISK_CACHE, OFFLINE, HTTP_TIMEOUT, HTTP_CONNECT_TIMEOUT, HTTP_RETRIES, HTTP_DEADLINE,
+    LOCK_TIMEOUT, MEMORY_BYTES, MANIFEST, JIT, JIT_TIMEOUT, HOST_CC, CUTLASS_INCLUDE, ALLOW_SHARED_STORE,
+    TRUST_POLICY, FETCH_JOBS,
 )
+
+# Not ours, read as third_party/cuda/cuda_toolkit.bzl reads them: where the JIT finds the toolkit.
+CUDA_PATH = Variable("CUDA_PATH", "path", None, "the first place the CUDA toolkit is looked for")
+CUDA_HOME = Variable("CUDA_HOME", "path", None, "the second place the CUDA toolkit is looked for")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
-def _raw(name: str) -> str | None:
-    value = os.environ.get(name)
+def _raw(var: Variable) -> str | None:
+    value = os.environ.get(var.name)
     return None if value is None else value.strip()
 
 
-def _bool(name: str, default: bool) -> bool:
-    value = _raw(name)
+def _bool(var: Variable) -> bool:
+    value = _raw(var)
     if value is None:
-        return default
+        return bool(var.default)
     if value.lower() in _TRUE:
         return True
     if value.lower() in _FALSE:
         return False
-    raise BadArgumentError(f"{name}: expected one of 1/0/true/false/yes/no/on/off, got {show(value)}")
+    raise BadArgumentError(f"{var.name}: expected one of 1/0/true/false/yes/no/on/off, got {show(value)}")
 
 
-def _seconds(name: str, default: float) -> float:
-    value = _raw(name)
+def _seconds(var: Variable) -> float:
+    value = _raw(var)
     if not value:
-        return default
+        return float(var.default)  # type: ignore[arg-type]
     try:
         seconds = float(value)
     except ValueError:
-        raise BadArgumentError(f"{name}: expected a number of seconds, got {show(value)}") from None
+        raise BadArgumentError(f"{var.name}: expected a number of seconds, got {show(value)}") from None
     if not math.isfinite(seconds) or seconds <= 0:
-        raise BadArgumentError(f"{name}: expected a positive number of seconds, got {show(value)}")
+        raise BadArgumentError(f"{var.name}: expected a positive number of seconds, got {show(value)}")
     return seconds
 
 
-def _count(name: str, default: int) -> int:
-    value = _raw(name)
+def _count(var: Variable) -> int:
+    value = _raw(var)
     if not value:
-        return default
+        return int(var.default)  # type: ignore[call-overload]
     try:
         count = int(value, 10)
     except ValueError:
-        raise BadArgumentError(f"{name}: expected a non-negative integer, got {show(value)}") from None
+        raise BadArgumentError(f"{var.name}: expected a non-negative integer, got {show(value)}") from None
     if count < 0:
-        raise BadArgumentError(f"{name}: expected a non-negative integer, got {show(value)}")
+        raise BadArgumentError(f"{var.name}: expected a non-negative integer, got {show(value)}")
     return count
 
 
-def _path(name: str) -> Path | None:
-    value = _raw(name)
+def _path(var: Variable) -> Path | None:
+    value = _raw(var)
     if not value:
         return None
     if "\0" in value:
-        raise BadArgumentError(f"{name}: path contains a NUL byte: {show(value)}")
+        raise BadArgumentError(f"{var.name}: path contains a NUL byte: {show(value)}")
     return Path(value).expanduser()
+
+
+def _urls(var: Variable) -> tuple[str, ...]:
+    value = _raw(var)
+    if not value:
+        return ()
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def _str(var: Variable) -> str | None:
+    return _raw(var) or var.default  # type: ignore[return-value]
+
+
+_READERS = {"path": _path, "URLs": _urls, "bool": _bool, "seconds": _seconds, "int": _count, "str": _str}
 
 
 def user_cache_dir() -> Path:
@@ -164,75 +198,72 @@ def user_cache_dir() -> Path:
 
 def home() -> Path:
     """Root of the local store: ``CUBINSTORE_HOME``, else ``<user cache dir>/cubinstore``."""
-    return _path("CUBINSTORE_HOME") or user_cache_dir() / "cubinstore"
+    return _path(HOME) or user_cache_dir() / "cubinstore"
 
 
 def remotes() -> tuple[str, ...]:
     """``CUBINSTORE_REMOTE`` split on commas; empty items are dropped. URLs are validated by the HTTP store."""
-    value = _raw("CUBINSTORE_REMOTE")
-    if not value:
-        return ()
-    return tuple(item.strip() for item in value.split(",") if item.strip())
+    return _urls(REMOTE)
 
 
 def disk_cache() -> Path | None:
     """``CUBINSTORE_DISK_CACHE``: a Bazel ``--disk_cache`` directory, or None."""
-    return _path("CUBINSTORE_DISK_CACHE")
+    return _path(DISK_CACHE)
 
 
 def offline() -> bool:
     """``CUBINSTORE_OFFLINE``: when true no remote store is ever contacted."""
-    return _bool("CUBINSTORE_OFFLINE", False)
+    return _bool(OFFLINE)
 
 
 def http_timeout() -> float:
     """``CUBINSTORE_HTTP_TIMEOUT``: read timeout in seconds."""
-    return _seconds("CUBINSTORE_HTTP_TIMEOUT", 30.0)
+    return _seconds(HTTP_TIMEOUT)
 
 
 def http_connect_timeout() -> float:
     """``CUBINSTORE_HTTP_CONNECT_TIMEOUT``: connect timeout in seconds."""
-    return _seconds("CUBINSTORE_HTTP_CONNECT_TIMEOUT", 5.0)
+    return _seconds(HTTP_CONNECT_TIMEOUT)
 
 
 def http_retries() -> int:
     """``CUBINSTORE_HTTP_RETRIES``: retries after the first attempt."""
-    return _count("CUBINSTORE_HTTP_RETRIES", 3)
+    return _count(HTTP_RETRIES)
 
 
 def http_deadline() -> float:
     """``CUBINSTORE_HTTP_DEADLINE``: total seconds for one blob, retries included."""
-    return _seconds("CUBINSTORE_HTTP_DEADLINE", 120.0)
+    return _seconds(HTTP_DEADLINE)
 
 
 def lock_timeout() -> float:
     """``CUBINSTORE_LOCK_TIMEOUT``: seconds to wait for another process holding a digest's lock."""
-    return _seconds("CUBINSTORE_LOCK_TIMEOUT", 600.0)
+    return _seconds(LOCK_TIMEOUT)
 
 
 def memory_bytes() -> int:
     """``CUBINSTORE_MEMORY_BYTES``: capacity of the in-process cache."""
-    return _count("CUBINSTORE_MEMORY_BYTES", 256 * 1024 * 1024)
+    return _count(MEMORY_BYTES)
 
 
 def fetch_jobs() -> int:
     """``CUBINSTORE_FETCH_JOBS``: parallel downloads of ``prefetch``, uploads of ``publish`` (sized for a CDN; 1 is sequential)."""
-    return max(1, _count("CUBINSTORE_FETCH_JOBS", 16))
+    return max(1, _count(FETCH_JOBS))
 
 
 def manifest() -> str | None:
     """``CUBINSTORE_MANIFEST``: the manifest ``cubinstore.ops`` opens when none was set."""
-    return _raw("CUBINSTORE_MANIFEST") or None
+    return _str(MANIFEST)
 
 
 def allow_shared_store() -> bool:
     """``CUBINSTORE_ALLOW_SHARED_STORE``: write even where other users can write the store's directories."""
-    return _bool("CUBINSTORE_ALLOW_SHARED_STORE", False)
+    return _bool(ALLOW_SHARED_STORE)
 
 
 def trust_policy() -> Path | None:
     """``CUBINSTORE_TRUST_POLICY``: the trust policy file that ``channel:NAME`` is verified against."""
-    return _path("CUBINSTORE_TRUST_POLICY")
+    return _path(TRUST_POLICY)
 
 
 # -- the JIT (cubinstore.jit) ---------------------------------------------------------------------
@@ -241,27 +272,27 @@ def trust_policy() -> Path | None:
 
 def jit() -> bool:
     """``CUBINSTORE_JIT``: whether a miss may run nvcc at run time (off: index hits only)."""
-    return _bool("CUBINSTORE_JIT", True)
+    return _bool(JIT)
 
 
 def jit_timeout() -> float:
     """``CUBINSTORE_JIT_TIMEOUT``: seconds one JIT compile may run before it is killed."""
-    return _seconds("CUBINSTORE_JIT_TIMEOUT", 600.0)
+    return _seconds(JIT_TIMEOUT)
 
 
 def host_cc() -> str:
     """``CUBINSTORE_HOST_CC``: the host compiler's command name on /usr/bin:/bin (default gcc)."""
-    return _raw("CUBINSTORE_HOST_CC") or "gcc"
+    return _str(HOST_CC)
 
 
 def cuda_path() -> Path | None:
     """``CUDA_PATH``: the first place the toolkit is looked for."""
-    return _path("CUDA_PATH")
+    return _path(CUDA_PATH)
 
 
 def cuda_home() -> Path | None:
     """``CUDA_HOME``: the second place the toolkit is looked for."""
-    return _path("CUDA_HOME")
+    return _path(CUDA_HOME)
 
 
 def which(command: str) -> str | None:
@@ -273,4 +304,4 @@ def which(command: str) -> str | None:
 
 def cutlass_include() -> Path | None:
     """``CUBINSTORE_CUTLASS_INCLUDE``: the CUTLASS/CuTe include root (Bazel's repository rule and the JIT)."""
-    return _path("CUBINSTORE_CUTLASS_INCLUDE")
+    return _path(CUTLASS_INCLUDE)

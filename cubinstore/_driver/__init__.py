@@ -1,1 +1,1 @@
-"""The CUDA driver, loaded lazily."""
+"""The CUDA driver, loaded lazily (`cuda`), and the one cache of device facts (`device`)."""

@@ -1,8 +1,9 @@
 """Lazy CUDA driver access: initialise once under a lock, wrap every call's result.
 
-Nothing here runs at import: `cuda.bindings` is imported on the first call, so `import cubinstore` works on a machine without a GPU or
-driver. Every driver failure becomes a `CudaError` naming the call and what it
-was for.
+Nothing here runs at import: `cuda.bindings` is imported on the first call, so `import
+cubinstore` works on a machine without a GPU or driver. Every driver failure becomes a
+`CudaError` naming the call and what it was for. Device facts that cannot change are cached
+once, in `cubinstore._driver.device`; the queries here ask the driver each time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ _lock = threading.Lock()
 _driver: ModuleType | None = None
 _init_error: str | None = None
 _primary: dict[int, int] = {}  # device ordinal -> retained primary context handle
-
 
 
 def driver() -> ModuleType:
@@ -113,16 +113,10 @@ def device_attribute(ordinal: int, name: str) -> int:
     return int(check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name}) on device {ordinal}"))
 
 
-_sm_counts: dict[int, int] = {}
-
-
 def sm_count(ordinal: int) -> int:
-    """The device's multiprocessor count, queried once per device."""
-    count = _sm_counts.get(ordinal)
-    if count is None:
-        count = device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
-        _sm_counts[ordinal] = count
-    return count
+    """The device's multiprocessor count, asked of the driver each time: ``device.sm_count`` is the
+    cached one (kept until launch.py asks that module)."""
+    return device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
 def compute_capability(ordinal: int) -> tuple[int, int]:

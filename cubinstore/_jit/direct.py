@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING, Any, Final
 import xxhash
 
 from cubinstore._core.abi import Arch, dumps_canonical
+from cubinstore._jit import key as _jitkey
 from cubinstore._jit.key import (
-    _RACY_NS,
     Flags,
     HostCompiler,
+    StatCache,
     ToolkitCore,
-    _StatCache,
     hash_file,
     host_command,
     host_compiler,
@@ -449,15 +449,15 @@ def _save(dreq: DirectRequest, key: str, seen: _Observed) -> None:
     now = time.time_ns()
     # Modified too recently to trust a stat (git's racy entries), or gone: the next process
     # checks content again.
-    if any(st is None or now - max(st[3], st[4]) < _RACY_NS for st in seen.stats):
+    if any(st is None or now - max(st[3], st[4]) < _jitkey.RACY_NS for st in seen.stats):
         return
-    _StatCache(dreq.local).put(dreq._stat_name, {
+    StatCache(dreq.local).put(dreq._stat_name, {
         "fingerprint": _stats_fingerprint(seen.stats), "key": key,
         "files": [list(r) for r in seen.files], "probes": [list(r) for r in seen.probes], "ids": list(seen.ids)})
 
 
 def _fast(dreq: DirectRequest) -> str | None:
-    doc = _StatCache(dreq.local).read(dreq._stat_name)
+    doc = StatCache(dreq.local).read(dreq._stat_name)
     if doc is None:
         return None
     try:

@@ -1,16 +1,17 @@
 """Missing points of a manifest family, compiled at run time from the release's own sources.
 
 A family that allows it carries a JIT template (``FamilyTemplate``, JSON schema
-``cubinstore/jit-family/v1``): its TU (a template with ``{param}`` placeholders, rendered the
-way ``cubin_tu`` renders it), a source bundle holding the TU and every header of the family
-(one JSON blob in the CAS, fetched and verified by its sha256), the defines and copts with
-placeholders, the external include roots it needs (``cutlass``), the entries and the archs.
-``compile_family_point`` renders one point, compiles it through ``cubinstore.jit`` (same
-content key, index, single flight and warm set) and returns the ``KernelSpec`` the manifest
-would have had, so ``Library.kernel`` can load it like any other.
+``cubinstore/jit-family/v1``, defined and validated in ``cubinstore.manifest.family``): its TU
+(a template with ``{param}`` placeholders, rendered the way ``cubin_tu`` renders it), a source
+bundle holding the TU and every header of the family (one JSON blob in the CAS, fetched and
+verified by its sha256), the defines and copts with placeholders, the external include roots it
+needs (``cutlass``), the entries and the archs. This module is the compile side:
+``compile_family_point`` renders one point, compiles it through ``cubinstore._jit.compiler``
+(same content key, index, single flight and warm set) and returns the ``KernelSpec`` the
+manifest would have had, so ``Library.kernel`` can load it like any other.
 
 A template and its bundle are data from a release: ``FamilyTemplate.from_json`` (at manifest
-open) admits only the copts and defines of ``cubinstore._jit.flags``'s allow-list, real archs
+open) admits only the copts and defines of ``cubinstore.manifest.flags``'s allow-list, real archs
 and parameter types; the filled flags are checked again before each compile; the compile is
 sealed (a file read outside the bundle, the include roots, the toolkit and the host compiler's
 system headers fails it); and the materialised sources are compared with the verified bundle
@@ -20,159 +21,40 @@ before use, so an edited or added file under ``v1/jit/sources/`` is never compil
 from __future__ import annotations
 
 import os
-import re
 import stat
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.abi import Arch, dumps_canonical, kernel_id, loads_strict, param_type, render_param, type_grammar
+from cubinstore._core.abi import Arch, dumps_canonical, kernel_id, loads_strict, render_param
 from cubinstore._core.digest import Digest, show
-from cubinstore._jit.flags import copt_problem, define_problem
 from cubinstore._core.log import get_logger
-from cubinstore.store.local.root import TEMP_PREFIX
+from cubinstore._jit.explain import nearest_points
 from cubinstore.errors import BadArgumentError, CubinstoreError, KernelNotFoundError, ManifestError, StoreError
+from cubinstore.manifest import KernelSpec
+from cubinstore.manifest.family import EXTERNAL_ROOTS, RELATIVE_PATH_RE, TEMPLATE_SCHEMA, WORD_RE, FamilyTemplate
+from cubinstore.manifest.flags import copt_problem, define_problem
 
 if TYPE_CHECKING:
-    from cubinstore.manifest import KernelSpec
     from cubinstore.store import Store
 
-__all__ = ["FamilyTemplate", "SOURCES_SCHEMA", "TEMPLATE_SCHEMA", "compile_family_point", "make_bundle", "resolve_miss"]
+# FamilyTemplate, TEMPLATE_SCHEMA and EXTERNAL_ROOTS are re-exported: their home is cubinstore.manifest.family.
+__all__ = ["EXTERNAL_ROOTS", "SOURCES_SCHEMA", "TEMPLATE_SCHEMA", "FamilyTemplate", "compile_family_point",
+           "cutlass_include", "make_bundle", "resolve_miss", "template_for_sources"]
 
 _log = get_logger(__name__)
 
-TEMPLATE_SCHEMA: Final = "cubinstore/jit-family/v1"
 SOURCES_SCHEMA: Final = "cubinstore/jit-sources/v1"
-_REL_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*", re.ASCII)
-_IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
-_WORD_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
-_MAX_BUNDLE: Final = 64 * 1024 * 1024
-EXTERNAL_ROOTS: Final = ("cutlass",)
 _MAX_DEPTH: Final = 32
-
-
-@dataclass(frozen=True)
-class FamilyTemplate:
-    """How to compile any point of one family (what a manifest's ``families.<name>.jit`` holds)."""
-
-    family: str
-    grid_keys: tuple[str, ...]  # parameter names in id order
-    source: str  # the TU (template) inside the bundle, e.g. "kernels/gemm/sm90_bf16_gemm.cu"
-    bundle: Digest  # the sources blob (SOURCES_SCHEMA)
-    bundle_size: int
-    defines: tuple[str, ...] = ()  # without -D; placeholders filled per point
-    copts: tuple[str, ...] = ()
-    includes: tuple[str, ...] = ()  # external include roots, from EXTERNAL_ROOTS
-    entries: Mapping[str, tuple[str, ...]] = None  # type: ignore[assignment]  # symbol -> types, placeholders filled
-    archs: tuple[str, ...] = ()
-    package: str = ""  # Bazel package of the family, for the spec's target label
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": TEMPLATE_SCHEMA, "family": self.family, "grid_keys": list(self.grid_keys),
-            "source": self.source, "bundle": {"digest": str(self.bundle), "size": self.bundle_size},
-            "defines": list(self.defines), "copts": list(self.copts), "includes": list(self.includes),
-            "entries": {k: list(v) for k, v in (self.entries or {}).items()}, "archs": list(self.archs),
-            "package": self.package,
-        }
-
-    @classmethod
-    def from_json(cls, doc: object, where: str = "jit template") -> FamilyTemplate:
-        """Validate an untrusted template; ``ManifestError`` names the field."""
-        def fail(field: str, why: str) -> ManifestError:
-            return ManifestError(f"{where}: {field}: {why}")
-
-        if not isinstance(doc, Mapping) or doc.get("schema") != TEMPLATE_SCHEMA:
-            raise fail("schema", f"expected {TEMPLATE_SCHEMA!r}, got {show(doc.get('schema') if isinstance(doc, Mapping) else doc)}")
-        family = doc.get("family")
-        if not isinstance(family, str) or not _WORD_RE.fullmatch(family):
-            raise fail("family", f"expected a name like 'gemm', got {show(family)}")
-        keys = doc.get("grid_keys")
-        if not isinstance(keys, list) or not all(isinstance(k, str) and _IDENT_RE.fullmatch(k) for k in keys):
-            raise fail("grid_keys", f"expected a list of identifiers, got {show(keys)}")
-        if len(set(keys)) != len(keys):
-            raise fail("grid_keys", f"expected distinct names, got {show(keys)}")
-        source = doc.get("source")
-        if not isinstance(source, str) or not _REL_RE.fullmatch(source):
-            raise fail("source", f"expected a relative path inside the bundle, got {show(source)}")
-        bundle = doc.get("bundle")
-        if not isinstance(bundle, Mapping):
-            raise fail("bundle", f"expected {{digest, size}}, got {show(bundle)}")
-        try:
-            digest = Digest.parse(bundle.get("digest"))
-        except BadArgumentError as exc:
-            raise fail("bundle.digest", str(exc)) from None
-        size = bundle.get("size")
-        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= _MAX_BUNDLE:
-            raise fail("bundle.size", f"expected 1..{_MAX_BUNDLE} bytes, got {show(size)}")
-        lists = {}
-        for name in ("defines", "copts", "includes", "archs"):
-            value = doc.get(name, [])
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise fail(name, f"expected a list of strings, got {show(value)}")
-            lists[name] = tuple(value)
-        for root in lists["includes"]:
-            if root not in EXTERNAL_ROOTS:
-                raise fail("includes", f"unknown include root {root!r}; known: {', '.join(EXTERNAL_ROOTS)}")
-        # A template is data: what reaches nvcc is checked against the allow-list here, at open.
-        for i, copt in enumerate(lists["copts"]):
-            why = copt_problem(copt, keys)
-            if why is not None:
-                raise fail(f"copts[{i}]", why)
-        for i, define in enumerate(lists["defines"]):
-            why = define_problem(define, keys)
-            if why is not None:
-                raise fail(f"defines[{i}]", why)
-        for i, arch in enumerate(lists["archs"]):
-            try:
-                Arch.parse(arch)
-            except BadArgumentError as exc:
-                raise fail(f"archs[{i}]", str(exc)) from None
-        entries = doc.get("entries")
-        if not isinstance(entries, Mapping) or not entries or not all(
-                isinstance(k, str) and isinstance(v, list) and all(isinstance(t, str) for t in v) for k, v in entries.items()):
-            raise fail("entries", f"expected a non-empty object of symbol -> parameter types, got {show(entries)}")
-        for name, types in entries.items():
-            why = _entry_problem(name, types, keys)
-            if why is not None:
-                raise fail(f"entries[{name!r}]{why[0]}", why[1])
-        package = doc.get("package", "")
-        if not isinstance(package, str) or (package and not _REL_RE.fullmatch(package)):
-            raise fail("package", f"expected a Bazel package like 'kernels/gemm', got {show(package)}")
-        return cls(family, tuple(keys), source, digest, size, lists["defines"], lists["copts"], lists["includes"],
-                   {k: tuple(v) for k, v in entries.items()}, lists["archs"], package)
-
-
-def _entry_problem(name: str, types: Sequence[str], keys: Sequence[str]) -> tuple[str, str] | None:
-    """(where, why) when an entry is not a symbol with parameter types; None when it is.
-
-    A type is a parameter type (``_abi.param_type``) or one whole placeholder (``{dtype}``),
-    filled with the point's value and checked again at compile time."""
-    standin = name
-    for k in keys:
-        standin = standin.replace("{" + k + "}", "x")
-    if not _IDENT_RE.fullmatch(standin):
-        return "", f"expected a symbol (a C identifier, placeholders allowed), got {show(name)}"
-    placeholders = {"{" + k + "}" for k in keys}
-    for i, t in enumerate(types):
-        if t in placeholders:
-            continue
-        try:
-            param_type(t)
-        except BadArgumentError:
-            spelled = f" or a placeholder ({', '.join(sorted(placeholders))})" if placeholders else ""
-            return f"[{i}]", f"expected one of {type_grammar()}{spelled}, got {show(t)}"
-    return None
 
 
 def make_bundle(files: Mapping[str, bytes | str]) -> bytes:
     """The sources blob of a family: canonical JSON of relative path -> UTF-8 text."""
     out: dict[str, str] = {}
     for rel, data in files.items():
-        if not _REL_RE.fullmatch(rel):
+        if not RELATIVE_PATH_RE.fullmatch(rel):
             raise BadArgumentError(f"source bundle: {show(rel)} is not a plain relative path")
         out[rel] = data.decode("utf-8") if isinstance(data, bytes) else data
     return dumps_canonical({"schema": SOURCES_SCHEMA, "files": out})
@@ -186,7 +68,7 @@ def _bundle_files(raw: bytes, where: str) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     for rel, text in doc["files"].items():
         # Paths become files under the store: no absolute path, no '..', nothing but plain names.
-        if not isinstance(rel, str) or not _REL_RE.fullmatch(rel) or ".." in rel.split("/") or not isinstance(text, str):
+        if not isinstance(rel, str) or not RELATIVE_PATH_RE.fullmatch(rel) or ".." in rel.split("/") or not isinstance(text, str):
             raise ManifestError(f"{where}: file {show(rel)}: expected a plain relative path and text")
         try:
             files[rel] = text.encode("utf-8")
@@ -263,6 +145,8 @@ def _sync(local: Any, base: tuple[str, ...], files: Mapping[str, bytes], final: 
     """Make ``v1/<base>`` hold exactly ``files``: rewrite what differs, remove what the bundle lacks.
 
     Returns whether a tree that was complete had to change (edited, or a file added)."""
+    from cubinstore.store.local.root import TEMP_PREFIX  # the store package: only once a bundle is written
+
     expected = {**files, _COMPLETE: b""}
     dirs = _dirs_of(files)
     good: set[str] = set()
@@ -382,10 +266,10 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
     ``include_roots`` overrides where external roots are (default: ``cutlass_include()``).
     Raises ``KernelNotFoundError`` when JIT is off and the point is not compiled yet.
     """
-    from cubinstore.manifest import KernelSpec
-
     try:
-        from cubinstore import jit as _jit
+        # Imported here, not above: the compiler needs xxhash (the `jit` extra), and a host
+        # without it still records a miss and names the nearest points (``resolve_miss``).
+        from cubinstore._jit import compiler as _compiler
     except ImportError as exc:  # xxhash: the `jit` extra
         raise KernelNotFoundError(
             f"{template.family} {dict(params)} {arch}: compiling it at run time needs the jit extra "
@@ -397,7 +281,7 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
         )
     ordered = {k: params[k] for k in template.grid_keys}
     for k, v in ordered.items():
-        if isinstance(v, bool) or not isinstance(v, (str, int)) or (isinstance(v, str) and not _WORD_RE.fullmatch(v)):
+        if isinstance(v, bool) or not isinstance(v, (str, int)) or (isinstance(v, str) and not WORD_RE.fullmatch(v)):
             raise BadArgumentError(f"{template.family}: parameter {k} must be an int or a word like 'f32', got {show(v)}")
     parsed = Arch.parse(arch)
     if template.archs and str(parsed) not in template.archs:
@@ -405,11 +289,11 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
             f"{template.family}: its JIT template compiles for {', '.join(template.archs)}, not {parsed}"
         )
     if store is None:
-        store = _jit._default_store()
+        store = _compiler.default_store()
     flags = _filled_flags(template, ordered)
     sources, files, repaired = _materialize(store, template)
     if repaired:  # its files changed under this process: what the JIT hashed of them here is stale
-        _jit.clear_caches()
+        _compiler.clear_caches()
     text = _fill(files[template.source].decode("utf-8"), ordered)
     roots = dict(include_roots or {})
     include_dirs: list[str | os.PathLike[str]] = [sources]
@@ -418,8 +302,8 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
     entries = {_fill(e, ordered): tuple(_fill(t, ordered) for t in types) for e, types in (template.entries or {}).items()}
     # Sealed: a file read from outside the bundle, the include roots, the toolkit and the host
     # compiler's system headers fails the compile (an absolute #include, a define naming a host file).
-    k = _jit.compile(text, include_dirs=include_dirs, flags=flags, arch=parsed, entries=entries,
-                     family=template.family, params=ordered, store=store, jit=jit, sealed=True)
+    k = _compiler.compile(text, include_dirs=include_dirs, flags=flags, arch=parsed, entries=entries,
+                          family=template.family, params=ordered, store=store, jit=jit, sealed=True)
     rendered = [render_param(key, v) for key, v in ordered.items()]
     target = f"//{template.package}:{'_'.join([template.family, *rendered, str(parsed)])}" if template.package else \
         f"//jit:k{k.key.hex}"
@@ -436,10 +320,9 @@ def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], ar
     Otherwise raises ``KernelNotFoundError`` naming the nearest points and why it did not compile.
     """
     # Standard library only up to the compile: a host without the jit extra still records the
-    # miss and gets the nearest points.
+    # miss and gets the nearest points. The store package comes in with the first miss, not
+    # with ``import cubinstore.launch``.
     from cubinstore._release import warmset as _warmset
-    from cubinstore._jit.explain import nearest_points
-    from cubinstore.errors import CubinstoreError
 
     if store is None:
         from cubinstore.store import default_store

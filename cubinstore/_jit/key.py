@@ -55,8 +55,10 @@ __all__ = [
     "HostCompiler",
     "JitKey",
     "KeyParts",
+    "RACY_NS",
     "SCHEME",
     "Shape",
+    "StatCache",
     "Toolkit",
     "ToolkitCore",
     "Tree",
@@ -83,9 +85,11 @@ ACTION_ENV: Final[Mapping[str, str]] = {"PATH": ACTION_PATH, "LC_ALL": "C"}
 # What third_party/cuda/cuda_toolkit.bzl makes the compile actions' inputs.
 TOOL_FILES: Final = ("bin/nvcc", "bin/nvcc.profile", "bin/cudafe++", "bin/ptxas", "bin/fatbinary", "nvvm/bin/cicc")
 TOOL_TREES: Final = ("nvvm/libdevice", "include")
-# A file modified this close to the fingerprint could change again within the clock's
-# granularity without changing its mtime (git's "racy" entries): never cache those.
-_RACY_NS: Final = 2_000_000_000
+#: A file modified this close to the fingerprint could change again within the clock's
+#: granularity without changing its mtime (git's "racy" entries): never cache those. One value
+#: for the key's and the direct key's stat caches (``cubinstore._jit.direct`` reads it here, at
+#: call time, so a test of the caches sets it to 0 in this one place).
+RACY_NS: int = 2_000_000_000
 
 
 def xxh3(data: bytes) -> str:
@@ -186,7 +190,7 @@ def _fingerprint(files: Sequence[tuple[str, str, os.stat_result]]) -> str:
 
 def _is_racy(files: Sequence[tuple[str, str, os.stat_result]]) -> bool:
     now = time.time_ns()
-    return any(now - max(st.st_mtime_ns, st.st_ctime_ns) < _RACY_NS for _, _, st in files)
+    return any(now - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS for _, _, st in files)
 
 
 _CHUNK: Final = 1 << 20  # bytes read at a time: keying memory is independent of file sizes
@@ -245,13 +249,9 @@ _cache_lock = threading.Lock()
 
 
 def clear_caches() -> None:
-    """Forget every tree, toolkit and host identity hashed in this process (files changed under it),
-    and every direct check that passed."""
-    import sys
-
-    direct = sys.modules.get("cubinstore._jit.direct")
-    if direct is not None:
-        direct.clear()
+    """Forget every tree, toolkit and host identity hashed in this process (files changed under it).
+    The direct key's memory of passed checks is ``cubinstore._jit.direct.clear``'s; the compiler's
+    ``clear_caches`` clears both."""
     with _cache_lock:
         _tree_cache.clear()
         _toolkit_cache.clear()
@@ -259,7 +259,7 @@ def clear_caches() -> None:
         _host_cache.clear()
 
 
-class _StatCache:
+class StatCache:
     """``<store>/v1/jit/stat/<xxh3 of what>.json``: the last fingerprint of a tree and its listing's key.
 
     Best effort: an unreadable or stale entry only means the files are hashed again.
@@ -372,7 +372,7 @@ def tree(root: str | os.PathLike[str], *, local: LocalStore | None = None, algo:
             return hit
     files = _walk(Path(real), what)
     result: Tree | None = None
-    stat_cache = _StatCache(local if cached and algo == "xxh3" else None)
+    stat_cache = StatCache(local if cached and algo == "xxh3" else None)
     fingerprint = _fingerprint(files)
     doc = stat_cache.get(f"tree\0{real}", fingerprint) if stat_cache.local is not None else None
     if doc is not None and local is not None:
@@ -496,7 +496,7 @@ def shape_key(files: Iterable[str]) -> str:
 def shape(root: str, *, local: LocalStore | None = None, what: str = "include root") -> Shape:
     """The shape of the directory ``root`` (a real path). With ``local``, a fresh process that
     finds every probe's stat unchanged reuses the key without listing a directory."""
-    stat_cache = _StatCache(local)
+    stat_cache = StatCache(local)
     name = f"shape\0{root}"
     doc = stat_cache.read(name)
     if doc is not None:
@@ -515,7 +515,7 @@ def shape(root: str, *, local: LocalStore | None = None, what: str = "include ro
 
 def _probes_racy(probes: Iterable[tuple[str, os.stat_result | None]]) -> bool:
     now = time.time_ns()
-    return any(st is not None and now - max(st.st_mtime_ns, st.st_ctime_ns) < _RACY_NS for _, st in probes)
+    return any(st is not None and now - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS for _, st in probes)
 
 
 # -- the toolkit ----------------------------------------------------------------------------------
@@ -613,7 +613,7 @@ def find_toolkit(*, local: LocalStore | None = None) -> Toolkit:
     if hit is not None:
         return hit
     files = _toolkit_files(root)
-    stat_cache = _StatCache(local)
+    stat_cache = StatCache(local)
     fingerprint = _fingerprint(files)
     doc = stat_cache.get(f"toolkit\0{root}", fingerprint)
     listing = _known_tree(local, doc.get("files")) if doc is not None and local is not None else None
@@ -685,7 +685,7 @@ def toolkit_core(*, local: LocalStore | None = None) -> ToolkitCore:
     absent = [str(root / rel) for rel in TOOL_FILES if not any(f == rel for f, _, _ in files)]
     id_paths = (*(p for _, p, _ in files), *absent, lib)
     id_facts = (*(stat_facts(st) for _, _, st in files), *(None for _ in absent), lib_facts)
-    stat_cache = _StatCache(local)
+    stat_cache = StatCache(local)
     doc = stat_cache.get(f"toolkit-core\0{root}", fingerprint)
     version = doc.get("version") if doc is not None else None
     binaries = doc.get("binaries") if doc is not None else None
@@ -791,7 +791,7 @@ def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
     if hit is not None:
         return hit
     name, binary = host_command()
-    stat_cache = _StatCache(local)
+    stat_cache = StatCache(local)
     cache_name = f"host\0{name}\0{binary}"
     id_paths: tuple[str, ...] = (binary,)
     id_facts: tuple[tuple[int, ...] | None, ...] = (_facts_of(binary),)

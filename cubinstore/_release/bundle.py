@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._core.digest import Digest, show
-from cubinstore.store.local.files import atomic_file, open_regular
+from cubinstore._core.userfile import open_regular
+from cubinstore.store.local.files import atomic_file
 from cubinstore.store.local.cas import LocalStore
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BundleError, ManifestError, StoreError

@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from cubinstore._core.digest import Digest
 from cubinstore.store.local.cas import LocalStore
@@ -22,7 +22,10 @@ from cubinstore.store.memory import MemoryStore
 from cubinstore.errors import CubinstoreError, LockTimeoutError, StoreError, UnsafeStoreError
 from cubinstore.store import Store
 
-__all__ = ["fetch_blobs", "run_each", "store_failure", "without_memory"]
+if TYPE_CHECKING:
+    from cubinstore.manifest import Manifest
+
+__all__ = ["blob_names", "closure", "fetch_blobs", "run_each", "store_failure", "without_memory"]
 
 T = TypeVar("T")
 
@@ -31,6 +34,24 @@ _log = get_logger(__name__)
 # A write that fails with one of these fails for every blob after it: the store's filesystem is
 # full or read-only, not one entry.
 _STORE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def closure(manifest: Manifest, archs: set[str] | None) -> list[tuple[Digest, int]]:
+    """The blobs of ``manifest`` a host of ``archs`` (None: every arch) needs, sorted by digest: the
+    kernels' CUBINs, and the source bundle of each family JIT template that compiles for one of them."""
+    blobs = {(k.digest, k.size) for k in manifest.kernels if archs is None or k.arch in archs}
+    blobs.update((t.bundle, t.bundle_size) for t in manifest.jit_templates.values()
+                 if archs is None or not t.archs or archs.intersection(t.archs))
+    return sorted(blobs, key=lambda b: b[0].hex)
+
+
+def blob_names(manifest: Manifest, digest: Digest) -> str:
+    """What blob ``digest`` of ``manifest`` is, for a message: the kernel ids it serves."""
+    ids = manifest.ids_of(digest)  # one index per manifest: linear over the closure
+    if ids:
+        return ", ".join(ids)
+    # Not a CUBIN: the source bundle of a family's JIT template (a manifest has a few).
+    return ", ".join(f"{family} JIT sources" for family, t in manifest.jit_templates.items() if t.bundle == digest)
 
 
 def without_memory(store: Store) -> Store:

@@ -1,6 +1,6 @@
-"""The ``warmset`` and ``explain`` commands (``cubinstore.cli`` adds them; the logic is in
-``_warmset`` and ``_explain``). Modules that need ``xxhash`` are imported when a command runs,
-so ``cubinstore --help`` and the other commands never import it."""
+"""The JIT's commands: ``warmset export|prefetch|list`` and ``explain`` (the logic is in
+``_release.warmset`` and ``_jit.explain``). Modules that need ``xxhash`` are imported when a
+command runs, so ``cubinstore --help`` and the other commands never import it."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from cubinstore._core import knobs as _env
+from cubinstore._core import knobs
+from cubinstore.cli import M_HELP
+from cubinstore.cli._common import local_store
 from cubinstore.errors import BadArgumentError
 
-__all__ = ["add_parsers"]
+__all__ = ["add_arguments"]
 
 _KEY_RE = re.compile(r"(xxh3:)?[0-9a-f]{32}", re.ASCII)
 # A family point as the manifest spells one: identifier names, values ints of at most 64 bits or words.
@@ -37,43 +38,38 @@ def _since_days(text: str) -> float:
     return days
 
 
-def add_parsers(sub: Any, m_help: str) -> None:
-    """Add ``warmset export|prefetch|list`` and ``explain`` to the CLI's subparsers."""
-    p = sub.add_parser("warmset", help="points met at run time that no release had: list, export for Bazel, prefetch")
-    ws = p.add_subparsers(dest="warmset_command", metavar="ACTION", parser_class=type(p))
-    ws.required = True
-    e = ws.add_parser("export", help="write (or extend) a .bzl the family's BUILD.bazel loads to build the warm points")
-    e.add_argument("--family", required=True, help="the family, e.g. axpy")
-    e.add_argument("--out", metavar="PATH", help="default kernels/<family>/warmset.bzl (run from the workspace root)")
-    e.add_argument("--since-days", type=_since_days, metavar="N", help="only points seen in the last N days")
-    e.set_defaults(func=_cmd_export)
-    f = ws.add_parser("prefetch", help="fetch only the kernels of MANIFEST the warm set names")
-    f.add_argument("manifest", help=m_help)
-    f.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
-    f.set_defaults(func=_cmd_prefetch)
-    ls = ws.add_parser("list", help="every warm-set record")
-    ls.set_defaults(func=_cmd_list)
-
-    p = sub.add_parser("explain", help="why a JIT key or a family point missed: its parts and what differs from the nearest entry")
+def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
+    """Give ``p`` the arguments of ``command`` (``warmset`` or ``explain``) and the function that runs it."""
+    if command == "warmset":
+        ws = p.add_subparsers(dest="warmset_command", metavar="ACTION", parser_class=type(p))
+        ws.required = True
+        e = ws.add_parser("export", help="write (or extend) a .bzl the family's BUILD.bazel loads to build the warm points")
+        e.add_argument("--family", required=True, help="the family, e.g. axpy")
+        e.add_argument("--out", metavar="PATH", help="default kernels/<family>/warmset.bzl (run from the workspace root)")
+        e.add_argument("--since-days", type=_since_days, metavar="N", help="only points seen in the last N days")
+        e.set_defaults(func=_cmd_export)
+        f = ws.add_parser("prefetch", help="fetch only the kernels of MANIFEST the warm set names")
+        f.add_argument("manifest", help=M_HELP)
+        f.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
+        f.set_defaults(func=_cmd_prefetch)
+        ls = ws.add_parser("list", help="every warm-set record")
+        ls.set_defaults(func=_cmd_list)
+        return
+    if command != "explain":
+        raise KeyError(command)
     p.add_argument("what", help="a JIT key (xxh3:<hex>) or a family name")
     p.add_argument("params", nargs="*", metavar="NAME=VALUE", help="the family point's parameters")
-    p.add_argument("--manifest", help=f"for a family point: {m_help} (default CUBINSTORE_MANIFEST)")
+    p.add_argument("--manifest", help=f"for a family point: {M_HELP} (default CUBINSTORE_MANIFEST)")
     p.add_argument("--arch", help="for a family point: the arch asked for, e.g. sm_90a")
     p.set_defaults(func=_cmd_explain)
 
 
-def _local() -> Any:
-    from cubinstore.store import LocalStore
-
-    return LocalStore(_env.home())
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
-    from cubinstore._release import warmset as _warmset
+    from cubinstore._release import warmset
 
     out = Path(args.out) if args.out else Path("kernels") / args.family / "warmset.bzl"
     since = int(time.time() - args.since_days * 86400) if args.since_days is not None else 0
-    result = _warmset.export(_local(), args.family, out, since=since)
+    result = warmset.export(local_store(), args.family, out, since=since)
     print(f"exported {len(result.points)} warm points of {args.family} ({result.added} new) to {out}")
     if result.skipped_without_family:
         print(f"note: {result.skipped_without_family} JIT records name no family and cannot become Bazel targets", file=sys.stderr)
@@ -81,13 +77,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
-    from cubinstore._release import warmset as _warmset
-    from cubinstore.manifest import Manifest
+    from cubinstore._release import warmset
+    from cubinstore._release.refs import load_manifest
     from cubinstore.store import Store
 
     store = Store.from_env(extra_remotes=args.remote or (), strict=True)
-    manifest = Manifest.load(args.manifest, store)
-    count, failures = _warmset.prefetch(manifest, store, store.local)
+    manifest = load_manifest(args.manifest, store)
+    count, failures = warmset.prefetch(manifest, store, store.local)
     for failure in failures:
         print(f"cubinstore: error: {failure}", file=sys.stderr)
     if failures:
@@ -98,9 +94,9 @@ def _cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from cubinstore._release import warmset as _warmset
+    from cubinstore._release import warmset
 
-    for r in _warmset.records(_local()):
+    for r in warmset.records(local_store()):
         name = (r.family or "jit") + "".join(f" {k}={v}" for k, v in sorted(r.params.items()))
         print(f"{r.kind:4}  {name}  {r.arch}  count {r.count}  key {('xxh3:' + r.key) if r.key else '-'}  "
               f"{r.digest or '-'}")
@@ -130,10 +126,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
         if args.params or args.manifest or args.arch:
             raise BadArgumentError("explain KEY takes no NAME=VALUE, --manifest or --arch")
-        sys.stdout.write(explain_key(JitIndex(_local(), _env.lock_timeout()), args.what))
+        sys.stdout.write(explain_key(JitIndex(local_store(), knobs.lock_timeout()), args.what))
         return 0
     from cubinstore._jit.explain import explain_point
-    from cubinstore.manifest import Manifest
+    from cubinstore._release.refs import load_manifest
 
     if not _WORD_RE.fullmatch(args.what) or len(args.what) > 256:
         raise BadArgumentError(f"explain: expected a JIT key (xxh3:<32 hex>) or a family name like 'axpy', "
@@ -150,8 +146,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         if name in params:
             raise BadArgumentError(f"explain: parameter {name} is given twice")
         params[name] = _value(name, value)
-    ref = args.manifest or _env.manifest()
+    ref = args.manifest or knobs.manifest()
     if not ref:
         raise BadArgumentError("explain FAMILY: pass --manifest (or set CUBINSTORE_MANIFEST)")
-    sys.stdout.write(explain_point(Manifest.load(ref), args.what, params, args.arch))
+    sys.stdout.write(explain_point(load_manifest(ref), args.what, params, args.arch))
     return 0

@@ -1,17 +1,21 @@
-"""``cubinstore keygen`` and ``cubinstore sign``: the signer's side of release channels (``_trust``)."""
+"""``cubinstore keygen`` and ``cubinstore sign``: the signer's side of release channels (``trust.sign``)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from cubinstore.trust.channel import channel_name, format_time, generate_key, public_line, sign_release
+from cubinstore._release.refs import load_manifest
+from cubinstore.cli import M_HELP
+from cubinstore.cli._common import local_store
 from cubinstore.errors import BadArgumentError, StoreError
+from cubinstore.trust.records import channel_name, format_time
+from cubinstore.trust.sign import generate_key, public_line, sign_release
 
-__all__ = ["add_parsers", "parse_duration"]
+__all__ = ["add_arguments", "parse_duration"]
 
 _DURATION_RE = re.compile(r"(\d+)([smhd])", re.ASCII)
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -44,11 +48,11 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sign(args: argparse.Namespace, load_manifest: Any, local: Any) -> int:
+def _cmd_sign(args: argparse.Namespace) -> int:
     channel = channel_name(args.channel)
     public_line(Path(args.key))  # the key first (mode 0600, Ed25519): nothing is written for a key refused
     manifest = load_manifest(args.manifest)
-    store = local()
+    store = local_store()
     store.write(manifest.digest, manifest.raw)  # so `publish channel:NAME` finds it by digest
     record, signature = sign_release(store, manifest.digest, Path(args.key), channel, args.version,
                                      parse_duration(args.expires_in))
@@ -57,17 +61,24 @@ def _cmd_sign(args: argparse.Namespace, load_manifest: Any, local: Any) -> int:
     return 0
 
 
-def add_parsers(sub: Any, m_help: str, load_manifest: Any, local: Any) -> None:
-    """Add ``keygen`` and ``sign`` to the CLI's subparsers."""
-    p = sub.add_parser("keygen", help="make an Ed25519 signing key (PEM, mode 0600) and print its public key")
+def _args_keygen(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     p.add_argument("out", metavar="KEY.pem")
-    p.set_defaults(func=_cmd_keygen)
+    return _cmd_keygen
 
-    p = sub.add_parser("sign", help="sign a manifest as a channel's release (record and signature go to the local CAS)")
-    p.add_argument("manifest", help=m_help)
+
+def _args_sign(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    p.add_argument("manifest", help=M_HELP)
     p.add_argument("--key", required=True, metavar="KEY.pem", help="Ed25519 private key (from `cubinstore keygen`)")
     p.add_argument("--channel", required=True, metavar="NAME", help="release channel, e.g. prod")
     p.add_argument("--version", required=True, type=int, metavar="N", help="release version: above every earlier one")
     p.add_argument("--expires-in", default="7d", metavar="DURATION",
                    help="how long the record is valid (default 7d); clients refuse it afterwards")
-    p.set_defaults(func=lambda args: _cmd_sign(args, load_manifest, local))
+    return _cmd_sign
+
+
+_COMMANDS = {"keygen": _args_keygen, "sign": _args_sign}
+
+
+def add_arguments(command: str, parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` the arguments of ``command`` and the function that runs it."""
+    parser.set_defaults(func=_COMMANDS[command](parser))

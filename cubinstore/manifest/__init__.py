@@ -43,7 +43,7 @@ from cubinstore.errors import (
 )
 
 if TYPE_CHECKING:
-    from cubinstore.store import Store
+    from cubinstore.store import Store  # an annotation only: the store is a layer above
 
 __all__ = [
     "MAX_BLOB_SIZE",
@@ -451,12 +451,12 @@ def _upgrade_v1_entries(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _jit_templates(check: _Checker, families: object, kernel_families: set[str]) -> dict[str, Any]:
-    """The ``families`` section: each family's JIT template, validated (``cubinstore._jit.family``)."""
+    """The ``families`` section: each family's JIT template, validated (``cubinstore.manifest.family``)."""
     if not isinstance(families, dict):
         raise check.fail(_FAMILIES_KEY, f"expected an object of family -> {{jit}}, got {show(families)}")
     if not families:
         return {}
-    from cubinstore._jit.family import FamilyTemplate  # standard library only; read only when present
+    from cubinstore.manifest.family import FamilyTemplate  # its allow-list compiles regexes: only when present
 
     out = {}
     for family, section in families.items():
@@ -1049,7 +1049,7 @@ class Manifest:
     source: str
     schema: str = SCHEMA
     _index: _Index = field(default=None, repr=False)  # type: ignore[assignment]
-    #: family -> its JIT template (``cubinstore._jit.family.FamilyTemplate``), for families that allow
+    #: family -> its JIT template (``cubinstore.manifest.family.FamilyTemplate``), for families that allow
     #: compiling points the release lacks
     jit_templates: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
@@ -1137,7 +1137,7 @@ class Manifest:
     @classmethod
     def from_path(cls, path: str | Path) -> Manifest:
         """Read and validate the manifest file at ``path``."""
-        from cubinstore.store.local.files import open_regular  # refuses a FIFO or device without blocking
+        from cubinstore._core.userfile import open_regular  # refuses a FIFO or device without blocking
 
         path = Path(path)
         try:
@@ -1156,12 +1156,17 @@ class Manifest:
 
     @classmethod
     def load(cls, ref: str | Path | Digest, store: Store | None = None) -> Manifest:
-        """A manifest from a path, or from a ``sha256:`` digest through ``store`` (default ``cubinstore.store.default_store()``)."""
+        """A manifest from a path, or from a ``sha256:`` digest through ``store``.
+
+        The manifest sits below the store, so it builds none: a digest needs ``store`` passed.
+        ``cubinstore._release.refs.load_manifest`` is the resolver that also takes ``channel:``
+        and defaults the store (``cubinstore.open`` and the CLI use it)."""
         if isinstance(ref, Digest) or (isinstance(ref, str) and ref.startswith("sha256:")):
             if store is None:
-                from cubinstore.store import default_store
-
-                store = default_store()
+                raise BadArgumentError(
+                    f"Manifest.load({show(str(ref))}): a digest is fetched through a store; pass store=, or call "
+                    "cubinstore._release.refs.load_manifest, which uses cubinstore.store.default_store()"
+                )
             return cls.from_digest(ref, store)
         if not isinstance(ref, (str, Path)):
             raise BadArgumentError(f"manifest reference: expected a path or 'sha256:<hex>', got {show(ref)}")

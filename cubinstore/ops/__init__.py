@@ -10,61 +10,19 @@ opened on first use from `CUBINSTORE_MANIFEST` (a path or `sha256:<hex>`).
 Nothing touches CUDA until an operator runs, and nothing here imports torch: with torch, an
 operator is also a torch custom op (`torch.ops.cubinstore.gemm`, registered on first use;
 see `_gemm_op.py`), which is what `torch.compile` puts in its graphs.
+
+`gemm_with(a, b, out=None, kernel_id=..., splits=...)` forces the instantiation and K-split
+(for the tuning script and tests, which run every instantiation).
+
+Modules, bottom up: `_library` (the library), `_gemm_config` (instantiations, plans, operand
+checks), `_gemm_calibration` and `_gemm_model` (the selection), `_gemm` (the eager launch and
+its caches), `_gemm_op` (`gemm`: the eager call or the torch op), `_gemm_tuning` (the measured
+table, kept for comparison), `_timing`.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-from typing import TYPE_CHECKING
+from cubinstore.ops._gemm_op import gemm, gemm_with
+from cubinstore.ops._library import get_library, set_library
 
-from cubinstore._core import knobs as _env
-from cubinstore.errors import KernelNotFoundError
-from cubinstore.ops.gemm import gemm
-
-if TYPE_CHECKING:
-    from cubinstore.launch import Library
-
-__all__ = ["gemm", "get_library", "set_library"]
-
-_lock = threading.Lock()
-_library: Library | None = None
-
-
-def set_library(library: Library | str | os.PathLike[str] | None) -> None:
-    """Use `library` for every operator: a `Library`, a manifest path, or None to unset."""
-    if library is not None and not hasattr(library, "kernel"):
-        from cubinstore import launch
-
-        library = launch.open(library)
-    with _lock:
-        _set(library)
-
-
-def _set(library: Library | None) -> None:
-    global _library
-    _library = library
-
-
-def get_library() -> Library:
-    """The library set with `set_library`, else the one `CUBINSTORE_MANIFEST` names.
-
-    Raises `KernelNotFoundError` when neither is there.
-    """
-    with _lock:
-        library = _library
-    if library is not None:
-        return library
-    default = _env.manifest()
-    if default is None:
-        raise KernelNotFoundError(
-            "no kernel library for cubinstore.ops: set CUBINSTORE_MANIFEST to a manifest path or "
-            "sha256 digest, or call cubinstore.ops.set_library('<path>/manifest.json') first"
-        )
-    from cubinstore import launch
-
-    opened = launch.open(default)
-    with _lock:
-        if _library is None:
-            _set(opened)
-        return _library  # type: ignore[return-value]
+__all__ = ["gemm", "gemm_with", "get_library", "set_library"]

@@ -59,13 +59,13 @@ the model's.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from types import ModuleType
 from typing import Any, Final
 
 from cubinstore.errors import BadArgumentError
+from cubinstore.ops import _gemm_config as _configs
 from cubinstore.ops import _gemm_calibration as _calibration
 
 __all__ = [
@@ -86,12 +86,10 @@ __all__ = [
     "weighs_stream_k",
 ]
 
-# The module, not the function `cubinstore.ops.gemm` that the package re-exports.
-_gemm = importlib.import_module("cubinstore.ops.gemm")
 
 #: The most K splits the model weighs: the bound plan() clamps to.
-MAX_SPLITS: Final = _gemm._MAX_SPLITS
-_STREAM_K: Final = _gemm.STREAM_K
+MAX_SPLITS: Final = _configs.MAX_SPLITS
+_STREAM_K: Final = _configs.STREAM_K
 # A measured option replaces the model's pick on its shape only when it was this much faster:
 # below it the calibration's medians differ by about their run-to-run noise (1-2% on the H200).
 PICK_MARGIN: Final = 0.03
@@ -163,9 +161,9 @@ class MachineCosts:
 DEFAULT_MACHINE: Final = MachineCosts()
 
 
-def default_tile_costs(config: _gemm.GemmConfig | _gemm.SkinnyConfig) -> TileCosts:
+def default_tile_costs(config: _configs.GemmConfig | _configs.SkinnyConfig) -> TileCosts:
     """Costs of an instantiation from the H200's specifications (no measurement)."""
-    if isinstance(config, _gemm.SkinnyConfig):
+    if isinstance(config, _configs.SkinnyConfig):
         return TileCosts(kblock_us=_SKINNY_BATCH_US, unit_us=_SKINNY_CTA_US)
     flops = 2.0 * config.bm * config.bn * config.bk
     efficiency = _MMA_EFFICIENCY.get(config.bm * config.bn, min(_MMA_EFFICIENCY.values()))
@@ -178,8 +176,8 @@ def default_tile_costs(config: _gemm.GemmConfig | _gemm.SkinnyConfig) -> TileCos
 
 
 @functools.lru_cache(maxsize=256)
-def _config(kernel_id: str) -> _gemm.GemmConfig | _gemm.SkinnyConfig:
-    return _gemm.config_of(kernel_id)
+def _config(kernel_id: str) -> _configs.GemmConfig | _configs.SkinnyConfig:
+    return _configs.config_of(kernel_id)
 
 
 #: Clusters of each size (2, 4) the device holds at once (``Kernel.max_active_clusters``; a
@@ -188,7 +186,7 @@ def _config(kernel_id: str) -> _gemm.GemmConfig | _gemm.SkinnyConfig:
 ClusterSlots = Mapping[int, int] | None
 
 # plan() is pure; the fit (benchmarks/tune_gemm.py) estimates each timing hundreds of times.
-_plan: Final = functools.lru_cache(maxsize=8192)(_gemm.plan)
+_plan: Final = functools.lru_cache(maxsize=8192)(_configs.plan)
 
 
 def _total_us(launch_us: float, busiest_us: float, memory_us: float, overlap_loss: float) -> float:
@@ -247,7 +245,7 @@ def offers_stream_k(m: int, n: int, k: int, sm_count: int, kernel_id: str,
                     cluster_slots: ClusterSlots = None) -> bool:
     """Whether `Model.options` weighs stream-K for `kernel_id` at M x N x K (what the calibration times)."""
     cfg = _config(kernel_id)
-    if isinstance(cfg, _gemm.SkinnyConfig):
+    if isinstance(cfg, _configs.SkinnyConfig):
         return False
     _, cluster_tiles, slots = _layout(cfg, m, n, sm_count, cluster_slots)
     return weighs_stream_k(cluster_tiles, slots, -(-k // cfg.bk))
@@ -273,12 +271,12 @@ def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int
     return whole + touched, whole * kblocks + share, written, read
 
 
-def _max_clusters(config: _gemm.GemmConfig, cluster_slots: ClusterSlots) -> int | None:
+def _max_clusters(config: _configs.GemmConfig, cluster_slots: ClusterSlots) -> int | None:
     """plan()'s max_clusters for `config` on a device holding `cluster_slots` (None: no cap known)."""
     return cluster_slots.get(config.cluster) if cluster_slots and config.cluster > 1 else None
 
 
-def _layout(config: _gemm.GemmConfig, m: int, n: int, sm_count: int,
+def _layout(config: _configs.GemmConfig, m: int, n: int, sm_count: int,
             cluster_slots: ClusterSlots = None) -> tuple[int, int, int]:
     """(tiles, work units per K split, cluster slots) of plan()'s launch contract.
 
@@ -340,7 +338,7 @@ class Model:
         (tests/test_gemm_model.py checks that they agree).
         """
         _check_shape(m, n, k, sm_count)
-        if isinstance(_config(kernel_id), _gemm.SkinnyConfig):
+        if isinstance(_config(kernel_id), _configs.SkinnyConfig):
             return self._skinny_estimate(m, n, k, sm_count, kernel_id, splits)
         cap = _max_clusters(_config(kernel_id), cluster_slots)  # type: ignore[arg-type]
         launch = _plan(m, n, k, sm_count, kernel_id, splits, max_clusters=cap)
@@ -383,7 +381,7 @@ class Model:
         """A skinny point's terms (see the module's docstring); its launch is `gemm.plan`'s (and so its errors)."""
         launch = _plan(m, n, k, sm_count, kernel_id, splits)
         cfg = launch.config
-        assert isinstance(cfg, _gemm.SkinnyConfig)
+        assert isinstance(cfg, _configs.SkinnyConfig)
         mc, costs = self.machine, self.tile_costs(kernel_id)
         blocks_m, ctas = launch.tiles_m, launch.grid
         slots = sm_count * cfg.ctas_per_sm
@@ -469,7 +467,7 @@ class Model:
         out: list[tuple[float, str, int]] = []
         for kernel_id in candidates:
             cfg = _config(kernel_id)
-            if isinstance(cfg, _gemm.SkinnyConfig):
+            if isinstance(cfg, _configs.SkinnyConfig):
                 if m <= cfg.bm and k <= cfg.max_k:  # one block of rows: B is read once
                     out.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
             elif cfg.swap and kernel_id not in self._tiles:

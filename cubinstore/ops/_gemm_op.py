@@ -1,25 +1,70 @@
-"""``cubinstore.ops.gemm`` as torch custom ops, so ``torch.compile`` and CUDA graphs see it.
+"""``cubinstore.ops.gemm``: the eager launch, or the torch custom ops ``torch.compile`` and CUDA graphs see.
 
     torch.ops.cubinstore.gemm(a, b, kernel_id=None, splits=None) -> Tensor     # D = a @ b.T
     torch.ops.cubinstore.gemm_out(a, b, out, kernel_id=None, splits=None)      # writes out
 
-Registered on first need (``register()``, idempotent): importing cubinstore never imports
-torch. The real implementation is ``cubinstore.ops.gemm.run``, the eager path itself; the
-fake implementation checks what a fake tensor has (dtype, shape, strides, device) with the
-same ``check_operands`` and gives D's shape, so bad operands are the same typed
-``BadArgumentError`` under tracing (dynamo wraps it in its own error, naming ours).
+``gemm`` (and ``gemm_with``, which forces the instantiation) calls the eager path,
+``_gemm.run``, on plain tensors; under ``torch.compile`` or on a tensor subclass (fake,
+functional) it calls the op. The ops are registered on first need (``register()``,
+idempotent): importing cubinstore never imports torch. The op's real implementation is
+``_gemm.run`` too; its fake implementation checks what a fake tensor has (dtype, shape,
+strides, device) with the same ``check_operands`` and gives D's shape, so bad operands are
+the same typed ``BadArgumentError`` under tracing (dynamo wraps it in its own error, naming ours).
 """
 
 from __future__ import annotations
 
-import importlib
+import sys
 import threading
 from typing import Any
 
-__all__ = ["call", "register"]
+from cubinstore.ops._gemm import run
+from cubinstore.ops._gemm_config import Operand, check_operands
+
+__all__ = ["call", "gemm", "gemm_with", "register"]
 
 _lock = threading.Lock()
 _registered = False
+_PLAIN: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter, once torch is seen
+
+
+def gemm(a: Any, b: Any, *, out: Any = None) -> Any:
+    """D = a @ b.T: `a` (M x K) and `b` (N x K) bf16 CUDA tensors, K-major; returns D (M x N, bf16).
+
+    `out`, when given, must be a contiguous bf16 M x N tensor on the same device;
+    it is written and returned. Runs on the current torch stream of that device,
+    with the instantiation and K-split chosen for (M, N, K) (once per shape).
+    Raises `BadArgumentError` for bad dtypes, shapes, strides or devices, before
+    any launch. Rows of `a` and `b` that start on 128-byte lines (a row stride that
+    is a multiple of 64 elements, e.g. a weight stored padded: ``torch.empty(n,
+    k_pad)[:, :k]``) load up to 1.5x faster than rows off them (docs/gemm.md).
+    Under `torch.compile` (and on fake or other tensor subclasses) the
+    call is the custom op `torch.ops.cubinstore.gemm` (`gemm_out` with `out`), which
+    dynamo puts in the graph; eager calls on plain tensors skip torch's dispatcher.
+    """
+    return gemm_with(a, b, out=out, kernel_id=None, splits=None)
+
+
+def gemm_with(a: Any, b: Any, *, out: Any = None, kernel_id: str | None, splits: int | None) -> Any:
+    """`gemm` with the instantiation and K-split forced (None: the selection's).
+
+    For the tuning script and tests, which must run every instantiation.
+    """
+    torch = sys.modules.get("torch")  # never imported here: a caller with torch tensors has imported it
+    if torch is not None and _through_op(torch, a, b, out):
+        return call(torch, a, b, out, kernel_id, splits)
+    return run(a, b, out, kernel_id, splits)
+
+
+def _through_op(torch: Any, a: Any, b: Any, out: Any) -> bool:
+    """Whether a call must go through the torch op: under torch.compile, or on a tensor subclass (fake, functional)."""
+    global _PLAIN
+    if torch.compiler.is_compiling():
+        return True
+    if not _PLAIN:
+        _PLAIN = (torch.Tensor, torch.nn.Parameter)
+    plain = _PLAIN
+    return any(type(t) not in plain and isinstance(t, torch.Tensor) for t in (a, b, out))
 
 
 def register() -> bool:
@@ -44,39 +89,37 @@ register._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def _define() -> None:
     import torch
 
-    impl = importlib.import_module("cubinstore.ops.gemm")  # the module: `cubinstore.ops.gemm` is the function
-
     # Schemas spelled out: this module's annotations are strings (no torch at import).
     @torch.library.custom_op("cubinstore::gemm", mutates_args=(),
                              schema="(Tensor a, Tensor b, str? kernel_id=None, int? splits=None) -> Tensor")
     def gemm(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
-        return impl.run(a, b, None, kernel_id, splits)
+        return run(a, b, None, kernel_id, splits)
 
     @gemm.register_fake
     def _(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
-        m, n, _ = _check_fake(impl, a, b, None)
+        m, n, _ = _check_fake(a, b, None)
         return a.new_empty((m, n), dtype=torch.bfloat16)
 
     @torch.library.custom_op(
         "cubinstore::gemm_out", mutates_args=("out",),
         schema="(Tensor a, Tensor b, Tensor(a!) out, str? kernel_id=None, int? splits=None) -> ()")
     def gemm_out(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
-        impl.run(a, b, out, kernel_id, splits)
+        run(a, b, out, kernel_id, splits)
 
     @gemm_out.register_fake
     def _(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
-        _check_fake(impl, a, b, out)
+        _check_fake(a, b, out)
 
 
-def _check_fake(impl: Any, a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
+def _check_fake(a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
     """`check_operands` on what a fake tensor knows; its address is unknown, so alignment waits for the launch."""
 
     def describe(name: str, t: Any) -> Any:
         # Sizes stay as torch gives them (SymInts under dynamic shapes): the checks then guard on them.
-        return impl.Operand(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()),
-                            str(t.device), 0)
+        return Operand(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), tuple(t.stride()),
+                       str(t.device), 0)
 
-    return impl.check_operands(describe("a", a), describe("b", b), None if out is None else describe("out", out))
+    return check_operands(describe("a", a), describe("b", b), None if out is None else describe("out", out))
 
 
 def call(torch: Any, a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> Any:

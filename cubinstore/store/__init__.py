@@ -9,7 +9,6 @@ and re-checks before going further, so N processes needing one blob download it 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -276,8 +275,7 @@ class Store:
                  errors: list[CubinstoreError]) -> CubinstoreError:
         tried = "; ".join(dict.fromkeys(outcomes)) or "no layers configured"  # the re-check under the lock repeats
         hint = ""
-        http = sys.modules.get("cubinstore.store.http")  # not imported: no layer can be an HttpStore
-        if http is None or not any(isinstance(layer, http.HttpStore) for layer in self.layers):
+        if not any(layer.remote for layer in self.layers):
             hint = (
                 " (no remote store: CUBINSTORE_OFFLINE is set)" if _env.offline()
                 else " (no remote store configured: set CUBINSTORE_REMOTE or run `cubinstore prefetch --remote URL`)"

@@ -67,6 +67,8 @@ def redact(url: object) -> str:
 class HttpStore(Layer):
     """A remote CAS at ``url`` (``http://`` or ``https://``; a path prefix is allowed)."""
 
+    remote = True
+
     def __init__(
         self,
         url: str,

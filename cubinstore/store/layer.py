@@ -34,6 +34,8 @@ class Layer:
     writable: bool = False
     #: ``lock`` returns a cross-process lock; the store holds it while filling this layer.
     lockable: bool = False
+    #: Bytes come over the network (a remote cache): a miss with none configured says how to add one.
+    remote: bool = False
 
     @property
     def name(self) -> str:

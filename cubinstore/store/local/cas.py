@@ -7,9 +7,7 @@ Every path below the root is reached through directory descriptors without follo
 
 from __future__ import annotations
 
-import atexit
 import hashlib
-import json
 import os
 import re
 import stat
@@ -17,7 +15,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from cubinstore._core import knobs as _env
 from cubinstore._core.digest import Digest
 from cubinstore._core.digest import verify
 from cubinstore.store.layer import Layer, limit_for
+from cubinstore.store.local.stats import STAT_KEYS, Counters
 from cubinstore.store.local.lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
 from cubinstore._core.log import get_logger
 from cubinstore.store.local.root import (
@@ -55,7 +54,6 @@ _SHARD_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)
 _LOCK_RE = re.compile(r"([0-9a-f]{64})\.lock", re.ASCII)
 _TEMP_PREFIX = TEMP_PREFIX
 MAX_BLOB_SIZE = 1024 * 1024 * 1024  # same bound as the manifest's
-STAT_KEYS = ("hits", "misses", "bytes_fetched", "verification_failures")
 # A grouped batch commits (one sync, then the renames) every GROUP_MAX entries or when its oldest
 # pending entry is GROUP_SECONDS old: each pending entry holds its digest's lock (one descriptor),
 # and another process waiting for one waits for the commit.
@@ -73,7 +71,7 @@ class Entry:
     mtime: float
 
 
-class LocalStore(Layer):
+class LocalStore(Counters, Layer):
     """The embedded default store: a directory, no server.
 
     Entries are written atomically and re-verified on every read; a corrupt entry is
@@ -715,65 +713,6 @@ class LocalStore(Layer):
         except StoreError as exc:
             _log.warning("cannot remove staged file %s: %s", self.v1.joinpath(*where, name), exc)
 
-    # -- persistent counters (for `cubinstore stats`) -------------------------------------------
-    # A hit must not pay a lock and a file rewrite (that was most of a verified load), so counts
-    # gather in memory per store root and are added to stats.json under its lock in batches
-    # (every _FLUSH_EVENTS counts or _FLUSH_SECONDS), when read here, and at exit. Each flush is
-    # a locked read-add-write, so concurrent processes never lose each other's counts.
-
-    def read_stats(self) -> dict[str, int]:
-        """The persistent counters, this process's pending counts included."""
-        self.flush_stats()
-        return self._read_stats_file()
-
-    def _read_stats_file(self) -> dict[str, int]:
-        counts = dict.fromkeys(STAT_KEYS, 0)
-        try:
-            data = self.read_file((), "stats.json", 1 << 16)
-        except (NotRegularFile, StoreError) as exc:
-            _log.warning("ignoring unreadable stats file %s: %s", self.stats_path, exc)
-            return counts
-        if data is None:
-            return counts
-        try:
-            loaded = json.loads(data)
-        except ValueError:
-            _log.warning("ignoring malformed stats file %s", self.stats_path)
-            return counts
-        if isinstance(loaded, dict):
-            for key in STAT_KEYS:
-                value = loaded.get(key)
-                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                    counts[key] = value
-        return counts
-
-    def add_stats(self, delta: Mapping[str, int]) -> None:
-        """Add to the counters: in memory now, in stats.json with the next flush. Never fails."""
-        if not any(delta.values()):
-            return
-        if _pending.add(self, delta):
-            self.flush_stats()
-
-    def add_hit(self) -> None:
-        """``add_stats({"hits": 1})``, the hot path's count: no mapping to walk."""
-        if _pending.add_hit(self):
-            self.flush_stats()
-
-    def flush_stats(self) -> None:
-        """Add this process's pending counts to stats.json. Best effort: counting must never make a load fail."""
-        delta = _pending.take(self.root)
-        if delta is None:
-            return
-        try:
-            with self.file_lock((), "stats.lock", 5.0, what="stats"):
-                counts = self._read_stats_file()
-                for key, value in delta.items():
-                    counts[key] = counts.get(key, 0) + value
-                self.write_file((), "stats.json", json.dumps(counts, sort_keys=True).encode() + b"\n", durable=False)
-        except StoreError as exc:
-            _log.warning("cannot update stats in %s: %s", self.stats_path, exc)
-            _pending.put_back(self, delta)
-
     def iter_digests(self) -> Iterator[Digest]:
         entries, _ = self.scan()
         return (e.digest for e in entries)
@@ -796,75 +735,6 @@ class _FillLock:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         fd, self._fd = self._fd, -1
         self._local._unlock(self._digest.hex, fd, exc_type is None)
-
-
-_FLUSH_EVENTS = 1024
-_FLUSH_SECONDS = 10.0
-
-
-class _PendingStats:
-    """Counts of this process not yet in a store's stats.json, per store root."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_root: dict[Path, tuple[LocalStore, dict[str, int], list[float]]] = {}
-        self._registered = False
-
-    def add(self, local: LocalStore, delta: Mapping[str, int]) -> bool:
-        """Record ``delta``; True when the root's batch is due for a flush."""
-        with self._lock:
-            item = self._by_root.get(local.root)
-            if item is None:
-                item = self._by_root[local.root] = (local, dict.fromkeys(STAT_KEYS, 0), [time.monotonic(), 0])
-                if not self._registered:
-                    atexit.register(self.flush_all)
-                    self._registered = True
-            counts, batch = item[1], item[2]
-            for key, value in delta.items():
-                counts[key] = counts.get(key, 0) + value
-            batch[1] += 1
-            return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
-
-    def add_hit(self, local: LocalStore) -> bool:
-        """``add(local, {"hits": 1})``: one increment where the root already has pending counts."""
-        with self._lock:
-            item = self._by_root.get(local.root)
-            if item is not None:
-                item[1]["hits"] += 1
-                batch = item[2]
-                batch[1] += 1
-                return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
-        return self.add(local, {"hits": 1})
-
-    def take(self, root: Path) -> dict[str, int] | None:
-        with self._lock:
-            item = self._by_root.pop(root, None)
-        return None if item is None or not any(item[1].values()) else item[1]
-
-    def put_back(self, local: LocalStore, delta: dict[str, int]) -> None:
-        with self._lock:
-            item = self._by_root.get(local.root)
-            if item is None:
-                self._by_root[local.root] = (local, dict(delta), [time.monotonic(), 0])
-            else:
-                for key, value in delta.items():
-                    item[1][key] = item[1].get(key, 0) + value
-
-    def flush_all(self) -> None:
-        with self._lock:
-            stores = [item[0] for item in self._by_root.values()]
-        for local in stores:
-            local.flush_stats()
-
-    def forget(self) -> None:
-        """In a forked child: the parent flushes its own counts."""
-        self._lock = threading.Lock()
-        self._by_root = {}
-
-
-_pending = _PendingStats()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_pending.forget)
 
 
 def _close_all(fds: dict[str, int]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,9 +10,9 @@ from typing import BinaryIO
 
 from cubinstore._core.log import get_logger
 from cubinstore.store.local.root import NotRegularFile, read_at
-from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
+from cubinstore.errors import StoreError
 
-__all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "open_regular", "read_regular", "verify"]
+__all__ = ["NotRegularFile", "atomic_file", "atomic_write", "fsync_dir", "read_regular"]
 
 _log = get_logger(__name__)
 
@@ -27,29 +26,6 @@ def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None
     lets the caller see "longer than expected" without reading an arbitrarily large file.
     """
     return read_at(None, os.fspath(path), limit, path=path, touch=touch)
-
-
-def open_regular(path: Path, what: str, error: type[CubinstoreError] = BadArgumentError) -> BinaryIO:
-    """Open a file the user named (a manifest, a bundle) for reading, refusing anything not regular.
-
-    Links are followed (``bazel-bin`` is one), but a FIFO, device or directory is refused
-    before any blocking read: the open is non-blocking and the type is checked on the
-    descriptor. Raises ``error`` naming ``what`` and the path.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError as exc:
-        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from exc
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise error(f"cannot read {what} {path}: it is {kind}; expected a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def fsync_dir(path: Path) -> None:

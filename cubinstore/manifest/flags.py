@@ -11,7 +11,8 @@ when the manifest is opened, naming the option. ``-D`` values may hold any print
 there into more defines).
 
 ``{param}`` placeholders are checked on the template text (each one standing for a word or a
-number) and the filled flags once more before a compile. Standard library only.
+number) and the filled flags once more before a compile (``cubinstore._jit.family``). Part of the
+template schema (``cubinstore.manifest.family``), so it sits below the compiler. Standard library only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""The one per-device cache: facts of a CUDA device that cannot change in a process.
+
+The device count, and per device its compute capability, SM count and shared-memory limit,
+each asked of the driver once, on first use (nothing at import: the driver loads with the
+first question). Launches read them on every call, so a hit is a dict lookup.
+
+``Devices`` asks a driver object with ``device_count()`` and ``device_attribute(ordinal, name)``,
+by default ``cubinstore._driver.cuda``; tests hand ``use`` one built on a fake driver instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+__all__ = ["Devices", "check_ordinal", "compute_capability", "count", "shared_mem_optin", "sm_count", "use"]
+
+_CC_MAJOR = "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"
+_CC_MINOR = "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"
+_SM_COUNT = "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"
+_SMEM_OPTIN = "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"
+
+
+class Driver(Protocol):
+    """What ``Devices`` asks of the driver (``cubinstore._driver.cuda`` has both)."""
+
+    def device_count(self) -> int: ...
+
+    def device_attribute(self, ordinal: int, name: str) -> int: ...
+
+
+class Devices:
+    """The facts of every device, each queried once per device from ``driver``, lazily."""
+
+    def __init__(self, driver: Driver | None = None) -> None:
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._count: int | None = None
+        self._attributes: dict[tuple[int, str], int] = {}
+        self._capabilities: dict[int, tuple[int, int]] = {}
+
+    def _ask(self) -> Any:
+        if self._driver is None:
+            from cubinstore._driver import cuda  # not at import: cuda.bindings loads with the first question
+
+            self._driver = cuda
+        return self._driver
+
+    def count(self) -> int:
+        """How many devices the driver reports."""
+        value = self._count
+        if value is None:
+            value = int(self._ask().device_count())
+            with self._lock:
+                if self._count is None:
+                    self._count = value
+                value = self._count
+        return value
+
+    def check_ordinal(self, ordinal: Any) -> int:
+        """``ordinal`` when it names a device here, else ``BadArgumentError`` saying which exist."""
+        if isinstance(ordinal, int) and not isinstance(ordinal, bool) and 0 <= ordinal < self.count():
+            return ordinal
+        from cubinstore.errors import BadArgumentError
+
+        raise BadArgumentError(f"invalid device {ordinal!r}: expected an ordinal in [0, {self.count()})")
+
+    def attribute(self, ordinal: int, name: str) -> int:
+        """``CU_DEVICE_ATTRIBUTE_<...>`` ``name`` of device ``ordinal`` (one that cannot change while the process runs)."""
+        key = (ordinal, name)
+        value = self._attributes.get(key)
+        if value is None:
+            value = int(self._ask().device_attribute(ordinal, name))
+            with self._lock:
+                value = self._attributes.setdefault(key, value)
+        return value
+
+    def compute_capability(self, ordinal: int) -> tuple[int, int]:
+        cc = self._capabilities.get(ordinal)
+        if cc is None:
+            cc = (self.attribute(ordinal, _CC_MAJOR), self.attribute(ordinal, _CC_MINOR))
+            with self._lock:
+                cc = self._capabilities.setdefault(ordinal, cc)
+        return cc
+
+    def sm_count(self, ordinal: int) -> int:
+        """Multiprocessors of device ``ordinal``."""
+        return self.attribute(ordinal, _SM_COUNT)
+
+    def shared_mem_optin(self, ordinal: int) -> int:
+        """The most shared memory one block may opt in to on device ``ordinal`` (bytes)."""
+        return self.attribute(ordinal, _SMEM_OPTIN)
+
+
+_devices = Devices()
+
+
+def use(devices: Devices) -> Devices:
+    """Answer every question below from ``devices`` (a fake driver's, in tests); returns the one it replaces."""
+    global _devices
+    before, _devices = _devices, devices
+    return before
+
+
+def count() -> int:
+    return _devices.count()
+
+
+def check_ordinal(ordinal: Any) -> int:
+    return _devices.check_ordinal(ordinal)
+
+
+def compute_capability(ordinal: int) -> tuple[int, int]:
+    return _devices.compute_capability(ordinal)
+
+
+def sm_count(ordinal: int) -> int:
+    return _devices.sm_count(ordinal)
+
+
+def shared_mem_optin(ordinal: int) -> int:
+    return _devices.shared_mem_optin(ordinal)
