@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 
-from cubinstore._core.digest import Digest
 from cubinstore.errors import (
     BadArgumentError,
     BundleError,
@@ -35,15 +34,17 @@ from cubinstore.errors import (
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type checkers read it as True
 if TYPE_CHECKING:
+    from cubinstore._core.digest import Digest
     from cubinstore.launch import Kernel, Library, open
     from cubinstore.manifest import KernelSpec, Manifest, arch_compatible, parse_arch
     from cubinstore.store import Store, StoreStats
     from cubinstore.tensormap import TensorMap
 
-# Imported on first use (PEP 562), so `import cubinstore` costs only the errors and Digest: a
+# Imported on first use (PEP 562), so `import cubinstore` costs only the errors: a
 # process that opens a manifest pays for the manifest, one that never launches never loads
 # the launcher, and HTTP (http.client, ssl, email) comes in only with a remote.
 _LAZY = {
+    "Digest": "cubinstore._core.digest",
     "Kernel": "cubinstore.launch",
     "Library": "cubinstore.launch",
     "open": "cubinstore.launch",
