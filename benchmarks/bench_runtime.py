@@ -128,6 +128,55 @@ def reads(home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
     return rows
 
 
+# -- the driver as the runtime is handed it --------------------------------------------------------
+# The runtime takes a substitute driver through one hook, `cubinstore._driver.device.use`; a new
+# `Devices` there has loaded nothing, so each sample below is a fresh load without reaching inside.
+
+def driver_with(**replaced: Any) -> Any:
+    """`cubinstore._driver.cuda`'s calls with `replaced` ones swapped (plain attributes: each call
+    costs what the module's does)."""
+    from types import SimpleNamespace
+
+    from cubinstore._driver import cuda as _cuda
+
+    calls = {name: getattr(_cuda, name) for name in dir(_cuda) if not name.startswith("_")}
+    return SimpleNamespace(**{**calls, **replaced})
+
+
+def fresh_loads(driver: Any) -> None:
+    """From here on a load is fresh, as in a new process: a new `Devices` over `driver` has loaded
+    nothing. Its device facts and its (empty) module cache are made before the clock starts, as a
+    running process has them."""
+    from cubinstore import launch
+    from cubinstore._driver import device
+
+    devices = device.Devices(driver)
+    devices.check_ordinal(0)
+    devices.compute_capability(0)
+    device.use(devices)
+    launch.loaded_module_count()
+
+
+class Loads:
+    """The libraries loaded through `driver_with(load_library=loads.load)`, unloaded after a sample."""
+
+    def __init__(self) -> None:
+        self.handles: list[int] = []
+
+    def load(self, data: bytes, what: str) -> int:
+        from cubinstore._driver import cuda as _cuda
+
+        handle = _cuda.load_library(data, what)
+        self.handles.append(handle)
+        return handle
+
+    def unload_all(self) -> None:
+        """Unload what Library.kernel() loaded, so that the next sample is a fresh load again."""
+        for handle in self.handles:
+            _unload(handle)
+        self.handles.clear()
+
+
 # -- 2b. the host side of a fresh load ------------------------------------------------------------
 
 # Sizes of the sm_90a CUBINs (axpy, transpose, gemm, tgemm) when no manifest is at hand.
@@ -160,8 +209,8 @@ def synthetic_release(work: Path, copies: int = 4) -> Path:
 
 def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tuple[int, int], gpu: bool) -> list[dict[str, Any]]:
     """Per CUBIN: read + sha256 | Store.get | Library.kernel() without the driver, fresh loads (ms)."""
-    from cubinstore import _loader, launch
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore import launch
+    from cubinstore._driver import device
     from cubinstore.manifest import arch_compatible
     from cubinstore.store import LocalStore, MemoryStore, Store
 
@@ -169,13 +218,15 @@ def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tu
     local = LocalStore(home)
     store = Store([local])  # no memory layer: every sample reads and verifies, as a first load does
     warm = Store([MemoryStore(), local])  # Store.from_env's layers: a blob verified before is a memory hit
-    saved = (_cuda.on_device, _cuda.load_library, _cuda.library_function)
-    _cuda.on_device = lambda ordinal: contextlib.nullcontext()  # type: ignore[assignment]
-    _cuda.load_library = lambda data, what: 1  # type: ignore[assignment]
-    _cuda.library_function = lambda library, entry, what: 1  # type: ignore[assignment]
-    if not gpu:  # the device facts Library.kernel() caches per process, as a GPU would answer them
-        launch._device_count[:] = [1]
-        launch._capabilities[0] = cc
+    # The driver's three load calls stubbed; with no GPU, the device facts as a GPU of `cc` answers them.
+    stubs: dict[str, Any] = dict(on_device=lambda ordinal: contextlib.nullcontext(),
+                                 load_library=lambda data, what: 1, library_function=lambda library, entry, what: 1)
+    if not gpu:
+        attributes = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": cc[0],
+                      "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": cc[1]}
+        stubs.update(device_count=lambda: 1, device_attribute=lambda ordinal, name: attributes[name])
+    stubbed = driver_with(**stubs)
+    before = device.current()
     rows = []
     try:
         for spec in specs:
@@ -193,14 +244,12 @@ def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tu
                 t = time.perf_counter()
                 store.get(spec.digest, spec.size, name=spec.id)
                 b = time.perf_counter() - t
-                with _loader._modules_lock:
-                    _loader._modules.clear()  # a fresh load, as in a new process
+                fresh_loads(stubbed)  # a fresh load, as in a new process
                 library = launch.Library(manifest, store)  # and its first selection, as section 3 does
                 t = time.perf_counter()
                 library.kernel(spec.id, device=0)
                 c = time.perf_counter() - t
-                with _loader._modules_lock:
-                    _loader._modules.clear()
+                fresh_loads(stubbed)
                 library = launch.Library(manifest, warm)
                 t = time.perf_counter()
                 library.kernel(spec.id, device=0)
@@ -214,9 +263,7 @@ def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tu
                          (("peer", peer), ("get", get), ("ours", ours), ("again", again))
                          for q, p in (("p50", 0.5), ("p99", 0.99))}})
     finally:
-        _cuda.on_device, _cuda.load_library, _cuda.library_function = saved  # type: ignore[assignment]
-        with _loader._modules_lock:
-            _loader._modules.clear()
+        device.use(before)  # the real driver again, and its modules (none loaded here)
     return rows
 
 
@@ -263,22 +310,16 @@ def _unload(library: int) -> None:
         _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
 
 
-def _unload_loaded() -> None:
-    """Unload what Library.kernel() loaded and forget it, so that the next sample is a fresh load again."""
-    from cubinstore import _loader
-
-    with _loader._modules_lock:
-        for module in _loader._modules.values():
-            _unload(module.code[0])
-        _loader._modules.clear()
-
-
 def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
     from cubinstore import _loader, launch
     from cubinstore._driver import cuda as _cuda
+    from cubinstore._driver import device
     from cubinstore.store import LocalStore, MemoryStore, Store
 
     _make_primary_current()
+    loads = Loads()
+    recorded = driver_with(load_library=loads.load)  # the real driver, its loads remembered to unload them
+    before = device.current()
     local = LocalStore(home)
     store = Store([local])
     # Store.from_env's layers: a blob this process verified before is a memory hit (no read, no hash).
@@ -292,55 +333,58 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> list
         return library
 
     rows = []
-    for spec in specs:
-        path = local.path_for(spec.digest)
-        raw, peer, ours, again, layout = [], [], [], [], []
-        warm.get(spec.digest, spec.size, name=spec.id)  # verified once in this process
-        for i in range(samples + 5):  # 5 warm-up rounds: first-touch costs of each path
-            t = time.perf_counter()
-            with open(path, "rb") as f:
-                data = f.read()
-            lib_raw = load(spec, data)
-            a = time.perf_counter() - t
-            _unload(lib_raw)
+    try:
+        for spec in specs:
+            path = local.path_for(spec.digest)
+            raw, peer, ours, again, layout = [], [], [], [], []
+            warm.get(spec.digest, spec.size, name=spec.id)  # verified once in this process
+            for i in range(samples + 5):  # 5 warm-up rounds: first-touch costs of each path
+                t = time.perf_counter()
+                with open(path, "rb") as f:
+                    data = f.read()
+                lib_raw = load(spec, data)
+                a = time.perf_counter() - t
+                _unload(lib_raw)
 
-            t = time.perf_counter()
-            with open(path, "rb") as f:
-                data = f.read()
-            if hashlib.sha256(data).hexdigest() != spec.digest.hex:
-                raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
-            lib_peer = load(spec, data)
-            b = time.perf_counter() - t
-            _unload(lib_peer)
+                t = time.perf_counter()
+                with open(path, "rb") as f:
+                    data = f.read()
+                if hashlib.sha256(data).hexdigest() != spec.digest.hex:
+                    raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
+                lib_peer = load(spec, data)
+                b = time.perf_counter() - t
+                _unload(lib_peer)
 
-            with _loader._modules_lock:
-                _loader._modules.clear()  # a fresh load, as in a new process
-            library = launch.Library(manifest, store)  # one store, no memory layer: read and verified each time
-            t = time.perf_counter()
-            kernel = library.kernel(spec.id, device=0)
-            c = time.perf_counter() - t
-            # The per-entry layout check (cuFuncGetParamInfo per parameter) alone, done again on fresh caches:
-            # where it runs (load or first launch), this is what it costs.
-            t = time.perf_counter()
-            for symbol, fn in kernel._functions.items():
-                fn.layouts.clear()
-                _loader.check_function_layout(spec, symbol, fn, 0)
-            d = time.perf_counter() - t
-            _unload_loaded()
-            library = launch.Library(manifest, warm)  # a driver load of bytes verified earlier in the process
-            t = time.perf_counter()
-            library.kernel(spec.id, device=0)
-            e = time.perf_counter() - t
-            _unload_loaded()
-            if i >= 5:
-                raw.append(a)
-                peer.append(b)
-                ours.append(c)
-                again.append(e)
-                layout.append(d)
-        rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
-                     (("raw", raw), ("peer", peer), ("ours", ours), ("again", again), ("layout", layout))
-                     for q, p in (("p50", 0.5), ("p99", 0.99))}})
+                fresh_loads(recorded)  # a fresh load, as in a new process
+                library = launch.Library(manifest, store)  # one store, no memory layer: read and verified each time
+                t = time.perf_counter()
+                kernel = library.kernel(spec.id, device=0)
+                c = time.perf_counter() - t
+                # The per-entry layout check (cuFuncGetParamInfo per parameter) alone, done again on fresh caches:
+                # where it runs (load or first launch), this is what it costs.
+                t = time.perf_counter()
+                for symbol, fn in kernel._functions.items():
+                    fn.layouts.clear()
+                    _loader.check_function_layout(spec, symbol, fn, 0)
+                d = time.perf_counter() - t
+                loads.unload_all()
+                fresh_loads(recorded)
+                library = launch.Library(manifest, warm)  # a driver load of bytes verified earlier in the process
+                t = time.perf_counter()
+                library.kernel(spec.id, device=0)
+                e = time.perf_counter() - t
+                loads.unload_all()
+                if i >= 5:
+                    raw.append(a)
+                    peer.append(b)
+                    ours.append(c)
+                    again.append(e)
+                    layout.append(d)
+            rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
+                         (("raw", raw), ("peer", peer), ("ours", ours), ("again", again), ("layout", layout))
+                         for q, p in (("p50", 0.5), ("p99", 0.99))}})
+    finally:
+        device.use(before)  # the real driver again
     return rows
 
 
@@ -351,19 +395,20 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     for the peer (read + sha256, load, get function) and for Library.kernel() (Store.get and the
     same two driver calls, timed inside it). Medians: a load now and then takes the driver's
     deferred work of earlier unloads, which would weigh on a mean."""
-    from cubinstore import _loader, launch
+    from types import SimpleNamespace
+
+    from cubinstore import launch
     from cubinstore._driver import cuda as _cuda
+    from cubinstore._driver import device
     from cubinstore.store import LocalStore, Store
 
     _make_primary_current()
     local = LocalStore(home)
     store = Store([local])
+    loads = Loads()
     inside: dict[str, float] = {"read + sha256": 0.0, "load": 0.0, "function": 0.0}
-    real = {"read + sha256": Store.get, "load": _cuda.load_library, "function": _cuda.library_function}
 
-    def timed(part: str) -> Callable[..., Any]:
-        fn = real[part]
-
+    def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
@@ -375,8 +420,11 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     parts = ("read + sha256", "load", "function", "rest", "total")
     peer: dict[str, list[float]] = {p: [] for p in parts}
     ours: dict[str, list[float]] = {p: [] for p in parts}
-    Store.get, _cuda.load_library, _cuda.library_function = (  # type: ignore[method-assign]
-        timed("read + sha256"), timed("load"), timed("function"))
+    # Library.kernel()'s parts timed inside it: a store and a driver whose calls time themselves.
+    timed_store = SimpleNamespace(get=timed("read + sha256", store.get))
+    timed_driver = driver_with(load_library=timed("load", loads.load),  # the real load, remembered to unload it
+                               library_function=timed("function", _cuda.library_function))
+    before = device.current()
     try:
         for i in range(samples + 5):  # 5 warm-up rounds
             for spec in specs:
@@ -389,22 +437,21 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                 t1 = time.perf_counter()
                 with _cuda.on_device(0):  # outside the parts: the rest, as in Library.kernel()
                     t2 = time.perf_counter()
-                    library = real["load"](data, spec.id)
+                    library = _cuda.load_library(data, spec.id)
                     t3 = time.perf_counter()
                     for entry in spec.entries:
-                        real["function"](library, entry, spec.id)
+                        _cuda.library_function(library, entry, spec.id)
                     t4 = time.perf_counter()
                 t5 = time.perf_counter()
                 _unload(library)
-                with _loader._modules_lock:
-                    _loader._modules.clear()  # a fresh load, as in a new process
-                fresh = launch.Library(manifest, store)
+                fresh_loads(timed_driver)  # a fresh load, as in a new process
+                fresh = launch.Library(manifest, timed_store)  # type: ignore[arg-type]
                 for part in inside:
                     inside[part] = 0.0
                 t = time.perf_counter()
                 fresh.kernel(spec.id, device=0)
                 elapsed = time.perf_counter() - t
-                _unload_loaded()
+                loads.unload_all()
                 if i < 5:
                     continue
                 for out, sample in ((peer, {"read + sha256": t1 - t0, "load": t3 - t2, "function": t4 - t3,
@@ -414,8 +461,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                     for part, seconds in sample.items():
                         out[part].append(seconds)
     finally:
-        Store.get, _cuda.load_library, _cuda.library_function = (  # type: ignore[method-assign]
-            real["read + sha256"], real["load"], real["function"])
+        device.use(before)  # the real driver again
     return {name: {part: statistics.median(values) * 1e6 for part, values in got.items()}
             for name, got in (("peer", peer), ("ours", ours))}
 
@@ -439,12 +485,13 @@ CHILD = """
 import sys, time, json
 import cubinstore
 from cubinstore._driver import cuda as _cuda
+from cubinstore._driver import device
 from cubinstore.manifest import arch_compatible
 lib = cubinstore.open(sys.argv[1])
 drv = _cuda.driver()
 # The primary context current, as in a torch process (and as the peer sets it): no switch per load.
 _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent")
-cc = _cuda.compute_capability(0)
+cc = device.compute_capability(0)
 ids = [k.id for k in lib.manifest if arch_compatible(k.arch, cc)]
 if sys.argv[2] == "store-first":
     lib.store  # the store and its modules (hashlib among them) before the timed part, as the peer imports hashlib
@@ -569,10 +616,11 @@ def main() -> None:
     cc = None
     try:
         from cubinstore._driver import cuda as _cuda
+        from cubinstore._driver import device
 
         ok, why = _cuda.available()
         if ok:
-            cc = _cuda.compute_capability(0)
+            cc = device.compute_capability(0)
         else:
             gpu_reason = why
     except Exception as exc:  # noqa: BLE001 - no driver, no bindings: report why and go on without a GPU

@@ -144,11 +144,13 @@ def _nvcc_seconds(nvcc: str, spec: Any, cutlass: str | None, repeats: int, work:
 
 
 def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list[dict[str, Any]]:
-    from cubinstore import _loader, launch
+    from cubinstore import launch
     from cubinstore._driver import cuda as _cuda
+    from cubinstore._driver import device
     from cubinstore.store import LocalStore, Store
 
     local = LocalStore(home)
+    before = device.current()
 
     def plain(spec: Any) -> None:
         # The same driver calls launch.py makes, on bytes read with no verification.
@@ -160,8 +162,13 @@ def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list
                 _cuda.library_function(library, entry, spec.id)
 
     def ours(spec: Any) -> float:
-        with _loader._modules_lock:
-            _loader._modules.clear()  # force a real fetch + load
+        # Force a real fetch + load: a new Devices (the real driver's) has loaded nothing, as in a new
+        # process (cubinstore._driver.device.use); its device facts asked before the clock starts.
+        devices = device.Devices()
+        devices.check_ordinal(0)
+        devices.compute_capability(0)
+        device.use(devices)
+        launch.loaded_module_count()
         lib = launch.Library(manifest, Store([LocalStore(home)]))  # no memory layer: read the disk
         t = time.perf_counter()
         lib.kernel(spec.id, device=0)
@@ -174,19 +181,22 @@ def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list
         return time.perf_counter() - t
 
     rows = []
-    for kid in ids:
-        spec = manifest.by_id(kid)
-        ours(spec)  # warm: first-touch costs of the code paths
-        plain(spec)
-        a, b, c = [], [], []
-        for _ in range(repeats):
-            a.append(ours(spec))
-            t = time.perf_counter()
+    try:
+        for kid in ids:
+            spec = manifest.by_id(kid)
+            ours(spec)  # warm: first-touch costs of the code paths
             plain(spec)
-            b.append(time.perf_counter() - t)
-            c.append(fetch_only(spec))
-        rows.append({"id": kid, "size": spec.size, "cubinstore_ms": statistics.median(a) * 1e3,
-                     "plain_ms": statistics.median(b) * 1e3, "fetch_verify_ms": statistics.median(c) * 1e3})
+            a, b, c = [], [], []
+            for _ in range(repeats):
+                a.append(ours(spec))
+                t = time.perf_counter()
+                plain(spec)
+                b.append(time.perf_counter() - t)
+                c.append(fetch_only(spec))
+            rows.append({"id": kid, "size": spec.size, "cubinstore_ms": statistics.median(a) * 1e3,
+                         "plain_ms": statistics.median(b) * 1e3, "fetch_verify_ms": statistics.median(c) * 1e3})
+    finally:
+        device.use(before)
     return rows
 
 
@@ -214,12 +224,13 @@ def main() -> None:
             print(f"note: {exc}", file=sys.stderr)
 
     from cubinstore._driver import cuda as _cuda
+    from cubinstore._driver import device
     from cubinstore.manifest import Manifest
     from cubinstore.store import DirectorySource, LocalStore, Store
 
     manifest_path = str(Path(opts.manifest).resolve())
     manifest = Manifest.from_path(manifest_path)
-    cc = _cuda.compute_capability(0)
+    cc = device.compute_capability(0)
     from cubinstore.manifest import arch_compatible
 
     runnable = [k.id for k in manifest if arch_compatible(k.arch, cc)]

@@ -5,7 +5,9 @@
     k.launch("axpy_f32", grid=(blocks,), block=(256,), args=(n, 2.0, x, y))
 
 Nothing touches CUDA until the first `Library.kernel` call. A module is loaded (`_loader.py`)
-from the exact in-memory bytes the store verified, once per (digest, device).
+from the exact in-memory bytes the store verified, once per (digest, device). Device facts come
+from the one cache, `cubinstore._driver.device`, and every driver call goes through its driver
+(a test substitutes a fake there: `device.use`).
 Each entry's parameter layout is checked against the CUBIN's (`cuFuncGetParamInfo`)
 at its first launch or prepare, before anything is launched.
 
@@ -21,15 +23,18 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from cubinstore._core import abi as _abi
-from cubinstore._driver import cuda as _cuda
 from cubinstore._args import ArgBuffer, pack_args
-from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.abi import Arch
+from cubinstore._core.digest import Digest
+from cubinstore._core.geometry import LaunchGeometry
 from cubinstore._core.log import get_logger
+from cubinstore._core.text import show
+from cubinstore._driver import device as _device
+from cubinstore._driver.device import Devices
+from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
 from cubinstore._release.refs import is_path, load_manifest
 from cubinstore.errors import (
     BadArgumentError,
@@ -98,8 +103,9 @@ class Library:
         `CUBINSTORE_JIT`), compiled from the release's own sources under a content key; else
         `KernelNotFoundError` names the nearest points.
         """
-        ordinal = _device_ordinal(device)
-        cc = _compute_capability(ordinal)
+        devices = _device.current()
+        ordinal = _device_ordinal(devices, device)
+        cc = devices.compute_capability(ordinal)
         try:
             key: tuple[Any, ...] | None = (id_or_family, cc, *sorted(params.items()))
             spec = self._selected.get(key)  # type: ignore[arg-type]
@@ -115,10 +121,10 @@ class Library:
             else:
                 if key is not None:
                     self._selected[key] = spec
-        module = load(spec, ordinal, cc, self._store if self._store is not None else self.store)
+        module = load(spec, ordinal, cc, self._store if self._store is not None else self.store, devices)
         # Each entry's parameter layout is checked at its first launch or prepare (Kernel._function):
         # a load asks the driver nothing per parameter, and an entry never launched is never checked.
-        return Kernel(spec, ordinal, module.functions, module.load_seconds)
+        return Kernel(spec, ordinal, module.functions, module.load_seconds, devices)
 
 
     def _missing_point(self, family: str, params: dict[str, str | int], cc: tuple[int, int], jit: bool | None) -> KernelSpec:
@@ -135,7 +141,7 @@ def _jit_arch(family: str, template: Any, cc: tuple[int, int]) -> str:
     """The arch to compile a missing point for: the template's best arch for `cc`, else `sm_<cc>`."""
     if template is None or not template.archs:
         return f"sm_{cc[0]}{cc[1]}"
-    runnable = [_abi.Arch.parse(a) for a in template.archs if _abi.Arch.parse(a).runs_on(cc)]
+    runnable = [Arch.parse(a) for a in template.archs if Arch.parse(a).runs_on(cc)]
     if not runnable:
         raise IncompatibleArchError(
             f"family {family!r}: its JIT template compiles for {', '.join(template.archs)}, none of which "
@@ -144,52 +150,20 @@ def _jit_arch(family: str, template: Any, cc: tuple[int, int]) -> str:
     return str(max(runnable, key=lambda a: (a.minor, a.preference)))
 
 
-# Device facts that cannot change in a process, queried once: a Library.kernel() call on a
-# loaded kernel then costs one driver call (the thread's current context), not five.
-_device_count: list[int] = []
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
-def _check_ordinal(ordinal: Any) -> int:
-    if not _device_count:
-        _device_count.append(_cuda.device_count())
-    if type(ordinal) is int and 0 <= ordinal < _device_count[0]:
-        return ordinal
-    return _cuda.check_ordinal(ordinal)  # words the error
-
-
-def _compute_capability(ordinal: int) -> tuple[int, int]:
-    cc = _capabilities.get(ordinal)
-    if cc is None:
-        cc = _capabilities.setdefault(ordinal, _cuda.compute_capability(ordinal))
-    return cc
-
-
-def _current_ordinal() -> int:
-    """The current context's device: a primary context this process retained is known by handle."""
-    drv = _cuda.driver()
-    ctx = _cuda.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    handle = 0 if ctx is None else int(ctx)
-    if handle == 0:
-        return 0
-    for ordinal, primary in list(_cuda._primary.items()):  # retained, so never destroyed or reused
-        if primary == handle:
-            return ordinal
-    return _cuda.current_device()
-
-
-def _device_ordinal(device: Any) -> int:
+def _device_ordinal(devices: Devices, device: Any) -> int:
+    """The checked ordinal of `device` (see `Library.kernel`). Device facts are cached in `devices`:
+    a Library.kernel() call on a loaded kernel costs one driver call (the current context), or none."""
     if device is None:
-        return _check_ordinal(_current_ordinal())
+        return devices.check_ordinal(devices.driver.current_device())
     if isinstance(device, bool):
         raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {device!r}")
     if isinstance(device, int):
-        return _check_ordinal(device)
+        return devices.check_ordinal(device)
     if isinstance(getattr(device, "device_id", None), int):  # cuda.core.Device
-        return _check_ordinal(device.device_id)
+        return devices.check_ordinal(device.device_id)
     if getattr(device, "type", None) == "cuda":  # torch.device
         index = device.index
-        return _check_ordinal(_current_ordinal() if index is None else index)
+        return devices.check_ordinal(devices.driver.current_device() if index is None else index)
     raise BadArgumentError(f"device: expected an ordinal, a torch.device or a cuda.core.Device, got {show(device)}")
 
 
@@ -210,9 +184,13 @@ def _dims(kernel: str, name: str, value: Any, *, limit: int = 2**31 - 1) -> tupl
 class Kernel:
     """One CUBIN loaded on one device; launch its entries with `launch`."""
 
-    def __init__(self, spec: KernelSpec, device: int, functions: Mapping[str, _Function], load_seconds: float) -> None:
+    def __init__(self, spec: KernelSpec, device: int, functions: Mapping[str, _Function], load_seconds: float,
+                 devices: Devices | None = None) -> None:
         self._spec = spec
         self._device = device
+        # The device facts and the driver it was loaded through (the one in use, unless a test's fake).
+        self._devices = _device.current() if devices is None else devices
+        self._cuda = self._devices.driver
         self._functions = dict(functions)
         self._checked: set[str] = set()  # entries whose layout matched the CUBIN's (see _function)
         self.load_seconds = load_seconds
@@ -273,16 +251,17 @@ class Kernel:
         info = spec.entry(entry)
         fn = self._function(info.symbol)
         grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, args, grid, block, shared_mem, cluster)
-        drv = _cuda.driver()
-        with _cuda.on_device(self._device):
-            packed = pack_args(spec.id, info.name, info.types, args, device=self._device, pointer_device=_cuda.pointer_device)
+        cuda = self._cuda
+        drv = cuda.driver()
+        with cuda.on_device(self._device):
+            packed = pack_args(spec.id, info.name, info.types, args, device=self._device, pointer_device=cuda.pointer_device)
             self._set_function_limits(fn, info.name, shared_mem, cluster3)
             handle = _stream_handle(stream, packed, self._device, name)
             config = _launch_config(drv, grid3, block3, shared_mem, cluster3, pdl)
             config.hStream = drv.CUstream(handle)
             result = drv.cuLaunchKernelEx(config, drv.CUfunction(fn.handle), packed.address, 0)
             if result[0] != drv.CUresult.CUDA_SUCCESS:  # the message is built only for a failure
-                _cuda.check(result, self._launch_what(name, grid3, block3, shared_mem, cluster3, pdl))
+                cuda.check(result, self._launch_what(name, grid3, block3, shared_mem, cluster3, pdl))
         # The driver copied the parameters during the call; `packed` may go now.
         del packed
 
@@ -310,14 +289,15 @@ class Kernel:
         info = spec.entry(entry)
         fn = self._function(info.symbol)
         grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, args, grid, block, shared_mem, cluster)
+        cuda = self._cuda
         buffer = ArgBuffer(spec.id, info.name, info.types, args, device=self._device,
-                           pointer_device=_cuda.pointer_device)
-        drv = _cuda.driver()
-        with _cuda.on_device(self._device):
+                           pointer_device=cuda.pointer_device)
+        drv = cuda.driver()
+        with cuda.on_device(self._device):
             self._set_function_limits(fn, info.name, shared_mem, cluster3)
         config = _launch_config(drv, grid3, block3, shared_mem, cluster3, pdl)
         what = self._launch_what(name, grid3, block3, shared_mem, cluster3, pdl)
-        return PreparedLaunch(drv, fn.handle, _cuda.primary_context(self._device), config, buffer, what)
+        return PreparedLaunch(drv, fn.handle, cuda.primary_context(self._device), config, buffer, what, cuda.check)
 
     def max_active_clusters(
         self,
@@ -338,13 +318,14 @@ class Kernel:
         info = spec.entry(entry)
         fn = self._function(info.symbol)
         grid3, block3, shared_mem, cluster3 = self._geometry(name, info.launch, (), grid, block, shared_mem, cluster)
-        drv = _cuda.driver()
+        cuda = self._cuda
+        drv = cuda.driver()
         config = _launch_config(drv, grid3, block3, shared_mem, cluster3, False)
-        with _cuda.on_device(self._device):
+        with cuda.on_device(self._device):
             self._set_function_limits(fn, info.name, shared_mem, cluster3)
-            return int(_cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
-                                   f"cuOccupancyMaxActiveClusters for kernel {name} on device {self._device} "
-                                   f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3})"))
+            return int(cuda.check(drv.cuOccupancyMaxActiveClusters(drv.CUfunction(fn.handle), config),
+                                  f"cuOccupancyMaxActiveClusters for kernel {name} on device {self._device} "
+                                  f"(grid {grid3}, block {block3}, shared_mem {shared_mem}, cluster {cluster3})"))
 
     def _launch_what(
         self,
@@ -362,7 +343,7 @@ class Kernel:
     def _geometry(
         self,
         name: str,
-        geometry: _abi.LaunchGeometry | None,
+        geometry: LaunchGeometry | None,
         args: Sequence[Any],
         grid: int | Sequence[int] | None,
         block: int | Sequence[int] | None,
@@ -402,23 +383,24 @@ class Kernel:
         if cluster is not None:
             self._allow_cluster(fn, entry, cluster)
 
-    def _sm_count_for_rule(self, geometry: _abi.LaunchGeometry) -> int | None:
+    def _sm_count_for_rule(self, geometry: LaunchGeometry) -> int | None:
         if geometry.grid is None or all(isinstance(g, int) for g in geometry.grid):
             return None
-        return _cuda.sm_count(self._device)
+        return self._devices.sm_count(self._device)
 
     def _raise_smem_limit(self, fn: _Function, entry: str, shared_mem: int) -> None:
-        drv = _cuda.driver()
+        cuda = self._cuda
+        drv = cuda.driver()
         with fn.lock:
             if shared_mem <= fn.dynamic_smem_limit:
                 return
-            optin = _cuda.device_attribute(self._device, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
+            optin = self._devices.shared_mem_optin(self._device)
             if shared_mem + fn.static_smem > optin:
                 raise BadArgumentError(
                     f"kernel {self._spec.id!r} entry {entry!r}: shared_mem {shared_mem} bytes plus "
                     f"{fn.static_smem} static exceeds device {self._device}'s limit of {optin} bytes per block"
                 )
-            _cuda.check(
+            cuda.check(
                 drv.cuFuncSetAttribute(
                     drv.CUfunction(fn.handle),
                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -430,7 +412,7 @@ class Kernel:
             fn.dynamic_smem_limit = shared_mem
 
     def _allow_cluster(self, fn: _Function, entry: str, cluster: tuple[int, int, int]) -> None:
-        major, _ = _compute_capability(self._device)
+        major, _ = self._devices.compute_capability(self._device)
         if major < 9:
             raise BadArgumentError(
                 f"kernel {self._spec.id!r} entry {entry!r}: cluster {cluster} needs compute capability 9.0 "
@@ -438,9 +420,10 @@ class Kernel:
             )
         if cluster[0] * cluster[1] * cluster[2] <= _PORTABLE_CLUSTER or fn.non_portable_cluster:
             return
-        drv = _cuda.driver()
+        cuda = self._cuda
+        drv = cuda.driver()
         with fn.lock:
-            _cuda.check(
+            cuda.check(
                 drv.cuFuncSetAttribute(
                     drv.CUfunction(fn.handle),
                     drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
@@ -490,8 +473,10 @@ class PreparedLaunch:
     the buffer; the driver copies the parameters before `cuLaunchKernelEx` returns.
     """
 
-    def __init__(self, drv: Any, function: int, context: int, config: Any, buffer: ArgBuffer, what: str) -> None:
+    def __init__(self, drv: Any, function: int, context: int, config: Any, buffer: ArgBuffer, what: str,
+                 check: Callable[[tuple[Any, ...], str], Any]) -> None:
         self._drv = drv
+        self._check = check  # the driver's, for a failed call
         self._launch = drv.cuLaunchKernelEx
         self._get_context = drv.cuCtxGetCurrent
         self._function = drv.CUfunction(function)
@@ -516,18 +501,18 @@ class PreparedLaunch:
                 self._stream = stream
             err, current = self._get_context()
             if err != self._success:
-                _cuda.check((err,), "cuCtxGetCurrent for a prepared launch")
+                self._check((err,), "cuCtxGetCurrent for a prepared launch")
             before = 0 if current is None else int(current)
             if before != self._context:
-                _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(self._context)), "cuCtxSetCurrent for a prepared launch")
+                self._check(drv.cuCtxSetCurrent(drv.CUcontext(self._context)), "cuCtxSetCurrent for a prepared launch")
             try:
                 result = self._launch(self._config, self._function, self._buffer.address, 0)
             finally:
                 if before != self._context:
-                    _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(before)), "cuCtxSetCurrent (restore)")
+                    self._check(drv.cuCtxSetCurrent(drv.CUcontext(before)), "cuCtxSetCurrent (restore)")
             self.calls += 1
         if result[0] != self._success:
-            _cuda.check(result, self._what)
+            self._check(result, self._what)
 
 
 def _stream_handle(stream: Any, packed: Any, device: int, name: str) -> int:

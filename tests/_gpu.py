@@ -14,6 +14,7 @@ import pytest
 
 from cubinstore import launch
 from cubinstore._driver import cuda as _cuda
+from cubinstore._driver import device
 from cubinstore.manifest import Manifest
 from cubinstore.store import DirectorySource, LocalStore, Store
 
@@ -38,8 +39,8 @@ def family_library(family: str, tmp_path_factory: pytest.TempPathFactory) -> lau
     ok, why = _cuda.available()
     if not ok:
         pytest.skip(f"no CUDA device: {why}")
-    if _cuda.compute_capability(0) != (9, 0):
-        pytest.skip(f"the {family} kernels are sm_90a; device 0 is {_cuda.compute_capability(0)}")
+    if device.compute_capability(0) != (9, 0):
+        pytest.skip(f"the {family} kernels are sm_90a; device 0 is {device.compute_capability(0)}")
     path = manifest_path()
     if not path.is_file():
         pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")

@@ -26,6 +26,8 @@ from types import SimpleNamespace
 import pytest
 from _net import free_port, nginx_conf, wait_for_port
 
+from cubinstore._core.abi import kernel_id, render_param  # the id grammar, defined once
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -114,9 +116,9 @@ def fake_cubin(rng: random.Random, size: int) -> bytes:
 
 
 def kernel_doc(family: str, params: dict, arch: str, data: bytes, entry: str = "k") -> dict:
-    parts = [v if isinstance(v, str) else f"{k}{v}" for k, v in params.items()]
+    parts = [render_param(k, v) for k, v in params.items()]
     return {
-        "id": "/".join([family, *parts, arch]),
+        "id": kernel_id(family, params, arch),
         "family": family,
         "params": params,
         "arch": arch,

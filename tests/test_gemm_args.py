@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -267,6 +268,7 @@ class _HoldsClusters:
 
     def __init__(self, held: int) -> None:
         self.held, self.asked = held, []
+        self.spec = SimpleNamespace(entries={G.ENTRY: list(G.ENTRY_TYPES)}, digest="sha256:" + "ab" * 32)
 
     def max_active_clusters(self, entry: str, **geometry: Any) -> int:
         self.asked.append((entry, geometry))
@@ -294,13 +296,23 @@ def test_the_co_resident_count_is_asked_once_per_point_and_device() -> None:
             del G._co_resident_counts[key]
 
 
-def test_cluster_slots_asks_the_first_point_of_each_cluster_size_once(monkeypatch: pytest.MonkeyPatch) -> None:
+class _Library:
+    """A Library as the gemm caches see it: its manifest's points (`find`) and their loaded kernels."""
+
+    def __init__(self, kernels: dict[str, _HoldsClusters], others: list[str]) -> None:
+        self.kernels = kernels
+        points = [SimpleNamespace(id=kid, arch=G.ARCH) for kid in [*kernels, *others]]
+        self.manifest = SimpleNamespace(find=lambda family: [p for p in points if p.id.startswith(family + "/")])
+
+    def kernel(self, kernel_id: str, *, device: int) -> _HoldsClusters:
+        return self.kernels[kernel_id]
+
+
+def test_cluster_slots_asks_the_first_point_of_each_cluster_size_once() -> None:
     ids = [G.GemmConfig(*row).kernel_id for row in ((128, 256, 64, 4, 1), (128, 256, 64, 4, 2), (128, 128, 64, 5, 2),
                                                      (64, 104, 64, 10, 4, 1), (128, 200, 64, 4, 4, 1))]
-    library = object()
     kernels = {kid: _HoldsClusters(66 if "/cluster2/" in kid else 30) for kid in ids}
-    monkeypatch.setattr(G, "candidates", lambda lib: frozenset(ids + ["skinny/bm16/bn16/warps8/unroll4/sm_90a"]))
-    monkeypatch.setattr(G, "_kernel", lambda lib, kid, device: kernels[kid])
+    library = _Library(kernels, ["skinny/bm16/bn16/warps8/unroll4/sm_90a"])
     try:
         assert G.cluster_slots(library, 0) == {2: 66, 4: 30}
         assert G.cluster_slots(library, 0) == {2: 66, 4: 30}

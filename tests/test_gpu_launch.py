@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from cubinstore import _loader, launch
-from cubinstore._core import abi as _abi
+from cubinstore._core.cubin import CubinImage
 from cubinstore._driver import cuda as _cuda
+from cubinstore._driver import device
 from cubinstore.errors import CudaError, ParamLayoutError
 from cubinstore.errors import (
     BadArgumentError,
@@ -165,8 +166,8 @@ def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 
 def test_cubin_header_names_the_sm_it_was_built_for(cubins: dict[str, bytes]) -> None:
-    assert _abi.CubinImage(cubins["sm_80"], "sm_80").sm == 80
-    assert _abi.CubinImage(cubins["sm_90a"], "sm_90a").sm == 90
+    assert CubinImage(cubins["sm_80"], "sm_80").sm == 80
+    assert CubinImage(cubins["sm_90a"], "sm_90a").sm == 90
 
 
 def test_cubin_labelled_with_the_wrong_arch_is_refused_before_loading(cubins: dict[str, bytes]) -> None:
@@ -222,8 +223,8 @@ def torch() -> Any:
 
 @pytest.fixture(scope="module")
 def hopper(manifest: Manifest) -> None:
-    if _cuda.compute_capability(0) != (9, 0):
-        pytest.skip(f"sm_90a kernels need compute capability 9.0, device 0 is {_cuda.compute_capability(0)}")
+    if device.compute_capability(0) != (9, 0):
+        pytest.skip(f"sm_90a kernels need compute capability 9.0, device 0 is {device.compute_capability(0)}")
 
 
 def _specs(family: str | None = None, arch: str = "sm_90a") -> list[str]:
@@ -329,7 +330,7 @@ def test_a_launch_with_no_tensor_argument_goes_to_torchs_current_stream(lib: lau
 @gpu
 def test_the_clusters_a_device_holds_at_once_are_asked_of_the_driver(lib: launch.Library, hopper: None) -> None:
     kernel = lib.kernel("axpy", dtype="f32", vec=1)  # no cluster compiled in: the launch gives one
-    sms = _cuda.sm_count(0)
+    sms = device.sm_count(0)
     pairs = kernel.max_active_clusters("axpy_f32", grid=2, block=256, cluster=2)
     fours = kernel.max_active_clusters("axpy_f32", grid=4, block=256, cluster=4)
     # A small block fits several a SM; clusters must fit in one GPC, so never more CTAs than that allows.
@@ -532,9 +533,9 @@ def test_threads_share_one_loaded_module(lib: launch.Library, torch: Any, hopper
 
 @gpu
 def test_one_kernel_on_each_of_two_devices(lib: launch.Library, torch: Any, hopper: None) -> None:
-    if _cuda.device_count() < 2:
+    if device.count() < 2:
         pytest.skip("needs two GPUs")
-    if _cuda.compute_capability(1) != (9, 0):
+    if device.compute_capability(1) != (9, 0):
         pytest.skip("device 1 is not compute capability 9.0")
     torch.cuda.set_device(0)
     k0 = lib.kernel("axpy/f32/vec4/sm_90a", device=0)

@@ -29,17 +29,14 @@ from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
 
-# A child that must find its kernel without listing or hashing any tree: every walk raises.
+# A child that must find its kernel without listing or hashing any tree: listing a directory ends it.
+# An audit hook sees every os.scandir (each walk lists through it), with nothing of the package replaced.
 _NO_WALK = """
 import sys
-from cubinstore import jit
-from cubinstore._jit import key as _jitkey
-walk = _jitkey._walk
-def refuse(root, *a, **k):
-    if str(root).endswith("nvvm/libdevice"):  # the toolkit's programs: a few files, not a tree
-        return walk(root, *a, **k)
-    raise SystemExit(f"walked {root}")
-_jitkey._walk = _jitkey._light_walk = refuse
+def refuse(event, args):
+    if event == "os.scandir" and not str(args[0]).endswith("nvvm/libdevice"):
+        raise SystemExit(f"walked {args[0]}")  # the toolkit's programs (a few files, not a tree) may be listed
+sys.addaudithook(refuse)
 """
 
 

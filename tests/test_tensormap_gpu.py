@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from cubinstore._driver import cuda as _cuda
+from cubinstore._driver import device
 from cubinstore.errors import BadArgumentError
 from cubinstore.tensormap import DTYPES, TENSORMAP_BYTES, check_tiled, encode_2d_bf16, encode_tiled, from_tensor
 
@@ -33,8 +34,8 @@ def buffer() -> Iterator[int]:
     ok, why = _cuda.available()
     if not ok:
         pytest.skip(why)
-    if _cuda.compute_capability(0) < (9, 0):
-        pytest.skip(f"tensor maps need compute capability 9.0+, device 0 is {_cuda.compute_capability(0)}")
+    if device.compute_capability(0) < (9, 0):
+        pytest.skip(f"tensor maps need compute capability 9.0+, device 0 is {device.compute_capability(0)}")
     drv = _cuda.driver()
     with _cuda.on_device(0):
         ptr = _cuda.check(drv.cuMemAlloc(BUFFER_BYTES), "cuMemAlloc for the tensor map tests")

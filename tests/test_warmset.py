@@ -85,7 +85,7 @@ def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, c
     assert listed.returncode == 0
     assert "miss  axpy dtype=f32 vec=2  sm_90a  count 1  key -  -" in listed.stdout.splitlines()
     text = out_path.read_text()
-    assert "def warm_grid(grid, points = WARM_POINTS):" in text and '"dtype": "f32"' in text
+    assert "WARM_POINTS = [" in text and '"dtype": "f32"' in text
 
     # A later export from a store that has forgotten the first point keeps it: the next
     # release must not lose a point the previous one built.
@@ -94,6 +94,22 @@ def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, c
     result = _warmset.export(local2, "axpy", out_path)
     assert result.added == 1
     assert _points(out_path) == [{"dtype": "f32", "vec": 2}, {"dtype": "f64", "vec": 2}]
+
+
+def test_the_export_is_data_and_warm_grid_is_defined_once(tmp_path: Path) -> None:
+    # cubin_instantiations(warm_points = WARM_POINTS) applies the one warm_grid; the export holds no code.
+    local = LocalStore(tmp_path / "home")
+    _warmset.record(local, kind="miss", family="gemm", params={"bn": 176, "bm": 128}, arch="sm_90a")
+    out = tmp_path / "warmset.bzl"
+    _warmset.export(local, "gemm", out)
+    body = out.read_text().rsplit('"""', 1)[1]  # after the docstring
+    code = [line for line in body.splitlines() if line and not line.startswith((" ", "#", "]"))]
+    assert code == ["WARM_POINTS = ["], code
+    defining = sorted(str(p.relative_to(REPO)) for d in ("tools", "kernels") for p in (REPO / d).rglob("*.bzl")
+                      if "def warm_grid(" in p.read_text())
+    assert defining == ["tools/private/macros/warm_grid.bzl"]
+    macro = (REPO / "tools" / "private" / "macros" / "cubin_instantiations.bzl").read_text()
+    assert 'load(":warm_grid.bzl", "warm_grid")' in macro and "grid = warm_grid(grid, warm_points)" in macro
 
 
 def test_export_refuses_to_overwrite_a_file_it_did_not_write(tmp_path: Path) -> None:

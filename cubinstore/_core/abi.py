@@ -374,8 +374,3 @@ def module_anchor(source_path: str) -> str:
     """
     name = "".join(c if c.isascii() and c.isalnum() else "_" for c in source_path)
     return f"// cubinstore: pins the module id of {source_path}\nvoid __cubinstore_module_anchor_{name}(void) {{}}\n"
-
-
-# -- moved; re-exported until callers import from the new module ------------------------------
-from cubinstore._core.cubin import CubinImage, KernelSymbol  # noqa: E402, F401
-from cubinstore._core.geometry import LaunchGeometry, MAX_RULE_CHARS, check_rule, eval_rule  # noqa: E402, F401

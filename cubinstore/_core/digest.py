@@ -126,14 +126,3 @@ def verify(data: bytes, digest: Digest, size: int | None, *, where: str, name: s
     if actual != digest.hex:
         what = f"{digest}" + (f" ({name})" if name else "")
         raise IntegrityError(f"digest mismatch for {what} from {where}: expected {digest}, got sha256:{actual}")
-
-
-# -- moved; re-exported until callers import from the new module ------------------------------
-def __getattr__(name: str) -> object:
-    # `show` lives in cubinstore._core.text; looked up lazily, so `import cubinstore` (which
-    # imports this module) does not import that one too.
-    if name == "show":
-        from cubinstore._core.text import show
-
-        return show
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,10 @@ Nothing here runs at import: `cuda.bindings` is imported on the first call, so `
 cubinstore` works on a machine without a GPU or driver. Every driver failure becomes a
 `CudaError` naming the call and what it was for. Device facts that cannot change are cached
 once, in `cubinstore._driver.device`; the queries here ask the driver each time.
+
+The functions below (with `driver` and `check`) are what the layers above ask of a driver: the
+loader and launcher reach them through `cubinstore._driver.device.Devices.driver`, which is this
+module unless a test substitutes a fake through `cubinstore._driver.device.use`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from cubinstore._core.abi import MAX_PARAMS
 from cubinstore._core.log import get_logger
 from cubinstore.errors import CudaError
 
@@ -88,22 +93,21 @@ def device_count() -> int:
 
 
 def current_device() -> int:
-    """Ordinal of the device whose context is current on this thread, else 0."""
+    """Ordinal of the device whose context is current on this thread, else 0.
+
+    One driver call when that context is a primary context this process retained (every load
+    and launch retains one): it is known by its handle, and a retained context is never destroyed
+    or reused. Otherwise the driver is asked which device the context is on.
+    """
     drv = driver()
     ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if ctx is None or int(ctx) == 0:
+    handle = 0 if ctx is None else int(ctx)
+    if handle == 0:
         return 0
+    for ordinal, primary in list(_primary.items()):
+        if primary == handle:
+            return ordinal
     return int(check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
-
-
-def check_ordinal(ordinal: int) -> int:
-    """Validate a device ordinal against the devices present."""
-    count = device_count()
-    if isinstance(ordinal, bool) or not isinstance(ordinal, int) or not 0 <= ordinal < count:
-        from cubinstore.errors import BadArgumentError
-
-        raise BadArgumentError(f"invalid device {ordinal!r}: expected an ordinal in [0, {count})")
-    return ordinal
 
 
 def device_attribute(ordinal: int, name: str) -> int:
@@ -111,19 +115,6 @@ def device_attribute(ordinal: int, name: str) -> int:
     attr = getattr(drv.CUdevice_attribute, name)
     dev = check(drv.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
     return int(check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name}) on device {ordinal}"))
-
-
-def sm_count(ordinal: int) -> int:
-    """The device's multiprocessor count, asked of the driver each time: ``device.sm_count`` is the
-    cached one (kept until launch.py asks that module)."""
-    return device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
-
-
-def compute_capability(ordinal: int) -> tuple[int, int]:
-    return (
-        device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
-        device_attribute(ordinal, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
-    )
 
 
 def primary_context(ordinal: int) -> int:
@@ -208,6 +199,20 @@ def function_attribute(func: int, name: str, what: str) -> int:
     drv = driver()
     attr = getattr(drv.CUfunction_attribute, name)
     return int(check(drv.cuFuncGetAttribute(attr, drv.CUfunction(func)), f"cuFuncGetAttribute({name}) for {what}"))
+
+
+def param_info(func: int, what: str) -> list[tuple[int, int]]:
+    """The function's real (offset, size) per parameter, from `cuFuncGetParamInfo`."""
+    drv = driver()
+    function = drv.CUfunction(func)
+    out: list[tuple[int, int]] = []
+    for index in range(MAX_PARAMS):  # no kernel has more: the loop ends at the driver's INVALID_VALUE
+        err, offset, size = drv.cuFuncGetParamInfo(function, index)
+        if err == drv.CUresult.CUDA_ERROR_INVALID_VALUE:
+            break  # index is past the last parameter
+        check((err,), f"cuFuncGetParamInfo({index}) for {what}")
+        out.append((int(offset), int(size)))
+    return out
 
 
 def versions() -> dict[str, str]:

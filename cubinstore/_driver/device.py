@@ -5,7 +5,9 @@ each asked of the driver once, on first use (nothing at import: the driver loads
 first question). Launches read them on every call, so a hit is a dict lookup.
 
 ``Devices`` asks a driver object with ``device_count()`` and ``device_attribute(ordinal, name)``,
-by default ``cubinstore._driver.cuda``; tests hand ``use`` one built on a fake driver instead.
+by default ``cubinstore._driver.cuda``, and hands the same object to the layers above: the loader
+and launcher make every driver call through ``current().driver``. So ``use`` is the one way a
+test substitutes the driver (see its docstring); nothing patches a module attribute.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-__all__ = ["Devices", "check_ordinal", "compute_capability", "count", "shared_mem_optin", "sm_count", "use"]
+__all__ = ["Devices", "check_ordinal", "compute_capability", "count", "current", "shared_mem_optin", "sm_count", "use"]
 
 _CC_MAJOR = "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"
 _CC_MINOR = "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"
@@ -30,27 +32,24 @@ class Driver(Protocol):
 
 
 class Devices:
-    """The facts of every device, each queried once per device from ``driver``, lazily."""
+    """The facts of every device, each queried once per device from ``driver``, lazily; and the
+    driver itself, for the layers above (``driver``)."""
 
     def __init__(self, driver: Driver | None = None) -> None:
-        self._driver = driver
+        if driver is None:
+            from cubinstore._driver import cuda as driver  # the module: cuda.bindings loads with its first call
+        #: The driver these facts come from, and the one the loader and launcher call.
+        self.driver: Any = driver
         self._lock = threading.Lock()
         self._count: int | None = None
         self._attributes: dict[tuple[int, str], int] = {}
         self._capabilities: dict[int, tuple[int, int]] = {}
 
-    def _ask(self) -> Any:
-        if self._driver is None:
-            from cubinstore._driver import cuda  # not at import: cuda.bindings loads with the first question
-
-            self._driver = cuda
-        return self._driver
-
     def count(self) -> int:
         """How many devices the driver reports."""
         value = self._count
         if value is None:
-            value = int(self._ask().device_count())
+            value = int(self.driver.device_count())
             with self._lock:
                 if self._count is None:
                     self._count = value
@@ -59,6 +58,9 @@ class Devices:
 
     def check_ordinal(self, ordinal: Any) -> int:
         """``ordinal`` when it names a device here, else ``BadArgumentError`` saying which exist."""
+        count = self._count
+        if type(ordinal) is int and count is not None and 0 <= ordinal < count:  # every launch: no call
+            return ordinal
         if isinstance(ordinal, int) and not isinstance(ordinal, bool) and 0 <= ordinal < self.count():
             return ordinal
         from cubinstore.errors import BadArgumentError
@@ -70,7 +72,7 @@ class Devices:
         key = (ordinal, name)
         value = self._attributes.get(key)
         if value is None:
-            value = int(self._ask().device_attribute(ordinal, name))
+            value = int(self.driver.device_attribute(ordinal, name))
             with self._lock:
                 value = self._attributes.setdefault(key, value)
         return value
@@ -96,10 +98,27 @@ _devices = Devices()
 
 
 def use(devices: Devices) -> Devices:
-    """Answer every question below from ``devices`` (a fake driver's, in tests); returns the one it replaces."""
+    """THE way a test substitutes the CUDA driver: ``before = use(Devices(fake))``, then ``use(before)``.
+
+    From then on every device fact (here and in ``cubinstore.ops``) is asked of ``fake``, and the
+    loader and launcher make every driver call through it (``current().driver``): a ``Library``
+    loads and launches through the fake. ``fake`` needs only what the code under test asks, by the
+    names of ``cubinstore._driver.cuda``: ``device_count`` and ``device_attribute`` for facts;
+    ``current_device`` for a kernel on the current device; ``on_device``, ``load_library`` and
+    ``library_function`` for a load; ``param_info`` for the layout check of a first launch; then
+    ``driver``, ``check``, ``pointer_device``, ``primary_context`` and ``function_attribute`` for
+    launches. A fresh ``Devices`` has loaded nothing (the loader keeps its modules per ``Devices``),
+    as a new process: ``use(Devices())`` over the real driver gives a fresh load. Returns the
+    ``Devices`` it replaces. Kernels already loaded keep the driver they were loaded through.
+    """
     global _devices
     before, _devices = _devices, devices
     return before
+
+
+def current() -> Devices:
+    """The ``Devices`` in use: its facts, and (``.driver``) the driver the loader and launcher call."""
+    return _devices
 
 
 def count() -> int:

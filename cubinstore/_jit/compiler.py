@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.abi import Arch, CubinImage, module_anchor, param_layout, param_type
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.abi import Arch, layout_mismatch, module_anchor, param_type
+from cubinstore._core.cubin import CubinImage
+from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
+from cubinstore._core.text import show
 from cubinstore._jit import direct as _jitdirect
 from cubinstore._jit import key as _jitkey
 from cubinstore._jit.direct import (
@@ -128,10 +130,11 @@ def read_source(source: str | os.PathLike[str]) -> str:
 
 
 def device_arch() -> Arch:
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore._driver import device  # the driver: only when no arch was given
 
-    ordinal = _cuda.check_ordinal(_cuda.current_device())
-    major, minor = _cuda.compute_capability(ordinal)
+    devices = device.current()
+    ordinal = devices.check_ordinal(devices.driver.current_device())
+    major, minor = devices.compute_capability(ordinal)
     # The arch-specific target from Hopper on: it has every feature (wgmma, setmaxnreg) and
     # loads on exactly this GPU, which is the GPU that asked.
     return Arch(major, minor, "a" if major >= 9 else "")
@@ -742,11 +745,10 @@ def _check_declared(kernels: Sequence[str], entries: Mapping[str, tuple[str, ...
                 f"JIT kernel {k}: entry {name!r} is not a __global__ function of the CUBIN; it has {', '.join(kernels) or 'none'}"
             )
         if image is not None and arch is not None:
-            declared = param_layout([param_type(t) for t in types], arch)
-            actual = image.param_layout(name)
-            sizes = tuple(param_type(t).size for t in types)
-            if tuple(o for o, _ in actual) != declared or tuple(s for _, s in actual) != sizes:
+            m = layout_mismatch([param_type(t) for t in types], arch, image.param_layout(name))
+            if m is not None:
                 raise BadArgumentError(
-                    f"JIT kernel {k} entry {name!r}: declared {list(types)} (offsets {list(declared)}, sizes {list(sizes)}), "
-                    f"the CUBIN has offsets {[o for o, _ in actual]}, sizes {[s for _, s in actual]}"
+                    f"JIT kernel {k} entry {name!r}: declared {list(types)} (offsets {[o for o, _ in m.expected]}, "
+                    f"sizes {[s for _, s in m.expected]}), the CUBIN has offsets {[o for o, _ in m.actual]}, "
+                    f"sizes {[s for _, s in m.actual]}"
                 )

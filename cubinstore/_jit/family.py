@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.abi import Arch, dumps_canonical, kernel_id, loads_strict, render_param
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.abi import REL_PATH_RE, WORD_RE, Arch, dumps_canonical, kernel_id, loads_strict, render_param
+from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
 from cubinstore._core.log import get_logger
 from cubinstore._jit.explain import nearest_points
 from cubinstore.errors import BadArgumentError, CubinstoreError, KernelNotFoundError, ManifestError, StoreError
 from cubinstore.manifest import KernelSpec
-from cubinstore.manifest.family import EXTERNAL_ROOTS, RELATIVE_PATH_RE, TEMPLATE_SCHEMA, WORD_RE, FamilyTemplate
+from cubinstore.manifest.family import EXTERNAL_ROOTS, TEMPLATE_SCHEMA, FamilyTemplate
 from cubinstore.manifest.flags import copt_problem, define_problem
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def make_bundle(files: Mapping[str, bytes | str]) -> bytes:
     """The sources blob of a family: canonical JSON of relative path -> UTF-8 text."""
     out: dict[str, str] = {}
     for rel, data in files.items():
-        if not RELATIVE_PATH_RE.fullmatch(rel):
+        if not REL_PATH_RE.fullmatch(rel):
             raise BadArgumentError(f"source bundle: {show(rel)} is not a plain relative path")
         out[rel] = data.decode("utf-8") if isinstance(data, bytes) else data
     return dumps_canonical({"schema": SOURCES_SCHEMA, "files": out})
@@ -68,7 +69,7 @@ def _bundle_files(raw: bytes, where: str) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     for rel, text in doc["files"].items():
         # Paths become files under the store: no absolute path, no '..', nothing but plain names.
-        if not isinstance(rel, str) or not RELATIVE_PATH_RE.fullmatch(rel) or ".." in rel.split("/") or not isinstance(text, str):
+        if not isinstance(rel, str) or not REL_PATH_RE.fullmatch(rel) or ".." in rel.split("/") or not isinstance(text, str):
             raise ManifestError(f"{where}: file {show(rel)}: expected a plain relative path and text")
         try:
             files[rel] = text.encode("utf-8")

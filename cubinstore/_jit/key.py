@@ -42,7 +42,7 @@ import xxhash
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.abi import Arch, dumps_canonical, merge_flags
-from cubinstore._core.digest import show
+from cubinstore._core.text import show
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, StoreError
 

@@ -19,13 +19,15 @@ from itertools import count, repeat
 from pathlib import Path
 from typing import BinaryIO
 
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.abi import MAX_MANIFEST_BYTES
+from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
 from cubinstore._core.userfile import open_regular
 from cubinstore.store.local.files import atomic_file
 from cubinstore.store.local.cas import LocalStore
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BundleError, ManifestError, StoreError
-from cubinstore.manifest import MAX_MANIFEST_BYTES, Manifest
+from cubinstore.manifest import Manifest
 from cubinstore.store import Store
 
 __all__ = ["MANIFEST_NAME", "pack", "unpack"]

@@ -8,13 +8,13 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cubinstore._core.digest import Digest
-from cubinstore._core.digest import verify
+from cubinstore._core.abi import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES
+from cubinstore._core.digest import Digest, verify
 from cubinstore.store.local.files import NotRegularFile
 from cubinstore.store.local.cas import Entry, LocalStore
 from cubinstore._core.log import get_logger
 from cubinstore.errors import CubinstoreError, IntegrityError, StoreError
-from cubinstore.manifest import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES, Manifest
+from cubinstore.manifest import Manifest
 
 __all__ = ["GcResult", "VerifyReport", "gc", "pin", "pinned", "pins_lock", "unpin", "verify_store"]
 

@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError
 from cubinstore.manifest import Manifest
 

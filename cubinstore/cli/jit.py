@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from cubinstore._core import knobs
+from cubinstore._core.abi import IDENT_RE, WORD_RE
 from cubinstore.cli import M_HELP
 from cubinstore.cli._common import local_store
 from cubinstore.errors import BadArgumentError
@@ -19,9 +20,8 @@ from cubinstore.errors import BadArgumentError
 __all__ = ["add_arguments"]
 
 _KEY_RE = re.compile(r"(xxh3:)?[0-9a-f]{32}", re.ASCII)
-# A family point as the manifest spells one: identifier names, values ints of at most 64 bits or words.
-_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
-_WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
+# A family point as the manifest spells one: identifier names (IDENT_RE), values ints of at most
+# 64 bits or words (WORD_RE).
 _INT_RE = re.compile(r"-?[0-9]{1,20}", re.ASCII)  # 20 digits hold 2**64; longer is never an int here
 _INT_BOUND = 2**63
 MAX_SINCE_DAYS = 36_500.0  # a century: any warm set is younger
@@ -113,7 +113,7 @@ def _value(name: str, text: str) -> str | int:
         value = int(text)
         if -_INT_BOUND <= value < _INT_BOUND:
             return value
-    elif _WORD_RE.fullmatch(text) and len(text) <= 256 and not text.isdigit():
+    elif WORD_RE.fullmatch(text) and len(text) <= 256 and not text.isdigit():
         return text
     raise BadArgumentError(f"explain: parameter {name}: expected an integer in [-2**63, 2**63) or a word like "
                            f"'f32' ([A-Za-z0-9_.+-]), got {_short(text)}")
@@ -131,7 +131,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from cubinstore._jit.explain import explain_point
     from cubinstore._release.refs import load_manifest
 
-    if not _WORD_RE.fullmatch(args.what) or len(args.what) > 256:
+    if not WORD_RE.fullmatch(args.what) or len(args.what) > 256:
         raise BadArgumentError(f"explain: expected a JIT key (xxh3:<32 hex>) or a family name like 'axpy', "
                                f"got {_short(args.what)}")
     if args.arch is not None:
@@ -141,7 +141,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     params: dict[str, str | int] = {}
     for item in args.params:
         name, sep, value = item.partition("=")
-        if not sep or not _IDENT_RE.fullmatch(name) or len(name) > 256:
+        if not sep or not IDENT_RE.fullmatch(name) or len(name) > 256:
             raise BadArgumentError(f"explain: expected NAME=VALUE with NAME an identifier, got {_short(item)}")
         if name in params:
             raise BadArgumentError(f"explain: parameter {name} is given twice")

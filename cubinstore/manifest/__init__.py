@@ -23,18 +23,30 @@ from typing import TYPE_CHECKING, Any
 
 from cubinstore._core import abi as _abi
 from cubinstore._core.abi import (
+    IDENT_RE,
     MAX_BLOB_SIZE,
     MAX_MANIFEST_BYTES,
+    MAX_POINT_PARAMS,
+    WORD_RE,
     Arch,
     DuplicateKeyError,
-    LaunchGeometry,
     dumps_canonical,
     kernel_id,
     no_duplicate_keys,
     reject_constant,
+    render_param,
 )
-from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest, show
+from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest
+from cubinstore._core.geometry import (
+    MAX_BLOCK_DIM,
+    MAX_CLUSTER_DIM,
+    MAX_GRID_DIM,
+    MAX_SHARED_MEM,
+    LaunchGeometry,
+    check_rule,
+)
 from cubinstore._core.log import get_logger
+from cubinstore._core.text import show
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -74,15 +86,10 @@ _FAMILIES_KEY = "families"
 _KERNEL_FIELDS = ("id", "family", "params", "arch", "digest", "size", "entries", "target")
 _KERNEL_KEYS = frozenset(_KERNEL_FIELDS)
 _ENTRY_KEYS = frozenset({"name", "params", "offsets", "launch"})
-_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
-# Family names and string parameter values become id segments: no '/', no spaces.
-_WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
 _LABEL_RE = re.compile(r"//[A-Za-z0-9_.+/-]*(?::[A-Za-z0-9_.+/=,@~-]+)?", re.ASCII)
 # A readable C++ name: printable ASCII, e.g. "ns::gemm<ns::bf16, 128, 256>".
-_READABLE_RE = re.compile(r"[ -~]{1,1024}", re.ASCII)
-
-#: Parameters of one grid point (a key of its family's grid each): bounds the id-order check's work.
-MAX_POINT_PARAMS = 64
+_MAX_READABLE_CHARS = 1024
+_READABLE_RE = re.compile(rf"[ -~]{{1,{_MAX_READABLE_CHARS}}}", re.ASCII)
 
 ParamValue = str | int
 ComputeCapability = tuple[int, int]
@@ -272,7 +279,7 @@ class _Checker:
             raise self.fail(where, f"missing key {show(missing[0])}")
 
         family = obj["family"]
-        if not isinstance(family, str) or not _WORD_RE.fullmatch(family):
+        if not isinstance(family, str) or not WORD_RE.fullmatch(family):
             raise self.fail(f"{where}.family", f"expected a name like 'axpy' ([A-Za-z0-9_.+-]), got {show(family)}")
 
         params = obj["params"]
@@ -281,11 +288,11 @@ class _Checker:
         if len(params) > MAX_POINT_PARAMS:
             raise self.fail(f"{where}.params", f"expected at most {MAX_POINT_PARAMS} parameters, got {len(params)}")
         for key, value in params.items():
-            if not _IDENT_RE.fullmatch(key):
+            if not IDENT_RE.fullmatch(key):
                 raise self.fail(f"{where}.params", f"expected identifier keys, got {show(key)}")
             if isinstance(value, bool) or not isinstance(value, (str, int)):
                 raise self.fail(f"{where}.params.{key}", f"expected a string or an integer, got {show(value)}")
-            if isinstance(value, str) and not _WORD_RE.fullmatch(value):
+            if isinstance(value, str) and not WORD_RE.fullmatch(value):
                 raise self.fail(f"{where}.params.{key}", f"expected a value like 'f32' ([A-Za-z0-9_.+-]), got {show(value)}")
 
         arch = obj["arch"]
@@ -319,7 +326,7 @@ class _Checker:
         specs: dict[str, EntrySpec] = {}
         names: dict[str, str] = {}
         for name, value in entries.items():
-            if not _IDENT_RE.fullmatch(name):
+            if not IDENT_RE.fullmatch(name):
                 raise self.fail(f"{where}.entries", f"expected C identifiers as entry names, got {show(name)}")
             entry = self._entry(f"{where}.entries.{name}", name, value, parsed_arch)
             if entry.name in names and names[entry.name] != name:
@@ -356,7 +363,7 @@ class _Checker:
                 raise self.fail(where, f"missing key {show(key)}")
         name = value["name"]
         if not isinstance(name, str) or not _READABLE_RE.fullmatch(name):
-            raise self.fail(f"{where}.name", f"expected a readable name (printable ASCII, 1..1024), got {show(name)}")
+            raise self.fail(f"{where}.name", f"expected a readable name (printable ASCII, 1..{_MAX_READABLE_CHARS}), got {show(name)}")
         if not isinstance(value["params"], list):
             raise self.fail(f"{where}.params", f"expected a list of parameter types, got {show(value['params'])}")
         types = self._types(f"{where}.params", value["params"])
@@ -388,7 +395,7 @@ class _Checker:
 
     def _check_id(self, where: str, kid: str, family: str, params: Mapping[str, ParamValue], arch: str) -> None:
         parts = kid.split("/")
-        rendered = sorted(_abi.render_param(k, v) for k, v in params.items())
+        rendered = sorted(render_param(k, v) for k, v in params.items())
         if (
             len(parts) != len(params) + 2
             or parts[0] != family
@@ -498,7 +505,7 @@ class _IdOrder:
         """Keep only the orders that ``segments`` (one id's, keys checked) also render; whether any is left."""
         fits: dict[str, int] = {}
         for key, value in params.items():
-            segment = _abi.render_param(key, value)
+            segment = render_param(key, value)
             fits[segment] = fits.get(segment, 0) | self.bit[key]
         shrank = False
         for pos, segment in enumerate(segments):
@@ -568,7 +575,7 @@ _ENTRY_KEYS_3 = frozenset({"name", "params", "offsets"})
 _chain = itertools.chain.from_iterable
 # Whole columns joined by newlines (no pattern below matches one), checked in one regex call.
 _DIGESTS_RE = re.compile(r"(?:sha256:[0-9a-f]{64}\n)+", re.ASCII)
-_IDENTS_RE = re.compile(rf"(?:{_IDENT_RE.pattern}\n)+", re.ASCII)
+_IDENTS_RE = re.compile(rf"(?:{IDENT_RE.pattern}\n)+", re.ASCII)
 _LABELS_RE = re.compile(rf"(?:{_LABEL_RE.pattern}\n)+", re.ASCII)
 _LAUNCH_KEYS = frozenset({"block", "shared_mem", "cluster", "grid"})
 # A launch object's text, up to its first brace: a "}" closes it, a "{" is a nested object.
@@ -589,7 +596,7 @@ def _id_order(kid: object, family: str, params: dict[str, Any], arch: str) -> tu
         raise _Slow
     order = []
     for segment in parts[1:-1]:
-        keys = [k for k, v in params.items() if (v if type(v) is str else f"{k}{v}") == segment]
+        keys = [k for k, v in params.items() if render_param(k, v) == segment]
         if len(keys) != 1 or keys[0] in order:
             raise _Slow
         order.append(keys[0])
@@ -597,14 +604,14 @@ def _id_order(kid: object, family: str, params: dict[str, Any], arch: str) -> tu
 
 
 def _rendered(key: str, column: list[Any]) -> list[str]:
-    """Each value of a param column as an id renders it (a str as itself, an int as ``<key><value>``),
-    each distinct value rendered once (a column repeats few values; ints and strs never collide)."""
-    table = {v: v if type(v) is str else f"{key}{v}" for v in set(column)}
+    """Each value of a param column as an id renders it (``render_param``), each distinct value
+    rendered once (a column repeats few values; ints and strs never collide)."""
+    table = {v: render_param(key, v) for v in set(column)}
     return list(map(table.__getitem__, column))
 
 
 def _dims_ok(column: list[Any], limit: int) -> None:
-    """_abi._dims3 over a column: each an int or a list of 1 to 3 ints, all in [1, limit]."""
+    """geometry._dims3 over a column: each an int or a list of 1 to 3 ints, all in [1, limit]."""
     kinds = set(map(type, column))
     if kinds == {list}:
         lists, flat = column, list(_chain(column))
@@ -623,13 +630,13 @@ def _launches_ok(launches: list[dict[str, Any]]) -> None:
     """LaunchGeometry.from_json's rules over every launch object, column by column."""
     if not all("block" in keys and keys <= _LAUNCH_KEYS for keys in set(map(frozenset, launches))):
         raise _Slow
-    _dims_ok([g["block"] for g in launches], 1024)
+    _dims_ok([g["block"] for g in launches], MAX_BLOCK_DIM)
     smem = [g.get("shared_mem", 0) for g in launches]
-    if set(map(type, smem)) != {int} or min(smem) < 0 or max(smem) > 1 << 20:
+    if set(map(type, smem)) != {int} or min(smem) < 0 or max(smem) > MAX_SHARED_MEM:
         raise _Slow
     clusters = [c for g in launches if (c := g.get("cluster")) is not None]
     if clusters:
-        _dims_ok(clusters, 16)
+        _dims_ok(clusters, MAX_CLUSTER_DIM)
     grids = [r for g in launches if (r := g.get("grid")) is not None]
     if grids:
         if set(map(type, grids)) != {list} or not set(map(len, grids)) <= {1, 2, 3}:
@@ -638,11 +645,11 @@ def _launches_ok(launches: list[dict[str, Any]]) -> None:
         if not set(map(type, items)) <= {int, str}:
             raise _Slow
         numbers = [x for x in items if type(x) is int]
-        if numbers and (min(numbers) < 1 or max(numbers) >= 2**31):
+        if numbers and (min(numbers) < 1 or max(numbers) > MAX_GRID_DIM):
             raise _Slow
         try:
             for rule in {x for x in items if type(x) is str}:
-                _abi.check_rule(rule)
+                check_rule(rule)
         except BadArgumentError:
             raise _Slow from None
 
@@ -777,7 +784,7 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
 
     if set(map(type, families)) != {str} or set(map(type, archs)) != {str} or set(map(type, params)) != {dict}:
         raise _Slow
-    if not all(map(_WORD_RE.fullmatch, set(families))):
+    if not all(map(WORD_RE.fullmatch, set(families))):
         raise _Slow
     try:
         parsed_archs = {a: Arch.parse(a) for a in set(archs)}
@@ -786,14 +793,14 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
     values = list(_chain(map(dict.values, params)))
     if not set(map(type, values)) <= {int, str}:  # no bool, float, list or null
         raise _Slow
-    if not all(type(v) is int or _WORD_RE.fullmatch(v) for v in set(values)):
+    if not all(type(v) is int or WORD_RE.fullmatch(v) for v in set(values)):
         raise _Slow
 
     # Ids: each family's first id fixes its param order; every id must render in that order
     # (then its params have the family's keys, and (family, params, arch) is unique with the id).
     first = dict(zip(reversed(families), range(n - 1, -1, -1)))
     orders = {f: _id_order(ids[i], f, params[i], archs[i]) for f, i in first.items()}
-    if not all(all(map(_IDENT_RE.fullmatch, params[i])) for i in first.values()):
+    if not all(all(map(IDENT_RE.fullmatch, params[i])) for i in first.values()):
         raise _Slow
     if len(first) == 1:
         groups: dict[str, Any] = {families[0]: range(n)}
@@ -843,8 +850,9 @@ def _fast_index(text: str) -> tuple[list[dict[str, Any]], _Index, dict[str, Any]
         raise _Slow
     names = [v["name"] for v in bodies]
     readable = "".join(names)  # a TypeError for a name that is not a str
-    # [ -~]{1,1024} at C speed: printable ASCII is exactly 0x20..0x7e.
-    if not (readable.isascii() and readable.isprintable()) or min(map(len, names)) < 1 or max(map(len, names)) > 1024:
+    # _READABLE_RE at C speed: printable ASCII is exactly 0x20..0x7e.
+    if (not (readable.isascii() and readable.isprintable()) or min(map(len, names)) < 1
+            or max(map(len, names)) > _MAX_READABLE_CHARS):
         raise _Slow
     for e in tables:
         if len(e) > 1 and len({v["name"] for v in e.values()}) != len(e):
@@ -1032,7 +1040,7 @@ class _Index:
         if order is None or len(order) != len(params):
             return []
         try:
-            stem = "/".join([family, *[v if type(v := params[k]) is str else f"{k}{v}" for k in order]])
+            stem = "/".join([family, *[render_param(k, params[k]) for k in order]])
         except KeyError:
             return []
         assert self._objs is not None

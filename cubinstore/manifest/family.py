@@ -12,26 +12,19 @@ alone, so the manifest can check it without importing the compiler. Standard lib
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cubinstore._core.abi import Arch, param_type, type_grammar
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.abi import IDENT_RE, REL_PATH_RE, WORD_RE, Arch, param_type, type_grammar
+from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError, ManifestError
 from cubinstore.manifest.flags import copt_problem, define_problem
 
-__all__ = ["EXTERNAL_ROOTS", "IDENT_RE", "MAX_BUNDLE_BYTES", "RELATIVE_PATH_RE", "TEMPLATE_SCHEMA", "WORD_RE",
-           "FamilyTemplate"]
+__all__ = ["EXTERNAL_ROOTS", "MAX_BUNDLE_BYTES", "TEMPLATE_SCHEMA", "FamilyTemplate"]
 
 TEMPLATE_SCHEMA: Final = "cubinstore/jit-family/v1"
-#: A plain relative path (a bundle's file, a Bazel package): no leading '/', no empty segment.
-RELATIVE_PATH_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*", re.ASCII)
-#: A C identifier (a grid key, an entry symbol with its placeholders stood in).
-IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
-#: A family name, or a parameter value that is not an int ('f32', 'vec4').
-WORD_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
 MAX_BUNDLE_BYTES: Final = 64 * 1024 * 1024
 #: The include roots a template may name (``tools/private/rules/cubin_jit_template.bzl`` mirrors them).
 EXTERNAL_ROOTS: Final = ("cutlass",)
@@ -79,7 +72,7 @@ class FamilyTemplate:
         if len(set(keys)) != len(keys):
             raise fail("grid_keys", f"expected distinct names, got {show(keys)}")
         source = doc.get("source")
-        if not isinstance(source, str) or not RELATIVE_PATH_RE.fullmatch(source):
+        if not isinstance(source, str) or not REL_PATH_RE.fullmatch(source):
             raise fail("source", f"expected a relative path inside the bundle, got {show(source)}")
         bundle = doc.get("bundle")
         if not isinstance(bundle, Mapping):
@@ -123,7 +116,7 @@ class FamilyTemplate:
             if why is not None:
                 raise fail(f"entries[{name!r}]{why[0]}", why[1])
         package = doc.get("package", "")
-        if not isinstance(package, str) or (package and not RELATIVE_PATH_RE.fullmatch(package)):
+        if not isinstance(package, str) or (package and not REL_PATH_RE.fullmatch(package)):
             raise fail("package", f"expected a Bazel package like 'kernels/gemm', got {show(package)}")
         return cls(family, tuple(keys), source, digest, size, lists["defines"], lists["copts"], lists["includes"],
                    {k: tuple(v) for k, v in entries.items()}, lists["archs"], package)

@@ -12,7 +12,8 @@ there into more defines).
 
 ``{param}`` placeholders are checked on the template text (each one standing for a word or a
 number) and the filled flags once more before a compile (``cubinstore._jit.family``). Part of the
-template schema (``cubinstore.manifest.family``), so it sits below the compiler. Standard library only.
+template schema (``cubinstore.manifest.family``), so it sits below the compiler. Standard library and
+``cubinstore._core.abi`` (the name grammar) only.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import re
 from collections.abc import Sequence
 from typing import Final
 
+from cubinstore._core.abi import IDENT_RE
+
 __all__ = ["COPT_RULES", "MAX_FLAG_CHARS", "allowed_summary", "copt_problem", "define_problem", "option_of"]
 
 MAX_FLAG_CHARS: Final = 4096
 
-_IDENT: Final = r"[A-Za-z_][A-Za-z0-9_]*"
+_IDENT: Final = IDENT_RE.pattern
 # A -D value: printable ASCII, less what the shell reads inside double quotes and nvcc's list comma.
 _DEFINE_VALUE: Final = r"[ !#%&'()*+\-./0-9:;<=>?@A-Z\[\]^_a-z{|}~\"]*"
 _DEFINE_RE: Final = re.compile(rf"{_IDENT}(={_DEFINE_VALUE})?", re.ASCII)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.digest import Digest, show
-from cubinstore._core.digest import verify
+from cubinstore._core.abi import MAX_BLOB_SIZE
+from cubinstore._core.digest import Digest, verify
+from cubinstore._core.text import show
 from cubinstore.store.layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore.store.local.cas import LocalStore
 from cubinstore._core.log import get_logger
@@ -32,7 +33,6 @@ from cubinstore.errors import (
     RemoteUnavailableError,
     StoreError,
 )
-from cubinstore._core.abi import MAX_BLOB_SIZE
 
 if TYPE_CHECKING:
     from cubinstore.store.http import HttpStore

@@ -23,7 +23,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
 from cubinstore.store.layer import Layer, limit_for
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from cubinstore._core.abi import loads_strict
-from cubinstore._core.digest import Digest, show
+from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError, TrustError
 from cubinstore._core.userfile import open_regular
 

@@ -29,21 +29,14 @@ NEW_POINTS = {"//kernels/axpy:axpy_f32_vec2_sm_90a", "//kernels/axpy:axpy_f32_ve
 
 
 def _wire_warmset(root: Path, env: dict[str, str]) -> None:
-    """What a family does once to take part: load its export and pass its grid through warm_grid."""
+    """What a family does once to take part: load its export and pass its points to cubin_instantiations."""
     out = subprocess.run([sys.executable, "-m", "cubinstore", "warmset", "export", "--family", "axpy",
                           "--out", str(root / "kernels" / "axpy" / "warmset.bzl")],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     build = root / "kernels" / "axpy" / "BUILD.bazel"
-    text = build.read_text()
-    start = text.index("grid = {") + len("grid = ")
-    depth, end = 0, start
-    for end in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[end], 0)
-        if depth == 0:
-            break
-    text = text[:start] + "warm_grid(" + text[start:end + 1] + ")" + text[end + 1:]
-    build.write_text('load(":warmset.bzl", "warm_grid")\n' + text)
+    text = build.read_text().replace('    name = "axpy",\n', '    name = "axpy",\n    warm_points = WARM_POINTS,\n', 1)
+    build.write_text('load(":warmset.bzl", "WARM_POINTS")\n' + text)
     # A manifest of this one family, so the loop builds nothing else.
     with open(root / "kernels" / "BUILD.bazel", "a") as f:
         f.write('\ncubin_manifest(\n    name = "axpy_release",\n    families = ["//kernels/axpy"],\n)\n')

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.digest import Digest
-from cubinstore._core.digest import verify
+from cubinstore._core.abi import MAX_BLOB_SIZE
+from cubinstore._core.digest import Digest, verify
 from cubinstore.store.layer import Layer, limit_for
 from cubinstore.store.local.stats import STAT_KEYS, Counters
 from cubinstore.store.local.lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
@@ -53,7 +53,6 @@ _HEX_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _SHARD_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)
 _LOCK_RE = re.compile(r"([0-9a-f]{64})\.lock", re.ASCII)
 _TEMP_PREFIX = TEMP_PREFIX
-MAX_BLOB_SIZE = 1024 * 1024 * 1024  # same bound as the manifest's
 # A grouped batch commits (one sync, then the renames) every GROUP_MAX entries or when its oldest
 # pending entry is GROUP_SECONDS old: each pending entry holds its digest's lock (one descriptor),
 # and another process waiting for one waits for the commit.

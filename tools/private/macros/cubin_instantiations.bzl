@@ -4,6 +4,7 @@ load("//tools/private/rules:cubin_family.bzl", "cubin_family")
 load("//tools/private/rules:cubin_jit_template.bzl", "cubin_jit_template")
 load("//tools/private/rules:cubin_tu.bzl", "cubin_tu")
 load("//tools/private/rules:cuda_cubin.bzl", "cuda_cubin")
+load(":warm_grid.bzl", "warm_grid")
 
 _GEOMETRY_KEYS = ["block", "shared_mem", "cluster", "grid"]
 
@@ -85,6 +86,7 @@ def cubin_instantiations(
         family = None,
         toolkit_headers = None,
         jit = False,
+        warm_points = [],
         visibility = None):
     """Expands an instantiation matrix into one cuda_cubin per (grid point, arch).
 
@@ -123,11 +125,16 @@ def cubin_instantiations(
       jit: also write the family's JIT template (target `<name>_jit`, a cubin_jit_template of
         the same sources, defines, copts and entries), which the manifest embeds, so the
         runtime can compile points the grid lacks. Entries must then be symbols.
+      warm_points: points met at run time that no release had, built besides the grid's (the
+        family's export: `load(":warmset.bzl", "WARM_POINTS")`, written by `cubinstore warmset
+        export --family <family>`). Each must have the grid's keys.
       visibility: visibility of the family target.
     """
     if (src_template == None) == (not srcs):
         fail("cubin_instantiations '{}': give exactly one of 'srcs' and 'src_template'".format(name))
     family = family or name
+    if warm_points:
+        grid = warm_grid(grid, warm_points)
     instances = []
     for params in _points(grid):
         rendered = [_render(k, v) for k, v in params.items()]
