@@ -46,7 +46,7 @@ SOURCE = "kernels/gemm/sm90_bf16_gemm.cu"
 
 log = logging.getLogger("bench_gemm")
 
-# The instantiation grid; mirrors kernels/gemm/BUILD.bazel (tests/test_gemm_model.py checks), for
+# The instantiation grid; mirrors kernels/gemm/BUILD.bazel (tests/ops/test_gemm_model.py checks), for
 # building without Bazel. Each row: (bm, bn, bk, stages, cluster, swap).
 GRID: tuple[tuple[int, int, int, int, int, int], ...] = tuple(
     [(128, 256, 64, s, c, 0) for s in (3, 4) for c in (1, 2)]

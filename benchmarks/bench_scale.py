@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the loopback nginx config the tests use
 
-from _net import free_port, nginx_conf, wait_for_port  # noqa: E402
+from helpers.net import free_port, nginx_conf, wait_for_port  # noqa: E402
 
 from cubinstore._core.abi import Arch, param_layout, param_type  # noqa: E402
 from cubinstore.manifest import Manifest, dumps_canonical  # noqa: E402

@@ -4,7 +4,7 @@
 (the 33 shapes of the 2026-11-29 tuning table plus a few that exercise tails and partial
 waves); `HELD_OUT` is what the model is judged on and the calibration never sees: square,
 Llama-3 8B/70B projections other than the tuning set's, MoE-like tall-skinny shapes and odd
-sizes with tails in M, N and K. The two sets are disjoint (tests/test_gemm_model.py checks).
+sizes with tails in M, N and K. The two sets are disjoint (tests/ops/test_gemm_model.py checks).
 Each shape is (M, N, K) for D = A @ B.T with A M x K and B N x K; K is a multiple of 8.
 """
 

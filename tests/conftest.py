@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _net import free_port, nginx_conf, wait_for_port
+from helpers.net import free_port, nginx_conf, wait_for_port
 
 from cubinstore._core.abi import kernel_id, render_param  # the id grammar, defined once
 

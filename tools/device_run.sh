@@ -2,7 +2,7 @@
 # On a GPU host without Bazel, from the repository root, with .device/ carried there
 # (tools/stage_device.sh makes it): run the named steps, in order, writing logs to $OUT
 # (default .device/out). Steps:
-#   tests       every GPU test (pytest -m gpu over tests/test_*gpu*.py)
+#   tests       every GPU test (pytest -m gpu over tests/*/test_*gpu*.py)
 #   runtime     benchmarks/bench_runtime.py (import time, per-kernel loads, 1 vs 8 processes)
 #   calibrate   benchmarks/tune_gemm.py --calibrate (writes cubinstore/ops/_gemm_calibration.py; copied to $OUT)
 #   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay)
@@ -38,7 +38,7 @@ step() {  # step NAME COMMAND...: run one step, its output to $OUT/NAME.log and 
 
 for what in "$@"; do
   case "$what" in
-    tests) step tests "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_*gpu*.py ;;
+    tests) step tests "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/*/test_*gpu*.py ;;
     runtime) step runtime "$PY" benchmarks/bench_runtime.py --manifest "$CUBINSTORE_TEST_MANIFEST" --json "$OUT/runtime.json" ;;
     calibrate)
       step calibrate "$PY" benchmarks/tune_gemm.py --calibrate --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/gemm_measurements.json"

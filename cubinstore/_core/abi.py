@@ -14,7 +14,7 @@ what the build checks is what the runtime relies on. It defines:
 
 The CUBIN ELF reader is ``cubinstore._core.cubin``; launch geometry ``cubinstore._core.geometry``.
 Starlark cannot import Python: ``tools/private/types.bzl`` mirrors the type table, the arch
-grammar, the default flags and the anchor; ``tests/test_abi.py`` checks the mirror.
+grammar, the default flags and the anchor; ``tests/core/test_abi.py`` checks the mirror.
 Standard library only.
 """
 

@@ -1,6 +1,6 @@
 """Every environment variable cubinstore reads: one ``Variable`` descriptor each, read through typed accessors.
 
-Nothing else in the package touches ``os.environ`` (tests/test_knobs.py checks it). Values are
+Nothing else in the package touches ``os.environ`` (tests/core/test_knobs.py checks it). Values are
 read at call time (not import time) so tests and long-lived processes see changes.
 ``VARIABLES`` is the one table of the ``CUBINSTORE_*`` variables: README's "Environment
 variables" table is checked against it (names, types, defaults), so neither drifts.

@@ -3,7 +3,7 @@
 ``CUBIN_ARGV`` lists the command's words in order; a word in braces is a slot the caller
 fills (``{flags}``, ``{includes}``, ``{defines}`` and ``{extra}`` with any number of words).
 The Bazel rule (``tools/private/actions/compile.bzl``) expands the same table, mirrored in
-Starlark and checked equal by ``tests/test_nvcc_argv.py``; ``cubin_argv`` is the JIT's
+Starlark and checked equal by ``tests/core/test_nvcc_argv.py``; ``cubin_argv`` is the JIT's
 expansion. An action's command line is its cache key, so this order is part of every CUBIN's
 key: change it only with a new key (and a rebuild) in mind.
 """

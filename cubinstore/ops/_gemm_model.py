@@ -281,7 +281,7 @@ def _layout(config: _configs.GemmConfig, m: int, n: int, sm_count: int,
     """(tiles, work units per K split, cluster slots) of plan()'s launch contract.
 
     plan() gives units = these units x splits and grid = min(units, slots) x cluster;
-    tests/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
+    tests/ops/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
     A swapped point tiles N x M. Slots are SMs / cluster, or fewer where `cluster_slots` says
     the device holds fewer clusters of that size at once (the H200: all 66 pairs, 30 of 4).
     """
@@ -335,7 +335,7 @@ class Model:
         """The model's terms for `kernel_id` with `splits` (clamped as plan() does), from plan()'s launch.
 
         The readable definition of the model; `options` computes the same times faster
-        (tests/test_gemm_model.py checks that they agree).
+        (tests/ops/test_gemm_model.py checks that they agree).
         """
         _check_shape(m, n, k, sm_count)
         if isinstance(_config(kernel_id), _configs.SkinnyConfig):

@@ -82,7 +82,7 @@ def register() -> bool:
 # torch.compile runs a function so marked at trace time and takes its result as a constant,
 # so the first call of `gemm` may be one dynamo traces. This is the attribute that
 # torch.compiler.assume_constant_result sets; it cannot be called here without importing
-# torch (tests/test_gemm_op.py checks a compile-first process).
+# torch (tests/ops/test_gemm_op.py checks a compile-first process).
 register._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 

@@ -1,7 +1,7 @@
 """The 2026-11-29 tuning table of cubinstore.ops.gemm: shape bucket -> (kernel id, K splits).
 
 No longer the selection: `ops.gemm` asks the model in `_gemm_model.py`. Kept as measured
-winners the model's defaults are checked against (tests/test_gemm_model.py). Written by the
+winners the model's defaults are checked against (tests/ops/test_gemm_model.py). Written by the
 table mode benchmarks/tune_gemm.py had before its calibration; do not edit by hand.
 Measured on NVIDIA H200 (132 SMs), 2026-11-29, with torch 2.11.0+cu130: each candidate
 (kernel id and split) was checked against torch.matmul and timed 10 times (median of CUDA

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _net import free_port, nginx_conf, wait_for_port
+from helpers.net import free_port, nginx_conf, wait_for_port
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The definitions live in `cubinstore/_core/abi.py` (imported by the runtime and by the manifest
 tool); Starlark cannot import Python, so the few facts the rules check or use before any
-action runs are repeated here, and `tests/test_abi.py` checks that both copies agree:
+action runs are repeated here, and `tests/core/test_abi.py` checks that both copies agree:
 the parameter types, the arch grammar, nvcc's default flags and how copts override them,
 and the module anchor text.
 """

@@ -1,7 +1,7 @@
 """The CubinCompile command line, expanded from the one table of its shape.
 
 `CUBIN_ARGV` and `LIST_SLOTS` mirror `cubinstore/_core/nvcc.py` (the JIT expands the same
-table); `tests/test_nvcc_argv.py` checks that the two are equal.
+table); `tests/core/test_nvcc_argv.py` checks that the two are equal.
 """
 
 CUBIN_ARGV = [

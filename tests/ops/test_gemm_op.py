@@ -1,0 +1,158 @@
+"""cubinstore.ops.gemm as a torch custom op, without a GPU: fake tensors, tracing, typed errors, lazy registration.
+
+Fake tensors on device "cuda" need no GPU (`FakeTensorMode`), so the op's fake
+implementation, dynamo's graph (`torch.compile(fullgraph=True)` with a backend
+that records it) and `make_fx` run here; the real kernels run in test_gemm_op_gpu.py.
+torch is pinned in requirements-dev.txt (tools/bootstrap.sh installs it); a venv without it skips these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cubinstore.ops as ops
+from cubinstore.errors import BadArgumentError
+from cubinstore.ops import _gemm_op
+
+REPO = Path(__file__).resolve().parents[2]
+
+torch = pytest.importorskip("torch", reason="the torch op tests need torch (pinned in requirements-dev.txt: run tools/bootstrap.sh)")
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+
+def fake_cuda(*shape: int, dtype: Any = None, strides: tuple[int, ...] | None = None) -> Any:
+    """A fake CUDA tensor (call inside FakeTensorMode)."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    if strides is None:
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+    return torch.empty_strided(shape, strides, dtype=dtype, device="cuda")
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps each graph dynamo hands it and runs it as is."""
+
+    def __init__(self) -> None:
+        self.graphs: list[Any] = []
+
+    def __call__(self, gm: Any, inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self) -> list[str]:
+        return [str(node.target) for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"]
+
+
+def test_fake_gemm_gives_d_shape_dtype_and_device() -> None:
+    with FakeTensorMode():
+        d = ops.gemm(fake_cuda(5, 64), fake_cuda(24, 64))
+        direct = torch.ops.cubinstore.gemm(fake_cuda(3, 16), fake_cuda(7, 16))
+    assert (tuple(d.shape), d.dtype, d.device.type) == ((5, 24), torch.bfloat16, "cuda")
+    assert (tuple(direct.shape), direct.dtype) == ((3, 7), torch.bfloat16)
+
+
+def test_compile_fullgraph_puts_the_op_in_the_graph() -> None:
+    recorder = GraphRecorder()
+
+    def f(a: Any, b: Any) -> Any:
+        return ops.gemm(a, b) * 2
+
+    with FakeTensorMode():
+        d = torch.compile(f, fullgraph=True, backend=recorder)(fake_cuda(4, 64), fake_cuda(8, 64))
+    assert tuple(d.shape) == (4, 8)
+    assert "cubinstore.gemm.default" in recorder.targets() or "cubinstore.gemm" in recorder.targets()
+
+
+def test_one_dynamic_shape_graph_serves_every_m() -> None:
+    # The fake implementation's checks guard on symbolic sizes rather than specialising them.
+    recorder = GraphRecorder()
+    f = torch.compile(lambda a, b: ops.gemm(a, b) + 1, fullgraph=True, backend=recorder, dynamic=True)
+    with FakeTensorMode():
+        shapes = [tuple(f(fake_cuda(m, 64), fake_cuda(24, 64)).shape) for m in (4, 12, 100)]
+    assert shapes == [(4, 24), (12, 24), (100, 24)]
+    assert len(recorder.graphs) == 1
+
+
+def test_compile_fullgraph_with_out_puts_the_mutating_op_in_the_graph() -> None:
+    recorder = GraphRecorder()
+
+    def f(a: Any, b: Any, d: Any) -> Any:
+        ops.gemm(a, b, out=d)
+        return d + 1
+
+    with FakeTensorMode():
+        r = torch.compile(f, fullgraph=True, backend=recorder)(fake_cuda(4, 64), fake_cuda(8, 64), fake_cuda(4, 8))
+    assert tuple(r.shape) == (4, 8)
+    assert any(t.startswith("cubinstore.gemm_out") for t in recorder.targets()), recorder.targets()
+
+
+def test_make_fx_traces_the_forced_instantiation_into_the_graph() -> None:
+    def f(a: Any, b: Any) -> Any:
+        return ops.gemm_with(a, b, kernel_id="gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a", splits=2)
+
+    with FakeTensorMode():
+        gm = make_fx(f, tracing_mode="fake")(fake_cuda(2, 128), fake_cuda(64, 128))
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [str(n.target) for n in calls] == ["cubinstore.gemm.default"]
+    assert calls[0].args[2:] == ("gemm/bm128/bn64/bk64/stages8/cluster1/swap0/sm_90a", 2)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: (fake_cuda(4, 64, dtype=torch.float32), fake_cuda(8, 64)), r"^gemm a: expected dtype bfloat16, got float32$"),
+    (lambda: (fake_cuda(4, 64), fake_cuda(8, 32)), r"^gemm: a is 4x64 and b is 8x32: expected the same K"),
+    (lambda: (fake_cuda(4, 64, 2), fake_cuda(8, 64)), r"^gemm a: expected a 2-D tensor, got 3-D"),
+    (lambda: (fake_cuda(64, 64, strides=(1, 64)), fake_cuda(8, 64)),
+     r"^gemm a: expected contiguous rows \(stride 1 along dim 1\), got strides \(1, 64\)$"),
+    (lambda: (fake_cuda(8, 64), fake_cuda(8, 64, strides=(68, 1))),
+     r"^gemm b: expected a row stride >= 64 and a multiple of 8 elements"),
+])
+def test_bad_operands_through_the_op_are_typed_errors(make: Callable[[], tuple[Any, Any]], message: str) -> None:
+    with FakeTensorMode():
+        a, b = make()
+        with pytest.raises(BadArgumentError, match=message):
+            torch.ops.cubinstore.gemm(a, b)
+        with pytest.raises(BadArgumentError, match=message):
+            ops.gemm(a, b)  # a fake tensor goes through the op too
+
+
+def test_bad_out_through_the_op_is_a_typed_error() -> None:
+    with FakeTensorMode():
+        a, b, d = fake_cuda(4, 64), fake_cuda(8, 64), fake_cuda(8, 4)
+        with pytest.raises(BadArgumentError, match=r"^gemm out: expected shape \(4, 8\), got \(8, 4\)$"):
+            torch.ops.cubinstore.gemm_out(a, b, d)
+
+
+def test_cpu_tensors_through_the_op_are_a_typed_device_error() -> None:
+    a = torch.zeros(4, 64, dtype=torch.bfloat16)
+    _gemm_op.register()
+    with pytest.raises(BadArgumentError, match=r"^gemm a: expected a CUDA tensor, got one on cpu$"):
+        torch.ops.cubinstore.gemm(a, a)
+
+
+def test_a_process_whose_first_gemm_is_traced_registers_the_op() -> None:
+    # torch imported after cubinstore.ops, and no eager call before torch.compile.
+    code = """
+import cubinstore.ops as ops
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+names = []
+def backend(gm, inputs):
+    names.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    return gm.forward
+with FakeTensorMode():
+    a = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+    torch.compile(lambda x: ops.gemm(x, x), fullgraph=True, backend=backend)(a)
+import json; print(json.dumps(names))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == ["cubinstore.gemm"]

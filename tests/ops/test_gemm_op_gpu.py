@@ -1,0 +1,238 @@
+"""cubinstore.ops.gemm under torch on a Hopper GPU: compile, CUDA graphs, recycled addresses, host cost.
+
+Needs a compute capability 9.0 GPU, torch, and a manifest with the `gemm` kernels
+(`CUBINSTORE_TEST_MANIFEST`, see tests/helpers/gpu.py); skips with the reason otherwise.
+Inputs are fresh random values on every run and outputs start as NaN, so an element
+the kernel does not write, or a result computed from stale inputs, fails the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import cubinstore.ops as ops
+from cubinstore import launch
+from cubinstore.errors import BadArgumentError
+from cubinstore.ops import _gemm as G
+from cubinstore.ops import _gemm_model
+from cubinstore.ops._timing import host_us_per_call
+from helpers.gpu import family_library, gemm_operands, gemm_rel_error
+
+
+pytestmark = pytest.mark.gpu
+
+MAX_REL_ERROR = 1e-2
+# Decode (M = 1, split-K), prefill-sized, and a tail shape (no tile edge divides it).
+SHAPES = [(1, 4096, 4096), (128, 4096, 4096), (300, 4099, 520)]
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    return pytest.importorskip("torch", reason="the gemm op tests need torch")
+
+
+@pytest.fixture(scope="module")
+def lib(torch: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[launch.Library]:
+    library = family_library(G.FAMILY, tmp_path_factory)
+    ops.set_library(library)
+    yield library
+    ops.set_library(None)
+
+
+def _rel_error(torch: Any, d: Any, a: Any, b: Any) -> float:
+    torch.cuda.synchronize()
+    assert not torch.isnan(d).any(), "output elements left unwritten (still NaN)"
+    return gemm_rel_error(torch, d, a, b)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
+def test_compiled_fullgraph_matches_eager(lib: launch.Library, torch: Any, backend: str, m: int, n: int, k: int) -> None:
+    def f(a: Any, b: Any) -> Any:
+        return ops.gemm(a, b).float() * 2.0  # exact in fp32, so compiled and eager agree bit for bit
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend, dynamic=False)
+    a, b = gemm_operands(torch, m, n, k)
+    eager = f(a, b)
+    got = compiled(a, b)
+    torch.cuda.synchronize()
+    assert torch.equal(got, eager), f"{backend} at {m}x{n}x{k}: compiled differs from eager"
+    a2, b2 = gemm_operands(torch, m, n, k)  # the compiled function again, on new values
+    assert torch.equal(compiled(a2, b2), f(a2, b2))
+
+
+def _gemm_tile(lib: launch.Library, m: int, n: int, k: int) -> str:
+    """The selection's gemm tile for the shape (never a skinny point, which takes no K split)."""
+    tiles = frozenset(i for i in G.candidates(lib) if i.startswith(G.FAMILY + "/"))
+    return _gemm_model.choose(m, n, k, G.sm_count(0), tiles, cluster_slots=G.cluster_slots(lib, 0))[0]
+
+
+@pytest.mark.parametrize(("splits", "m"), [(2, 1), (3, 1), (8, 1), (16, 1), (G.STREAM_K, 1), (G.STREAM_K, 1280)])
+def test_split_k_gives_the_same_bits_whichever_split_arrives_last(
+    lib: launch.Library, torch: Any, splits: int, m: int
+) -> None:
+    # The last CTA of a tile to arrive sums the partials; the order the splits finish in varies
+    # from launch to launch, so the sum must not follow it (compiled and eager must agree bit for bit).
+    # Stream-K at 1280 rows: whole tiles, then tiles cut over two or three CTAs.
+    n, k = 4096, 4096
+    a, b = gemm_operands(torch, m, n, k)
+    kernel_id = _gemm_tile(lib, m, n, k)
+    first = ops.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
+    for i in range(50):
+        again = ops.gemm_with(a, b, kernel_id=kernel_id, splits=splits)
+        assert torch.equal(again, first), f"{kernel_id} splits={splits}: launch {i + 1} differs from the first"
+    assert _rel_error(torch, first, a, b) < MAX_REL_ERROR
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
+def test_captured_graph_replays_with_newgemm_operands(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
+    a, b = gemm_operands(torch, m, n, k)
+    ops.gemm(a, b)  # warm: load, select, prepare outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d = ops.gemm(a, b)
+    for _ in range(3):
+        new_a, new_b = gemm_operands(torch, m, n, k)
+        a.copy_(new_a)
+        b.copy_(new_b)
+        d.fill_(float("nan"))
+        graph.replay()
+        rel = _rel_error(torch, d, new_a, new_b)
+        assert rel < MAX_REL_ERROR, f"graph replay at {m}x{n}x{k}: relative error {rel:.3g}"
+
+
+def test_two_graphs_on_one_capture_stream_each_zero_their_split_k_counters(lib: launch.Library, torch: Any) -> None:
+    # Both captures use torch's default capture stream; the second graph replayed first
+    # must not depend on anything the first one's capture left behind.
+    m, n, k = 1, 4096, 4096
+    kernel_id = _gemm_tile(lib, m, n, k)
+    inputs = [gemm_operands(torch, m, n, k) for _ in range(2)]
+    graphs, outs = [], []
+    for a, b in inputs:
+        ops.gemm_with(a, b, kernel_id=kernel_id, splits=8)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(ops.gemm_with(a, b, kernel_id=kernel_id, splits=8))
+        graphs.append(graph)
+    for i in (1, 0, 1):
+        outs[i].fill_(float("nan"))
+        graphs[i].replay()
+        rel = _rel_error(torch, outs[i], *inputs[i])
+        assert rel < MAX_REL_ERROR, f"graph {i}: relative error {rel:.3g}"
+
+
+def test_recycled_addresses_get_correct_results_and_reuse_the_caches(lib: launch.Library, torch: Any) -> None:
+    m, n, k = 64, 1024, 512
+    a, b = gemm_operands(torch, m, n, k)
+    ops.gemm(a, b, out=torch.empty(m, n, dtype=torch.bfloat16, device="cuda:0"))
+    seen_a, seen_b = {a.data_ptr()}, {b.data_ptr()}  # already mapped
+    del a, b
+    before = G.cache_misses()
+    new_a: set[int] = set()
+    new_b: set[int] = set()
+    turns = 12
+    for i in range(turns):
+        # Freed and reallocated each turn: the caching allocator hands back the same addresses
+        # with new contents, so a map cached for an address must still be right.
+        a, b = gemm_operands(torch, m, n, k)
+        d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+        ops.gemm(a, b, out=d)
+        new_a |= {a.data_ptr()} - seen_a
+        new_b |= {b.data_ptr()} - seen_b
+        rel = _rel_error(torch, d, a, b)
+        assert rel < MAX_REL_ERROR, f"call {i}: relative error {rel:.3g}"
+        del a, b, d
+    after = G.cache_misses()
+    assert after["prepared"] == before["prepared"] and after["selection"] == before["selection"]
+    # One encode per address not mapped before, none for an address seen again.
+    assert len(seen_a | new_a) <= G._MAP_CACHE and len(seen_b | new_b) <= G._MAP_CACHE
+    assert after["tensor_map"] - before["tensor_map"] == len(new_a) + len(new_b)
+    assert len(new_a) + len(new_b) < 2 * turns, "the allocator recycled no address; the test proves nothing"
+
+
+def test_repeat_calls_use_one_prepared_launch(lib: launch.Library, torch: Any) -> None:
+    a, b = gemm_operands(torch, 128, 4096, 4096)
+    d = torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda:0")
+    ops.gemm(a, b, out=d)
+    before = G.cache_misses()
+    # This signature's entry: with `out`, and neither instantiation nor split forced (earlier tests
+    # may have left entries of the same shapes that force them).
+    call = next(c for key, c in G._calls.items()
+                if key[2] == a.shape and key[6] == b.shape and key[8] is not None and key[9:] == (None, None))
+    launches = call.launch.calls
+    for _ in range(50):
+        ops.gemm(a, b, out=d)
+    assert call.launch.calls == launches + 50
+    assert G.cache_misses() == before
+
+
+def test_the_op_called_directly_matches_the_reference(lib: launch.Library, torch: Any) -> None:
+    a, b = gemm_operands(torch, 129, 257, 72)
+    d = torch.ops.cubinstore.gemm(a, b)
+    assert _rel_error(torch, d, a, b) < MAX_REL_ERROR
+    out = torch.full((129, 257), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    torch.ops.cubinstore.gemm_out(a, b, out)
+    assert _rel_error(torch, out, a, b) < MAX_REL_ERROR
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (128, 4096, 4096)], ids=str)
+def test_host_cost_per_call_is_at_most_twice_torch_mm(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
+    a, b = gemm_operands(torch, m, n, k)
+    d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda:0")
+    ours = host_us_per_call(lambda: ops.gemm(a, b, out=d))
+    theirs = host_us_per_call(lambda: torch.mm(a, b.T, out=d))
+    assert ours <= 2 * theirs, f"{m}x{n}x{k}: ops.gemm {ours:.1f} us a call, torch.mm {theirs:.1f} us"
+
+
+def test_threads_sharing_the_caches_get_their_own_results(lib: launch.Library, torch: Any) -> None:
+    # Two threads per signature, so they share one prepared launch (its buffer) and one map cache.
+    import threading
+
+    shapes = [(64, 1024, 512), (64, 1024, 512), (1, 4096, 4096), (1, 4096, 4096)]
+    for shape in shapes:
+        ops.gemm(*gemm_operands(torch, *shape))
+    torch.cuda.synchronize()
+    errors: list[str] = []
+
+    def work(index: int, m: int, n: int, k: int) -> None:
+        try:  # an exception in a thread would only end the thread: record it
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for i in range(20):
+                    a, b = gemm_operands(torch, m, n, k)
+                    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+                    ops.gemm(a, b, out=d)
+                    stream.synchronize()
+                    rel = _rel_error(torch, d, a, b)
+                    assert rel < MAX_REL_ERROR, f"call {i}: relative error {rel:.3g}"
+        except Exception as exc:
+            errors.append(f"thread {index} at {m}x{n}x{k}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(i, *shape)) for i, shape in enumerate(shapes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_an_out_view_that_starts_mid_word_is_refused_before_any_launch(lib: launch.Library, torch: Any) -> None:
+    # N even: D is stored 4 bytes at a time, so a view one element into a buffer would fault
+    # on the GPU (and poison the context). Refused on the first call of the signature and on a
+    # cache hit after a good call alike; the context stays usable.
+    m, n, k = 64, 256, 128
+    a, b = gemm_operands(torch, m, n, k)
+    buf = torch.empty(m * n + 2, dtype=torch.bfloat16, device="cuda:0")
+    bad = buf[1:1 + m * n].view(m, n)
+    with pytest.raises(BadArgumentError, match=r"^gemm out: expected a 4-byte aligned data pointer when N \(256\) is even"):
+        ops.gemm(a, b, out=bad)
+    good = buf[2:].view(m, n)  # 4-byte aligned: same signature (dtype, shape, strides, device)
+    ops.gemm(a, b, out=good)
+    with pytest.raises(BadArgumentError, match=r"^gemm out: expected a 4-byte aligned data pointer"):
+        ops.gemm(a, b, out=bad)
+    assert _rel_error(torch, good, a, b) < MAX_REL_ERROR
