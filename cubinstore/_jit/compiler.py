@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.abi import Arch, layout_mismatch, module_anchor, param_type
+from cubinstore._core.nvcc import cubin_argv
 from cubinstore._core.cubin import CubinImage
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
@@ -464,13 +465,15 @@ def _record(local: Any, k: JitKey, arch: Arch, digest: Digest | None, family: st
 # -- the compile ----------------------------------------------------------------------------------
 
 def command(req: Request) -> list[str]:
-    """nvcc's argv, relative to the compile directory: the Bazel rule's shape (cuda_cubin.bzl)."""
-    argv = ["cuda/bin/nvcc", "-cubin", f"-arch={req.arch}", "-ccbin", req.host.name, *req.flags.command, "-I."]
-    argv += [f"-Iinc/{i}" for i in range(len(req.include_dirs))]
-    # -MD: the files the TU read, for the direct key (it does not change the CUBIN's bytes).
-    argv += ["-include", ANCHOR_NAME, "-Xcicc", "--orig_src_path_name", "-Xcicc", SOURCE_NAME,
-             "-MD", "-MF", DEPS_NAME, "-o", OUTPUT_NAME, SOURCE_NAME]
-    return argv
+    """nvcc's argv, relative to the compile directory: the Bazel rule's shape (``_core.nvcc``)."""
+    return cubin_argv({
+        "nvcc": "cuda/bin/nvcc", "arch": str(req.arch), "host_cc": req.host.name,
+        # The JIT's defines are among its flags (already merged with the defaults).
+        "flags": list(req.flags.command), "includes": [f"inc/{i}" for i in range(len(req.include_dirs))], "defines": [],
+        "anchor": ANCHOR_NAME, "source_name": SOURCE_NAME,
+        # -MD: the files the TU read, for the direct key (it does not change the CUBIN's bytes).
+        "extra": ["-MD", "-MF", DEPS_NAME], "output": OUTPUT_NAME, "source": SOURCE_NAME,
+    })
 
 
 def _lay_out(req: Request, work: Path) -> None:

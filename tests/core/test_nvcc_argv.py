@@ -47,3 +47,9 @@ def test_a_list_slot_given_a_string_is_refused() -> None:
     with pytest.raises(TypeError, match=r"nvcc slot \{includes\}"):
         nvcc.cubin_argv({"nvcc": "n", "arch": "a", "host_cc": "c", "flags": [], "includes": "inc/0", "defines": [],
                          "anchor": "a", "source_name": "s", "extra": [], "output": "o", "source": "s"})
+
+
+def test_the_jit_builds_its_command_from_the_table() -> None:
+    source = (ROOT / "cubinstore/_jit/compiler.py").read_text()
+    body = source[source.index("def command("):source.index("def _lay_out(")]
+    assert "cubin_argv(" in body and "-Xcicc" not in body, "the JIT spells its own nvcc words again"
