@@ -210,21 +210,9 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     timeout: float | None = None,
     nvcc: Callable[[list[str], Path], subprocess.CompletedProcess[str]] | None = None,
 ) -> Compiled:
-    """Compile ``source`` (TU text, or a path to it) for ``arch``, or find it compiled under the same key.
+    """What ``cubinstore.jit.compile`` does (its docstring describes every argument), returning the
+    index entry found or written and how; ``jit.compile`` wraps it in a ``JitKernel``.
 
-    ``include_dirs``: the library's include roots, absolute, wherever it is installed.
-    ``flags``: extra nvcc flags (``-D``, ``-std=``...; absolute ``-I`` paths are keyed by
-    content). ``arch``: default the current device's (``sm_XYa`` from Hopper on).
-    ``entries``: symbol -> parameter types, checked against the CUBIN and needed to launch.
-    ``family``/``params``: how the warm set names this point (for ``warmset export``).
-    ``jit``: may this call run nvcc (default ``CUBINSTORE_JIT``); off, a miss raises
-    ``KernelNotFoundError``. A failing compile raises ``JitCompileError`` with nvcc's command
-    and output, and caches nothing.
-    ``sealed``: the compile may read only files under ``include_dirs``, the flags' paths, the
-    toolkit and the host compiler's system include directories; any other file it read fails it
-    (``JitCompileError`` naming the path, not quoting nvcc) and nothing is cached.
-    ``timeout``: seconds the compile may run (default ``CUBINSTORE_JIT_TIMEOUT``, 600); past it
-    nvcc's process group is killed and ``JitTimeoutError`` raised.
     ``nvcc``: what runs nvcc's argv in the compile directory (default ``run_nvcc``; tests pass a
     wrapper to act while it runs).
     """
