@@ -1,1 +1,1 @@
-"""Run-time compilation below the public ``cubinstore.jit``: key, direct key, index, family templates, flags, explain."""
+"""Run-time compilation below the public ``cubinstore.jit``: compiler, key, direct key, index, family points, explain."""

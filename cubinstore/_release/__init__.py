@@ -1,1 +1,1 @@
-"""Moving releases: prefetch, offline bundles, maintenance, the warm set."""
+"""Moving releases: manifest references, prefetch, offline bundles, publish, maintenance, the warm set."""

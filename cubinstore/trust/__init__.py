@@ -1,1 +1,1 @@
-"""Signed release channels."""
+"""Signed release channels: records, the accept/refuse decision (pure), the channel I/O, signing."""

@@ -1,4 +1,4 @@
-"""File helpers shared by the stores: bounded no-follow reads, atomic writes, verification."""
+"""File helpers shared by the stores: bounded no-follow reads and atomic writes."""
 
 from __future__ import annotations
 
