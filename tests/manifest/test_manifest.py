@@ -22,8 +22,7 @@ from cubinstore import (
     Store,
     arch_compatible,
 )
-from cubinstore import manifest as manifest_module
-from cubinstore.manifest import dumps_canonical, kernel_id
+from cubinstore.manifest import dumps_canonical, fast, kernel_id
 from cubinstore.store import MemoryStore
 from helpers.manifest_paths import full_checker as full_checker_of, outcome
 
@@ -544,7 +543,7 @@ def test_repeated_entry_tables_are_parsed_once_and_give_the_full_checkers_specs(
         if not families:
             del doc["families"]
         text = _text(doc)
-        cut = manifest_module._cut_entries(text)
+        cut = fast._cut_entries(text)
         assert cut is not None and len(cut[1]) == 9 and len(cut[2]) == 3  # 9 kernels, 3 distinct tables
         m = Manifest.from_bytes(text.encode())
         objs, by_id = m._index._objs, m._index.by_id

@@ -213,8 +213,10 @@ def test_launch_objects_checked_from_the_text_get_the_same_answer(monkeypatch: p
 
 def test_repeated_launch_objects_are_checked_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
     checked: list[int] = []
-    real = manifest_module._launches_ok
-    monkeypatch.setattr(manifest_module, "_launches_ok", lambda launches: checked.append(len(launches)) or real(launches))
+    from cubinstore.manifest import fast
+
+    real = fast._launches_ok
+    monkeypatch.setattr(fast, "_launches_ok", lambda launches: checked.append(len(launches)) or real(launches))
     m = Manifest.from_bytes(_compact(_doc()))
     assert m._index._objs is not None and checked == [2]  # 9 copies of one geometry and another: 2 objects
     assert m.by_id("axpy/f32/sm_90").entry("::ns::axpy2").launch.cluster == (2, 1, 1)

@@ -80,7 +80,7 @@ def test_an_entry_pending_in_an_idle_grouped_batch_is_committed_for_a_process_th
     from helpers.blobs import random_blob
 
     from cubinstore.store.layer import Layer
-    from cubinstore.store.local.cas import GROUP_SECONDS
+    from cubinstore.store.local.batch import GROUP_SECONDS
 
     digest, data = random_blob(3000, 7)
 

@@ -1,1 +1,1 @@
-"""The local store: the CAS on disk, the descriptor-safe file API below it, its locks."""
+"""The local store: the CAS on disk (cas), its batched writes and staging (batch), fill locks (fill), counters (stats), the descriptor-safe file API below it (root, files) and cross-process locks (lock)."""

@@ -1,8 +1,9 @@
 """The local directory store: ``<root>/v1/cas/<first two hex>/<hex>``, one immutable file per blob.
 
 Every path below the root is reached through directory descriptors without following a link
-(``_safedir``), and nothing is written where another user could write (see the README's
-"permission rules").
+(``root.py``), and nothing is written where another user could write (see the README's
+"permission rules"). ``LocalStore`` owns its batches, grouped writes and staging (``batch.py``),
+its fill locks (``fill.py``) and its counters (``stats.py``), and delegates to them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import hashlib
 import os
 import re
 import stat
-import sys
 import threading
 import time
 import weakref
@@ -25,8 +25,10 @@ from cubinstore._core import knobs as _env
 from cubinstore._core.abi import MAX_BLOB_SIZE
 from cubinstore._core.digest import Digest, verify
 from cubinstore.store.layer import Layer, limit_for
+from cubinstore.store.local.batch import GROUP_MAX, GROUP_SECONDS, Batch
+from cubinstore.store.local.fill import FillLocks
+from cubinstore.store.local.lock import RANGE_LOCKS, file_lock, remove_if_unheld
 from cubinstore.store.local.stats import STAT_KEYS, Counters
-from cubinstore.store.local.lock import RANGE_LOCKS, acquire, file_lock, remove_if_unheld
 from cubinstore._core.log import get_logger
 from cubinstore.store.local.root import (
     _DIR_FLAGS,
@@ -35,17 +37,15 @@ from cubinstore.store.local.root import (
     StoreRoot,
     atomic_file_at,
     atomic_write_at,
-    fsync_fd,
-    new_temp,
     read_at,
     read_below,
     sync_filesystem,
-    unlink_quiet,
     write_temp_at,
 )
 from cubinstore.errors import CubinstoreError, StoreError
 
-__all__ = ["Entry", "LocalStore", "STAT_KEYS"]
+# GROUP_MAX and GROUP_SECONDS are batch.py's, named here too (tests/scale read them here).
+__all__ = ["GROUP_MAX", "GROUP_SECONDS", "STAT_KEYS", "Entry", "LocalStore"]
 
 _log = get_logger(__name__)
 
@@ -53,11 +53,6 @@ _HEX_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _SHARD_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)
 _LOCK_RE = re.compile(r"([0-9a-f]{64})\.lock", re.ASCII)
 _TEMP_PREFIX = TEMP_PREFIX
-# A grouped batch commits (one sync, then the renames) every GROUP_MAX entries or when its oldest
-# pending entry is GROUP_SECONDS old: each pending entry holds its digest's lock (one descriptor),
-# and another process waiting for one waits for the commit.
-GROUP_MAX = 128
-GROUP_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -104,23 +99,13 @@ class LocalStore(Counters, Layer):
         self._shards_lock = threading.Lock()
         self._cas_text = str(self.cas_dir)  # names entries in messages: no Path joins per hit
         weakref.finalize(self, _close_all, self._shards)
-        self._batch_lock = threading.Lock()
-        self._batch_depth = 0
-        self._batch_lazy = 0  # open batches that sync the filesystem at their end instead of each file
-        self._batch_unsynced = False
-        self._batch_dirs: set[tuple[str, ...]] = set()
-        # Grouped batches (prefetch): hex -> [shard, temp name, lock descriptor or None] written
-        # but not yet renamed; the group being committed; failures for the batch's end.
-        self._grouped = 0
-        self._group: dict[str, list] = {}
-        self._group_since = 0.0
-        self._committing: dict[str, list] = {}
-        self._commit_lock = threading.Lock()
-        self._group_errors: list[str] = []
-        # While a grouped batch is open, a thread commits a group GROUP_SECONDS old even when
-        # nothing more is staged and no thread of ours waits: a process waiting for one of its
-        # entries' locks must not wait until our batch ends.
-        self._group_timer: tuple[threading.Thread, threading.Event] | None = None
+        # Batches, grouped writes and staging (batch.py), and the fill locks (fill.py), which may
+        # hand a lock to the batch. The file primitives are looked up in this module at each
+        # call: tests count syncs and temp writes by patching its names.
+        self._batch = Batch(self._fs, self.root,
+                            sync_filesystem=lambda path: sync_filesystem(path),
+                            write_temp=lambda *args, **kwargs: write_temp_at(*args, **kwargs))
+        self._fills = FillLocks(self._fs, self.lock_dir, self._batch)
 
     @property
     def name(self) -> str:
@@ -140,12 +125,7 @@ class LocalStore(Counters, Layer):
 
     def write_file(self, parts: tuple[str, ...], name: str, data: bytes, *, durable: bool = True) -> None:
         """Atomically replace ``v1/<parts>/<name>`` with ``data``."""
-        with self._batch_lock:
-            deferred = durable and self._batch_depth > 0
-            lazy = deferred and self._batch_lazy > 0
-            if deferred:
-                self._batch_dirs.add(parts)
-                self._batch_unsynced |= lazy
+        deferred, lazy = self._batch.note_write(parts, durable)
         with self._fs.dir("v1", *parts, create=True) as fd:
             assert fd is not None  # create=True never yields None
             atomic_write_at(fd, name, self.v1.joinpath(*parts), data, durable=durable and not lazy,
@@ -160,8 +140,7 @@ class LocalStore(Counters, Layer):
         finally:
             self._fs.end_session()
 
-    @contextmanager
-    def batch(self, *, sync_each: bool = True, grouped: bool = False) -> Iterator[None]:
+    def batch(self, *, sync_each: bool = True, grouped: bool = False) -> AbstractContextManager[None]:
         """Many writes, made durable together: each directory is fsynced once when the body ends.
 
         ``sync_each`` fsyncs each file before its rename (a power loss can lose a rename, never
@@ -183,130 +162,7 @@ class LocalStore(Counters, Layer):
         even while this one stages nothing more. A failed rename is a ``StoreError`` when
         the body ends; a kill leaves the uncommitted group as temp files (``gc`` removes them).
         """
-        with self._batch_lock:
-            self._batch_depth += 1
-            if not sync_each:
-                self._batch_lazy += 1
-            if grouped:
-                self._grouped += 1
-                if self._group_timer is None:
-                    stop = threading.Event()  # one per timer: a later batch's timer never reuses it
-                    thread = threading.Thread(target=self._commit_when_due, args=(stop,), daemon=True,
-                                              name=f"cubinstore-group-commit {self.root}")
-                    self._group_timer = (thread, stop)
-                    thread.start()
-        self._fs.begin_session()  # each directory walked and checked once for the whole batch
-        try:
-            yield
-        finally:
-            try:
-                if grouped:
-                    self._stop_group_timer()
-                    self._commit_group()
-            finally:
-                self._fs.end_session()
-                with self._batch_lock:
-                    self._batch_depth -= 1
-                    if not sync_each:
-                        self._batch_lazy -= 1
-                    if grouped:
-                        self._grouped -= 1
-                    last = self._batch_depth == 0
-                    dirs = sorted(self._batch_dirs) if last else []
-                    lazy = self._batch_unsynced and last
-                    errors = self._group_errors if grouped and self._grouped == 0 else []
-                    if errors:
-                        self._group_errors = []
-                    if last:
-                        self._batch_dirs.clear()
-                        self._batch_unsynced = False
-            if lazy and sync_filesystem(self.root):
-                dirs = []  # syncfs made the directories durable too
-            for parts in dirs:
-                with self._fs.dir("v1", *parts) as fd:
-                    if fd is not None:
-                        fsync_fd(fd, self.v1.joinpath(*parts))
-            if errors:
-                failure = StoreError(f"cannot store {len(errors)} blob{'s' if len(errors) > 1 else ''} in {self.root}: "
-                                     + "; ".join(errors[:3]) + ("; ..." if len(errors) > 3 else ""))
-                if sys.exc_info()[1] is None:
-                    raise failure
-                _log.warning("%s", failure)  # the body's own error goes on
-
-    def _stage_in_group(self, digest: Digest, data: bytes) -> None:
-        hex_ = digest.hex
-        shard = hex_[:2]
-        with self._fs.dir("v1", "cas", shard, create=True) as fd:
-            assert fd is not None
-            tmp = write_temp_at(fd, hex_, self.cas_dir / shard, data)
-        with self._batch_lock:
-            now = time.monotonic()
-            if not self._group:
-                self._group_since = now
-            self._group[hex_] = [shard, tmp, None]
-            self._batch_dirs.add(("cas", shard))
-            due = len(self._group) >= GROUP_MAX or now - self._group_since >= GROUP_SECONDS
-        if due:
-            self._commit_group()
-
-    def _stop_group_timer(self) -> None:
-        """Stop the group timer when the last open grouped batch ends (its own final commit follows)."""
-        with self._batch_lock:
-            if self._grouped != 1 or self._group_timer is None:
-                return
-            thread, stop = self._group_timer
-            self._group_timer = None
-        stop.set()
-        thread.join()  # its commit, if one was running, is over: its errors are in _group_errors
-
-    def _commit_when_due(self, stop: threading.Event) -> None:
-        """The group timer: commit the pending group once its oldest entry is GROUP_SECONDS old."""
-        while not stop.wait(GROUP_SECONDS / 4):
-            with self._batch_lock:
-                due = bool(self._group) and time.monotonic() - self._group_since >= GROUP_SECONDS
-            if due:
-                try:
-                    self._commit_group()
-                except Exception as exc:  # noqa: BLE001 - reported when the batch ends, as a commit's own errors are
-                    with self._batch_lock:
-                        self._group_errors.append(f"group commit in {self.root} failed: {exc}")
-
-    def _commit_group(self) -> None:
-        """Make the pending group durable (one sync), rename its entries into place, release their locks."""
-        with self._commit_lock:  # one commit at a time: _committing is one group
-            with self._batch_lock:
-                group = self._committing = self._group
-                self._group = {}
-            if not group:
-                return
-            errors: list[str] = []
-            try:
-                self._make_durable((("cas", shard), tmp) for shard, tmp, _ in group.values())
-                for hex_, (shard, tmp, _) in group.items():
-                    with self._fs.dir("v1", "cas", shard, check=True) as dir_fd:
-                        where = self.cas_dir / shard
-                        if dir_fd is None:
-                            errors.append(f"sha256:{hex_}: {where} vanished before its rename")
-                            continue
-                        try:
-                            os.replace(tmp, hex_, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                        except OSError as exc:
-                            unlink_quiet(dir_fd, tmp, where / tmp)
-                            errors.append(f"sha256:{hex_} at {where / hex_}: {exc.strerror or exc}")
-            except (OSError, StoreError) as exc:  # the sync failed: nothing more of the group is renamed
-                reason = getattr(exc, "strerror", None) or exc
-                errors.extend(f"sha256:{hex_}: not made durable: {reason}" for hex_ in group)
-                for hex_, (shard, tmp, _) in group.items():
-                    with self._fs.dir("v1", "cas", shard) as dir_fd:
-                        if dir_fd is not None:
-                            unlink_quiet(dir_fd, tmp, self.cas_dir / shard / tmp)  # gone already once renamed
-            finally:
-                with self._batch_lock:  # a lock handed over from here on finds its entry renamed (or given up)
-                    self._committing = {}
-                    self._group_errors.extend(errors)
-                for _, _, lock_fd in group.values():
-                    if lock_fd is not None:
-                        os.close(lock_fd)
+        return self._batch.open(sync_each=sync_each, grouped=grouped)
 
     @contextmanager
     def stream_file(self, parts: tuple[str, ...], name: str) -> Iterator[BinaryIO]:
@@ -473,8 +329,8 @@ class LocalStore(Counters, Layer):
 
     def write_verified(self, digest: Digest, data: bytes) -> None:
         """``write`` for the immutable ``bytes`` the Store hashed a moment ago: once per blob is enough."""
-        if self._grouped:
-            self._stage_in_group(digest, data)
+        if self._batch.grouped:
+            self._batch.stage(digest, data)
             return
         self.write_file(("cas", digest.hex[:2]), digest.hex, data)
         _log.debug("stored %s (%d bytes) in %s", digest, len(data), self.root)
@@ -506,30 +362,7 @@ class LocalStore(Counters, Layer):
         per digest, ``v1/locks/<hh>/<hex>.lock``, as older versions used. In a grouped batch the
         lock of an entry written under it is released when the entry is renamed into place.
         """
-        return _FillLock(self, digest)
-
-    def _lock_fd(self, digest: Digest) -> int:
-        hex_ = digest.hex
-        on_wait = self._commit_group if self._grouped else None
-        if RANGE_LOCKS:
-            name = f"{hex_[:2]}.lock"
-            with self._fs.dir("v1", "locks", create=True) as fd:
-                return acquire(self.lock_dir / name, name, fd, self.lock_timeout, offset=int(hex_[2:17], 16),
-                               what=str(digest), on_wait=on_wait)
-        name = f"{hex_}.lock"
-        with self._fs.dir("v1", "locks", hex_[:2], create=True) as fd:
-            return acquire(self.lock_dir / hex_[:2] / name, name, fd, self.lock_timeout, what=str(digest),
-                           on_wait=on_wait)
-
-    def _unlock(self, hex_: str, fd: int, wrote: bool) -> None:
-        """Release a fill lock, or hand it to the pending group that holds its entry."""
-        if wrote:
-            with self._batch_lock:
-                pending = self._group.get(hex_) or self._committing.get(hex_)
-                if pending is not None and pending[2] is None:
-                    pending[2] = fd
-                    return
-        os.close(fd)
+        return self._fills.lock(digest, self.lock_timeout)
 
     # -- inspection and maintenance -------------------------------------------------------------
 
@@ -652,58 +485,19 @@ class LocalStore(Counters, Layer):
                     removed.add(digest)
         return removed
 
-    # -- staging: verify many blobs first, publish them together (unpack) ----------------------
-    # Staged blobs live in v1/staging/<hh>/ (the shard of their digest): one flat directory made
-    # each create slower as a bundle grew (10,000 files in one directory), and nothing appears
-    # under cas/ until the whole bundle has verified.
+    # -- staging: verify many blobs first, publish them together (unpack; batch.py) -------------
 
     def new_staged(self, digest: Digest) -> tuple[BinaryIO, str]:
         """A fresh temp file in ``v1/staging/<hh>`` to stream ``digest``'s bytes into, and its name."""
-        shard = digest.hex[:2]
-        with self._fs.dir("v1", "staging", shard, create=True) as fd:
-            assert fd is not None
-            tmp_fd, name = new_temp(fd, "blob", self.v1 / "staging" / shard)
-        os.fchmod(tmp_fd, 0o644)  # the final mode of a CAS entry: it is renamed as is
-        return os.fdopen(tmp_fd, "wb"), name
+        return self._batch.new_staged(digest)
 
     def commit_staged(self, name: str, digest: Digest) -> None:
         """Rename a staged temp file (verified by the caller) to its CAS entry."""
-        shard = digest.hex[:2]
-        with self._fs.dir("v1", "staging", shard, check=True) as src, \
-                self._fs.dir("v1", "cas", shard, create=True) as dst:
-            if src is None:
-                raise StoreError(f"staged file {self.v1 / 'staging' / shard / name} for {digest} vanished")
-            try:
-                os.replace(name, digest.hex, src_dir_fd=src, dst_dir_fd=dst)
-            except OSError as exc:
-                raise StoreError(f"cannot store {digest} at {self.path_for(digest)}: {exc.strerror or exc}") from exc
-            with self._batch_lock:
-                deferred = self._batch_depth > 0
-                if deferred:
-                    self._batch_dirs.add(("cas", shard))
-                    self._batch_unsynced |= self._batch_lazy > 0
-            if not deferred:
-                fsync_fd(dst, self.cas_dir / shard)
+        self._batch.commit_staged(name, digest)
 
     def sync_staged(self, staged: list[tuple[str, Digest]]) -> None:
         """Make staged files durable: one filesystem sync, else an fsync of each."""
-        if staged:
-            self._make_durable((("staging", digest.hex[:2]), name) for name, digest in staged)
-
-    def _make_durable(self, files: Iterable[tuple[tuple[str, ...], str]]) -> None:
-        """Make the files ``v1/<parts>/<name>`` durable: one filesystem sync, else an fsync of each
-        (a directory that vanished is skipped: its files are gone)."""
-        if sync_filesystem(self.root):
-            return
-        for parts, name in files:
-            with self._fs.dir("v1", *parts, check=True) as dir_fd:
-                if dir_fd is None:
-                    continue
-                fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        self._batch.sync_staged(staged)
 
     def drop_staged(self, name: str, digest: Digest) -> None:
         where = ("staging", digest.hex[:2])
@@ -715,25 +509,6 @@ class LocalStore(Counters, Layer):
     def iter_digests(self) -> Iterator[Digest]:
         entries, _ = self.scan()
         return (e.digest for e in entries)
-
-
-class _FillLock:
-    """``LocalStore.lock``: held for the ``with`` body, or, in a grouped batch, until the entry
-    written under it is renamed into place (its waiters then find it)."""
-
-    __slots__ = ("_local", "_digest", "_fd")
-
-    def __init__(self, local: LocalStore, digest: Digest) -> None:
-        self._local = local
-        self._digest = digest
-        self._fd = -1
-
-    def __enter__(self) -> None:
-        self._fd = self._local._lock_fd(self._digest)
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        fd, self._fd = self._fd, -1
-        self._local._unlock(self._digest.hex, fd, exc_type is None)
 
 
 def _close_all(fds: dict[str, int]) -> None:

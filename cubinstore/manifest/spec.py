@@ -1,0 +1,158 @@
+"""What a validated manifest hands out: ``KernelSpec`` (one CUBIN of a release) and ``EntrySpec``
+(one kernel entry of it), frozen, so a spec shared between threads cannot change under a loader.
+
+Both validators (``cubinstore.manifest.schema``'s full checker and ``cubinstore.manifest.fast``)
+build these; neither is checked here.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from cubinstore._core import abi as _abi
+from cubinstore._core.abi import Arch
+from cubinstore._core.digest import Digest
+from cubinstore._core.geometry import LaunchGeometry
+from cubinstore.errors import KernelNotFoundError
+
+__all__ = ["ComputeCapability", "EntrySpec", "KernelSpec", "ParamValue", "checked_digests"]
+
+ParamValue = str | int
+ComputeCapability = tuple[int, int]
+
+
+_set_hex = Digest.__dict__["hex"].__set__  # the slot's setter: what Digest.__init__ fills after its check
+_after_prefix = operator.itemgetter(slice(len("sha256:"), None))
+
+
+def _checked_digest(text: str) -> Digest:
+    """The Digest of a ``sha256:<hex>`` string the fast path's regex already matched (no second check)."""
+    digest = object.__new__(Digest)
+    _set_hex(digest, text[7:])
+    return digest
+
+
+def checked_digests(texts: list[str]) -> list[Digest]:
+    """``_checked_digest`` of each of ``texts``, at C speed (no Python call per digest: ``Manifest.blobs``
+    of tens of thousands of kernels)."""
+    digests = list(map(object.__new__, itertools.repeat(Digest, len(texts))))
+    for _ in map(_set_hex, digests, map(_after_prefix, texts)):
+        pass
+    return digests
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """One kernel entry of a CUBIN: its symbol, readable name, parameter types and layout."""
+
+    symbol: str  # what the driver looks up (the mangled name, or an extern "C" name)
+    name: str  # the readable (demangled) name; the symbol itself for extern "C" entries
+    types: tuple[str, ...]
+    offsets: tuple[int, ...] | None  # None in v1 manifests: then the ABI rule gives them
+    launch: LaunchGeometry | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "params": list(self.types)}
+        if self.offsets is not None:
+            out["offsets"] = list(self.offsets)
+        if self.launch is not None:
+            out["launch"] = self.launch.to_json()
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class KernelSpec:
+    """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries.
+
+    ``entries`` maps each entry symbol to its parameter types; ``entry_specs`` has the rest
+    (readable name, offsets, launch geometry); ``entry(name)`` resolves either name.
+    """
+
+    id: str
+    family: str
+    params: Mapping[str, ParamValue]
+    arch: str
+    digest: Digest
+    size: int
+    entries: Mapping[str, tuple[str, ...]]
+    target: str
+    entry_specs: Mapping[str, EntrySpec] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        # Freeze the mappings so a spec shared between threads cannot change under a loader.
+        specs = dict(self.entry_specs)
+        for symbol, types in self.entries.items():
+            specs.setdefault(symbol, EntrySpec(symbol, symbol, tuple(types), None, None))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "entries", MappingProxyType({s: e.types for s, e in specs.items()}))
+        object.__setattr__(self, "entry_specs", MappingProxyType(specs))
+        names = {e.name: e for e in specs.values()}
+        names.update(specs)
+        object.__setattr__(self, "_names", MappingProxyType(names))
+
+    @classmethod
+    def _checked(cls, obj: dict[str, Any], specs: dict[str, EntrySpec]) -> KernelSpec:
+        """What ``__init__`` builds, from a kernel object the manifest's fast path checked.
+
+        The object is the manifest's private parse, so its dicts are wrapped, not copied.
+        """
+        spec = object.__new__(cls)
+        names = {e.name: e for e in specs.values()}
+        names.update(specs)
+        spec.__dict__.update(
+            id=obj["id"], family=obj["family"], params=MappingProxyType(obj["params"]), arch=obj["arch"],
+            digest=_checked_digest(obj["digest"]), size=obj["size"],
+            entries=MappingProxyType({s: e.types for s, e in specs.items()}), target=obj["target"],
+            entry_specs=MappingProxyType(specs), _names=MappingProxyType(names),
+        )
+        return spec
+
+    @functools.cached_property
+    def _key(self) -> tuple[Any, ...]:
+        # Computed on first comparison only: opening a manifest of many kernels never needs it.
+        return (self.id, self.family, tuple(sorted(self.params.items())), self.arch, self.digest, self.size,
+                tuple(sorted((s, repr(e.to_json())) for s, e in self.entry_specs.items())), self.target)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KernelSpec) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    @property
+    def compute_capability(self) -> ComputeCapability:
+        return Arch.parse(self.arch).compute_capability
+
+    def entry(self, name: str) -> EntrySpec:
+        """The entry whose symbol or readable name is ``name``."""
+        spec = self._names.get(name)  # type: ignore[attr-defined]
+        if spec is None:
+            readable = ", ".join(e.name for e in self.entry_specs.values())
+            raise KernelNotFoundError(f"kernel {self.id!r} has no entry {name!r}; entries: {readable}")
+        return spec
+
+    def _entry_json(self, entry: EntrySpec) -> dict[str, Any]:
+        out = entry.to_json()
+        if entry.offsets is None:  # read from a v1 manifest: v2 records the rule's offsets
+            types = [_abi.param_type(t) for t in entry.types]
+            out["offsets"] = list(_abi.param_layout(types, Arch.parse(self.arch)))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest (v2) JSON object of this kernel."""
+        return {
+            "id": self.id,
+            "family": self.family,
+            "params": dict(self.params),
+            "arch": self.arch,
+            "digest": str(self.digest),
+            "size": self.size,
+            "entries": {s: self._entry_json(e) for s, e in self.entry_specs.items()},
+            "target": self.target,
+        }
