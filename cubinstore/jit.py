@@ -45,15 +45,14 @@ from cubinstore._core.abi import Arch
 from cubinstore._core.digest import Digest
 from cubinstore._jit import compiler as _compiler
 from cubinstore._jit.compiler import clear_caches
-from cubinstore._jit.family import compile_family_point, resolve_miss
 from cubinstore._jit.index import IndexEntry
 from cubinstore._jit.key import JitKey
 from cubinstore.errors import BadArgumentError
-from cubinstore.launch import Kernel, Library
-from cubinstore.manifest import KernelSpec, Manifest
-from cubinstore.manifest.family import FamilyTemplate
-
 if TYPE_CHECKING:
+    from cubinstore._jit.family import compile_family_point, resolve_miss
+    from cubinstore.manifest import KernelSpec
+    from cubinstore.manifest.family import FamilyTemplate
+    from cubinstore.launch import Kernel, Library
     from cubinstore.store import Store
 
 __all__ = ["FamilyTemplate", "JitKernel", "clear_caches", "compile", "compile_family_point", "key", "resolve_miss"]
@@ -95,11 +94,17 @@ class JitKernel:
                         f"JIT kernel {self.key} ({', '.join(self.kernels)}): pass entries={{symbol: [types]}} "
                         "to compile() to launch it"
                     )
+                # The manifest and the launcher (and the driver behind it) load with the first
+                # launch, not with `import cubinstore.jit`: a process that only compiles never pays for them.
+                from cubinstore.launch import Library
+                from cubinstore.manifest import KernelSpec, Manifest
+
                 spec = KernelSpec(
                     id=f"jit/{self.key.hex}/{self.arch}", family="jit", params={"key": self.key.hex},
                     arch=self.arch, digest=self.digest, size=self.size, entries=self.entries,
                     target=f"//jit:k{self.key.hex}",
                 )
+
                 self._library = Library(Manifest.build([spec], source=f"JIT {self.key}"), self._store)
             return self._library
 
@@ -155,3 +160,16 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     found = _compiler.compile(source, include_dirs=include_dirs, flags=flags, arch=arch, entries=entries, family=family,
                               params=params, store=store, jit=jit, sealed=sealed, timeout=timeout)
     return JitKernel(found.key, found.entry, found.entries, found.compiled, found.store, found.seconds, found.found_by)
+
+
+def __getattr__(name: str) -> Any:
+    # The family side (and the manifest it needs) loads on first use, as the launcher does.
+    if name in ("compile_family_point", "resolve_miss"):
+        from cubinstore._jit import family
+
+        return getattr(family, name)
+    if name == "FamilyTemplate":
+        from cubinstore.manifest.family import FamilyTemplate
+
+        return FamilyTemplate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
