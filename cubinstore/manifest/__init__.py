@@ -27,8 +27,7 @@ from cubinstore._core.digest import Digest
 from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError, ManifestError
 from cubinstore.manifest import schema as _schema
-from cubinstore.manifest.fast import Slow as _Slow  # noqa: F401 - what a turned-off fast path raises (tests)
-from cubinstore.manifest.fast import check as _fast_index  # tests/helpers/manifest_paths.py turns it off by this name
+from cubinstore.manifest.fast import check as _fast_index
 from cubinstore.manifest.index import AGE_AFTER_BYTES as _AGE_AFTER_BYTES
 from cubinstore.manifest.index import Index as _Index
 from cubinstore.manifest.index import age_young_objects as _age_young_objects
@@ -81,8 +80,12 @@ class Manifest:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, source: str = "<bytes>") -> Manifest:
-        """Parse and validate manifest bytes; ``source`` (path, digest, URL) is named in errors."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, source: str = "<bytes>",
+                   fast: bool = True) -> Manifest:
+        """Parse and validate manifest bytes; ``source`` (path, digest, URL) is named in errors.
+
+        ``fast=False`` skips the fast path (``fast.py``): the full checker alone decides, as tests
+        that hold the two paths to the same answers need; the result is the same either way."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise BadArgumentError(f"manifest data from {source}: expected bytes, got {type(data).__name__}")
         raw = bytes(data)
@@ -98,15 +101,16 @@ class Manifest:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            try:
-                objs, by_id, by_stem, orders, templates = _fast_index(text)
-            except Exception:  # noqa: BLE001 - any doubt: the full checker decides and words the error
-                pass
-            else:
-                digest = Digest.of(raw)
-                index = _Index(objs, None, by_id, by_stem, orders, source=source, digest=digest)
-                return cls(raw=raw, digest=digest, source=source, schema=SCHEMA, _index=index,
-                           jit_templates=MappingProxyType(templates))
+            if fast:
+                try:
+                    objs, by_id, by_stem, orders, templates = _fast_index(text)
+                except Exception:  # noqa: BLE001 - any doubt: the full checker decides and words the error
+                    pass
+                else:
+                    digest = Digest.of(raw)
+                    index = _Index(objs, None, by_id, by_stem, orders, source=source, digest=digest)
+                    return cls(raw=raw, digest=digest, source=source, schema=SCHEMA, _index=index,
+                               jit_templates=MappingProxyType(templates))
             schema, specs, by_id, by_stem, templates = _schema.check(text, source)
             digest = Digest.of(raw)
             index = _Index(None, specs, by_id, by_stem, {}, source=source, digest=digest)

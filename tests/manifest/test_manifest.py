@@ -531,10 +531,9 @@ def _answer(text: str) -> Any:
 
 
 @pytest.fixture
-def full_checker(monkeypatch: pytest.MonkeyPatch) -> Any:
+def full_checker() -> Any:
     """_answer with the fast path off."""
-    parse = full_checker_of(monkeypatch)
-    return lambda text: parse(text.encode())
+    return lambda text: full_checker_of(text.encode())
 
 
 def test_repeated_entry_tables_are_parsed_once_and_give_the_full_checkers_specs(full_checker: Any) -> None:

@@ -66,8 +66,8 @@ def steps_to_open(raw: bytes) -> tuple[str, int]:
 
 
 @pytest.fixture
-def full_checker(monkeypatch: pytest.MonkeyPatch) -> Any:
-    return full_checker_of(monkeypatch)
+def full_checker() -> Any:
+    return full_checker_of
 
 
 # -- 1. the id-order check is a matching ------------------------------------------------------------

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.scale import assert_linear, count_work
@@ -198,12 +199,13 @@ def test_prefetch_failures_come_back_in_blob_order(server: _CountingServer, blob
 
 # -- fsync: each file, each directory once per batch ----------------------------------------------
 
-def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]]:
-    from cubinstore.store.local import cas as _local
+def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path], dict[str, Any]]:
+    """fsyncs (patched in os) and filesystem syncs (through the returned ``LocalStore`` keywords)."""
+    from cubinstore.store.local.root import sync_filesystem as real_fs
 
     synced: list[str] = []
     filesystems: list[Path] = []
-    real, real_fs = os.fsync, _local.sync_filesystem
+    real = os.fsync
 
     def fsync(fd: int) -> None:
         synced.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
@@ -214,16 +216,17 @@ def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]
         return real_fs(path)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(_local, "sync_filesystem", sync_filesystem)
-    return synced, filesystems
+    return synced, filesystems, {"sync_filesystem": sync_filesystem}
 
 
-def _record_commits(monkeypatch: pytest.MonkeyPatch, *, syncfs: bool = True) -> list[tuple[str, str]]:
-    """Events of a grouped batch in order: ("temp", entry), ("sync", ""), ("fsync", ""), ("rename", entry)."""
-    from cubinstore.store.local import cas as _local
+def _record_commits(monkeypatch: pytest.MonkeyPatch, *,
+                    syncfs: bool = True) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """Events of a grouped batch in order: ("temp", entry), ("sync", ""), ("fsync", ""), ("rename", entry),
+    and the ``LocalStore`` keywords that record the temp writes and syncs."""
+    from cubinstore.store.local.root import sync_filesystem as real_fs, write_temp_at as real_temp
 
     events: list[tuple[str, str]] = []
-    real_temp, real_replace, real_fsync = _local.write_temp_at, os.replace, os.fsync
+    real_replace, real_fsync = os.replace, os.fsync
 
     def write_temp_at(dir_fd: int, name: str, *args: object, **kwargs: object) -> str:
         tmp = real_temp(dir_fd, name, *args, **kwargs)
@@ -242,12 +245,9 @@ def _record_commits(monkeypatch: pytest.MonkeyPatch, *, syncfs: bool = True) -> 
         events.append(("sync", ""))
         return syncfs and real_fs(path)
 
-    real_fs = _local.sync_filesystem
-    monkeypatch.setattr(_local, "write_temp_at", write_temp_at)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(_local, "sync_filesystem", sync_filesystem)
-    return events
+    return events, {"sync_filesystem": sync_filesystem, "write_temp": write_temp_at}
 
 
 def _durable_before_visible(events: list[tuple[str, str]], kind: str) -> None:
@@ -269,9 +269,9 @@ def test_prefetch_makes_each_blob_durable_before_visible_with_one_sync_per_group
     from cubinstore.store.local.cas import GROUP_MAX
 
     manifest, blobs = release(tmp_path / "src", 600)
-    local = LocalStore(tmp_path / "home")
+    events, primitives = _record_commits(monkeypatch)
+    local = LocalStore(tmp_path / "home", **primitives)
     store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
-    events = _record_commits(monkeypatch)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
     _durable_before_visible(events, "sync")
     renamed = [name for what, name in events if what == "rename"]
@@ -288,9 +288,9 @@ def test_prefetch_makes_each_blob_durable_before_visible_with_one_sync_per_group
 def test_prefetch_without_syncfs_fsyncs_each_blob_before_its_rename(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, blobs = release(tmp_path / "src", 300)
-    local = LocalStore(tmp_path / "home")
+    events, primitives = _record_commits(monkeypatch, syncfs=False)
+    local = LocalStore(tmp_path / "home", **primitives)
     store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
-    events = _record_commits(monkeypatch, syncfs=False)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
     assert sum(1 for what, _ in events if what == "fsync") == 300
     # Each rename after the fsync of its own temp: the fsyncs of a group all come before its renames.
@@ -342,8 +342,8 @@ def test_a_waiter_in_another_process_gets_a_blob_held_in_a_pending_group(tmp_pat
 def test_a_batch_that_syncs_each_blob_fsyncs_each_shard_directory_once(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, blobs = release(tmp_path / "src", 600)
-    local = LocalStore(tmp_path / "home")
-    synced, filesystems = _count_syncs(monkeypatch)
+    synced, filesystems, primitives = _count_syncs(monkeypatch)
+    local = LocalStore(tmp_path / "home", **primitives)
     with local.batch():
         for hex_, data in blobs.items():
             local.write(Digest(hex_), data)
@@ -357,8 +357,8 @@ def test_unpack_makes_staged_blobs_durable_with_one_sync_before_any_rename(tmp_p
     manifest, _ = release(tmp_path / "src", 400)
     bundle = tmp_path / "r.tar"
     pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
-    target = LocalStore(tmp_path / "home")
-    synced, filesystems = _count_syncs(monkeypatch)
+    synced, filesystems, primitives = _count_syncs(monkeypatch)
+    target = LocalStore(tmp_path / "home", **primitives)
     renamed_after_sync: list[bool] = []
     real_commit = target.commit_staged
     monkeypatch.setattr(target, "commit_staged", lambda *a: renamed_after_sync.append(bool(filesystems)) or real_commit(*a))
@@ -425,7 +425,7 @@ def test_pack_writes_the_bundle_in_small_pieces_even_a_large_manifest_or_blob(tm
         sizes.append(len(data))
         return real_write(fd, data)
 
-    monkeypatch.setattr(_bundle.os, "write", write)
+    monkeypatch.setattr(os, "write", write)  # the standard library's: pack writes with os.write
     bundle = tmp_path / "r.tar"
     total = pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
     monkeypatch.undo()

@@ -105,8 +105,7 @@ def test_an_entry_pending_in_an_idle_grouped_batch_is_committed_for_a_process_th
     assert waited < GROUP_SECONDS + 10  # the timer's commit, far inside the 30 s lock timeout
 
 
-def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish(tmp_path: Path,
-                                                                                 monkeypatch) -> None:
+def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish(tmp_path: Path) -> None:
     # Two prefetches (two LocalStores of one root: their range locks exclude each other like two
     # processes'). Each stages one entry whose fetching thread then ends, and each has a thread
     # already waiting for the other's entry: only a waiter that commits its own group on every
@@ -115,7 +114,6 @@ def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish
 
     from helpers.blobs import random_blob
 
-    from cubinstore.store.local import lock as _lock
     from cubinstore.store.layer import Layer
 
     (a, data_a), (b, data_b) = random_blob(3000, 1), random_blob(3000, 2)
@@ -139,8 +137,8 @@ def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish
             event.set()
         time.sleep(seconds)
 
-    monkeypatch.setattr(_lock, "time", types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
-    s1, s2 = LocalStore(tmp_path, lock_timeout=20.0), LocalStore(tmp_path, lock_timeout=20.0)
+    clock = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
+    s1, s2 = LocalStore(tmp_path, lock_timeout=20.0, clock=clock), LocalStore(tmp_path, lock_timeout=20.0, clock=clock)
     st1, st2 = Store([s1, Gated()], strict=True), Store([s2, Gated()], strict=True)
     errors: list[BaseException] = []
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ import pytest
 from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Store
-from cubinstore.store.local import stats as _stats
 from cubinstore.store import LocalStore, MemoryStore
+from cubinstore.store.local.stats import FLUSH_SECONDS
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -91,9 +92,8 @@ def test_a_memory_hit_touches_no_file(tmp_path: Path, monkeypatch: pytest.Monkey
     assert opened == [] and syscalls.calls == []
 
 
-def test_counts_are_flushed_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_stats, "_FLUSH_EVENTS", 10)
-    local = LocalStore(tmp_path / "home")
+def test_counts_are_flushed_in_batches(tmp_path: Path) -> None:
+    local = LocalStore(tmp_path / "home", flush_events=10)
     digest, data = blob()
     local.write(digest, data)
     for _ in range(9):
@@ -103,13 +103,12 @@ def test_counts_are_flushed_in_batches(tmp_path: Path, monkeypatch: pytest.Monke
     assert b'"hits": 10' in local.stats_path.read_bytes()
 
 
-def test_counts_of_a_quiet_process_are_flushed_after_a_while(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_counts_of_a_quiet_process_are_flushed_after_a_while(tmp_path: Path) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(_stats.time, "monotonic", lambda: clock[0])
-    local = LocalStore(tmp_path / "home")
+    local = LocalStore(tmp_path / "home", clock=types.SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
     local.add_stats({"hits": 1})
     assert not local.stats_path.exists()
-    clock[0] += _stats._FLUSH_SECONDS
+    clock[0] += FLUSH_SECONDS
     local.add_stats({"hits": 1})
     assert b'"hits": 2' in local.stats_path.read_bytes()
 

@@ -196,9 +196,7 @@ def test_a_grouped_batch_whose_sync_fails_renames_nothing_and_leaves_no_temp(tmp
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    from cubinstore.store.local import cas as _local
-
-    local = LocalStore(tmp_path)
+    local = LocalStore(tmp_path, sync_filesystem=lambda path: False)  # no syncfs: an fsync of each temp
     (d1, b1), (d2, b2) = blob(seed=1), blob(seed=2)
     real_fsync = os.fsync
 
@@ -207,7 +205,6 @@ def test_a_grouped_batch_whose_sync_fails_renames_nothing_and_leaves_no_temp(tmp
             raise OSError(errno.EIO, "Input/output error")
         real_fsync(fd)
 
-    monkeypatch.setattr(_local, "sync_filesystem", lambda path: False)  # no syncfs: an fsync of each temp
     monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(StoreError, match=rf"^cannot store 2 blobs in {tmp_path}: sha256:[0-9a-f]{{64}}: not made durable: Input/output error; "):
         with local.batch(grouped=True):

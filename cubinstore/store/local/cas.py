@@ -27,8 +27,8 @@ from cubinstore._core.digest import Digest, verify
 from cubinstore.store.layer import Layer, limit_for
 from cubinstore.store.local.batch import GROUP_MAX, GROUP_SECONDS, Batch
 from cubinstore.store.local.fill import FillLocks
-from cubinstore.store.local.lock import RANGE_LOCKS, file_lock, remove_if_unheld
-from cubinstore.store.local.stats import STAT_KEYS, Counters
+from cubinstore.store.local.lock import RANGE_LOCKS, Clock, file_lock, remove_if_unheld
+from cubinstore.store.local.stats import FLUSH_EVENTS, STAT_KEYS, Counters
 from cubinstore._core.log import get_logger
 from cubinstore.store.local.root import (
     _DIR_FLAGS,
@@ -71,6 +71,9 @@ class LocalStore(Counters, Layer):
     Entries are written atomically and re-verified on every read; a corrupt entry is
     moved to ``v1/quarantine`` so the next read refetches it. ``allow_shared`` (default
     ``CUBINSTORE_ALLOW_SHARED_STORE``) permits writing where other users can write.
+    ``sync_filesystem`` and ``write_temp`` replace ``root.sync_filesystem`` and ``root.write_temp_at``
+    for its batches (``batch.Batch``), ``clock`` the ``time`` module for its lock polls and counter
+    flushes, and ``flush_events`` the counts that make a flush due: tests count, fail or time through them.
     """
 
     cache = True
@@ -78,7 +81,10 @@ class LocalStore(Counters, Layer):
     lockable = True
 
     def __init__(self, root: str | Path, *, lock_timeout: float | None = None,
-                 allow_shared: bool | None = None) -> None:
+                 allow_shared: bool | None = None,
+                 sync_filesystem: Callable[[Path], bool] = sync_filesystem,
+                 write_temp: Callable[..., str] = write_temp_at,
+                 clock: Clock = time, flush_events: int = FLUSH_EVENTS) -> None:
         self.root = Path(root).expanduser()
         self.v1 = self.root / "v1"
         self.cas_dir = self.v1 / "cas"
@@ -87,6 +93,8 @@ class LocalStore(Counters, Layer):
         self.pins_dir = self.v1 / "pins"
         self.stats_path = self.v1 / "stats.json"
         self.lock_timeout = _env.lock_timeout() if lock_timeout is None else lock_timeout
+        self._clock = clock
+        self._flush_events = flush_events
         self._fs = StoreRoot(self.root, allow_shared=_env.allow_shared_store() if allow_shared is None else allow_shared)
         # The hit path's shard directories (``read_verified``), held from their second hit: at most
         # 256 descriptors, closed when this store is collected (no thread can be using one then).
@@ -100,12 +108,9 @@ class LocalStore(Counters, Layer):
         self._cas_text = str(self.cas_dir)  # names entries in messages: no Path joins per hit
         weakref.finalize(self, _close_all, self._shards)
         # Batches, grouped writes and staging (batch.py), and the fill locks (fill.py), which may
-        # hand a lock to the batch. The file primitives are looked up in this module at each
-        # call: tests count syncs and temp writes by patching its names.
-        self._batch = Batch(self._fs, self.root,
-                            sync_filesystem=lambda path: sync_filesystem(path),
-                            write_temp=lambda *args, **kwargs: write_temp_at(*args, **kwargs))
-        self._fills = FillLocks(self._fs, self.lock_dir, self._batch)
+        # hand a lock to the batch.
+        self._batch = Batch(self._fs, self.root, sync_filesystem=sync_filesystem, write_temp=write_temp)
+        self._fills = FillLocks(self._fs, self.lock_dir, self._batch, clock=clock)
 
     @property
     def name(self) -> str:
@@ -211,7 +216,7 @@ class LocalStore(Counters, Layer):
     @contextmanager
     def _locked(self, parts: tuple[str, ...], name: str, timeout: float, what: str) -> Iterator[None]:
         with self._fs.dir("v1", *parts, create=True) as fd:
-            with file_lock(self.v1.joinpath(*parts, name), timeout, what=what, dir_fd=fd):
+            with file_lock(self.v1.joinpath(*parts, name), timeout, what=what, dir_fd=fd, clock=self._clock):
                 yield
 
     # -- Layer ----------------------------------------------------------------------------------

@@ -11,11 +11,12 @@ for a lock held elsewhere.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cubinstore._core.digest import Digest
-from cubinstore.store.local.lock import RANGE_LOCKS, acquire
+from cubinstore.store.local.lock import RANGE_LOCKS, Clock, acquire
 from cubinstore.store.local.root import StoreRoot
 
 if TYPE_CHECKING:
@@ -25,14 +26,16 @@ __all__ = ["FillLock", "FillLocks"]
 
 
 class FillLocks:
-    """The fill locks below one store root, and the batch that may hold them past their ``with``."""
+    """The fill locks below one store root, and the batch that may hold them past their ``with``;
+    ``clock`` times and sleeps their polls (``lock.acquire``)."""
 
-    __slots__ = ("_fs", "_lock_dir", "_batch")
+    __slots__ = ("_fs", "_lock_dir", "_batch", "_clock")
 
-    def __init__(self, fs: StoreRoot, lock_dir: Path, batch: Batch) -> None:
+    def __init__(self, fs: StoreRoot, lock_dir: Path, batch: Batch, *, clock: Clock = time) -> None:
         self._fs = fs
         self._lock_dir = lock_dir
         self._batch = batch
+        self._clock = clock
 
     def lock(self, digest: Digest, timeout: float) -> FillLock:
         """The lock a fill of ``digest`` holds, waiting at most ``timeout`` seconds for it."""
@@ -47,11 +50,11 @@ class FillLocks:
             name = f"{hex_[:2]}.lock"
             with self._fs.dir("v1", "locks", create=True) as fd:
                 return acquire(self._lock_dir / name, name, fd, timeout, offset=int(hex_[2:17], 16),
-                               what=str(digest), on_wait=on_wait)
+                               what=str(digest), on_wait=on_wait, clock=self._clock)
         name = f"{hex_}.lock"
         with self._fs.dir("v1", "locks", hex_[:2], create=True) as fd:
             return acquire(self._lock_dir / hex_[:2] / name, name, fd, timeout, what=str(digest),
-                           on_wait=on_wait)
+                           on_wait=on_wait, clock=self._clock)
 
     def release(self, hex_: str, fd: int, wrote: bool) -> None:
         """Release a fill lock, or hand it to the pending group that holds its entry."""

@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from cubinstore._core.log import get_logger
 from cubinstore.errors import LockTimeoutError, StoreError
 
-__all__ = ["RANGE_LOCKS", "acquire", "file_lock", "range_lock", "remove_if_unheld"]
+__all__ = ["RANGE_LOCKS", "Clock", "acquire", "file_lock", "range_lock", "remove_if_unheld"]
 
 _log = get_logger(__name__)
 
@@ -61,11 +62,20 @@ def _try_range(fd: int, offset: int) -> bool:
     return True
 
 
+class Clock(Protocol):
+    """What lock polls (and a local store's counter flushes) time with: the ``time`` module, or a test's stand-in."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float, /) -> None: ...
+
+
 _OPEN_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
 @contextmanager
-def file_lock(path: Path, timeout: float, *, what: str = "", dir_fd: int | None = None) -> Iterator[None]:
+def file_lock(path: Path, timeout: float, *, what: str = "", dir_fd: int | None = None,
+              clock: Clock = time) -> Iterator[None]:
     """Hold an exclusive lock on ``path`` (created if needed) for the ``with`` body.
 
     With ``dir_fd`` the lock file is ``path.name`` in that directory (``path`` only names it in
@@ -78,7 +88,7 @@ def file_lock(path: Path, timeout: float, *, what: str = "", dir_fd: int | None 
             path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create lock directory {path.parent}: {exc.strerror or exc}") from exc
-    fd = acquire(path, path if dir_fd is None else path.name, dir_fd, timeout, what=what)
+    fd = acquire(path, path if dir_fd is None else path.name, dir_fd, timeout, what=what, clock=clock)
     try:
         yield
     finally:
@@ -96,7 +106,7 @@ def range_lock(dir_fd: int, name: str, offset: int, timeout: float, *, path: Pat
 
 
 def acquire(path: Path, target: str | Path, dir_fd: int | None, timeout: float, *, offset: int | None = None,
-            what: str = "", on_wait: Callable[[], None] | None = None) -> int:
+            what: str = "", on_wait: Callable[[], None] | None = None, clock: Clock = time) -> int:
     """A descriptor of ``target`` (created if needed) that holds an exclusive lock; closing it releases it.
 
     ``offset`` None locks the whole file (``flock``); else byte ``offset`` of it, which needs
@@ -105,7 +115,7 @@ def acquire(path: Path, target: str | Path, dir_fd: int | None, timeout: float, 
     when the descriptor closes, also when the process dies. ``on_wait`` runs before each wait
     while the lock is held elsewhere (a grouped batch commits there what it staged meanwhile:
     two processes each waiting for an entry the other holds must not wait for ever). Polls with
-    backoff until ``timeout``.
+    backoff until ``timeout``, timed and slept by ``clock``.
     """
     if offset is None:
         try_lock = _try_lock
@@ -113,7 +123,7 @@ def acquire(path: Path, target: str | Path, dir_fd: int | None, timeout: float, 
         raise ValueError(f"no range lock at offset {offset} here (range locks: {RANGE_LOCKS}; limit 2**60)")
     else:
         try_lock = lambda fd: _try_range(fd, offset)  # noqa: E731
-    deadline = time.monotonic() + timeout
+    deadline = clock.monotonic() + timeout
     delay = 0.002
     while True:
         try:
@@ -137,12 +147,12 @@ def acquire(path: Path, target: str | Path, dir_fd: int | None, timeout: float, 
         os.close(fd)
         if on_wait is not None:
             on_wait()
-        if time.monotonic() >= deadline:
+        if clock.monotonic() >= deadline:
             raise LockTimeoutError(
                 f"timed out after {timeout:g}s waiting for lock {path}{' (' + what + ')' if what else ''} "
                 "held by another process; raise CUBINSTORE_LOCK_TIMEOUT or find the stuck process"
             )
-        time.sleep(delay)
+        clock.sleep(delay)
         delay = min(delay * 2, 0.05)
     _log.debug("locked %s", path)
     return fd

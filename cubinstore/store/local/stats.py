@@ -3,7 +3,7 @@ misses, bytes fetched and verification failures.
 
 A hit must not pay a lock and a file rewrite (that was most of a verified load), so counts
 gather in memory per store root and are added to stats.json under its lock in batches (every
-_FLUSH_EVENTS counts or _FLUSH_SECONDS), when read, and at exit. Each flush is a locked
+FLUSH_EVENTS counts or FLUSH_SECONDS), when read, and at exit. Each flush is a locked
 read-add-write, so concurrent processes never lose each other's counts.
 """
 
@@ -17,17 +17,20 @@ import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cubinstore._core.log import get_logger
 from cubinstore.errors import StoreError
+from cubinstore.store.local.lock import Clock
 from cubinstore.store.local.root import NotRegularFile
 
-__all__ = ["STAT_KEYS", "Counters"]
+__all__ = ["FLUSH_EVENTS", "FLUSH_SECONDS", "STAT_KEYS", "Counters"]
 
 _log = get_logger(__name__)
 
 STAT_KEYS = ("hits", "misses", "bytes_fetched", "verification_failures")
+FLUSH_EVENTS = 1024
+FLUSH_SECONDS = 10.0
 
 
 class Counters:
@@ -35,6 +38,10 @@ class Counters:
 
     root: Path
     stats_path: Path
+    # A flush is due after this many counts, or FLUSH_SECONDS by this clock's ``monotonic``
+    # (``LocalStore``'s ``flush_events`` and ``clock``; the first store of a root in a process sets its root's).
+    _flush_events: int = FLUSH_EVENTS
+    _clock: Clock = time
 
     if TYPE_CHECKING:  # provided by Counters
         def read_file(self, parts: tuple[str, ...], name: str, limit: int, *, touch: bool = False) -> bytes | None: ...
@@ -98,16 +105,13 @@ class Counters:
             _pending.put_back(self, delta)
 
 
-_FLUSH_EVENTS = 1024
-_FLUSH_SECONDS = 10.0
-
-
 class _PendingStats:
     """Counts of this process not yet in a store's stats.json, per store root."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_root: dict[Path, tuple[Counters, dict[str, int], list[float]]] = {}
+        # root -> (the store, its counts, [start, counts since, its flush_events, its clock's monotonic])
+        self._by_root: dict[Path, tuple[Counters, dict[str, int], list[Any]]] = {}
         self._registered = False
 
     def add(self, local: Counters, delta: Mapping[str, int]) -> bool:
@@ -115,7 +119,7 @@ class _PendingStats:
         with self._lock:
             item = self._by_root.get(local.root)
             if item is None:
-                item = self._by_root[local.root] = (local, dict.fromkeys(STAT_KEYS, 0), [time.monotonic(), 0])
+                item = self._by_root[local.root] = (local, dict.fromkeys(STAT_KEYS, 0), _batch(local))
                 if not self._registered:
                     atexit.register(self.flush_all)
                     self._registered = True
@@ -123,7 +127,7 @@ class _PendingStats:
             for key, value in delta.items():
                 counts[key] = counts.get(key, 0) + value
             batch[1] += 1
-            return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
+            return batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
 
     def add_hit(self, local: Counters) -> bool:
         """``add(local, {"hits": 1})``: one increment where the root already has pending counts."""
@@ -133,7 +137,7 @@ class _PendingStats:
                 item[1]["hits"] += 1
                 batch = item[2]
                 batch[1] += 1
-                return batch[1] >= _FLUSH_EVENTS or time.monotonic() - batch[0] >= _FLUSH_SECONDS
+                return batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
         return self.add(local, {"hits": 1})
 
     def take(self, root: Path) -> dict[str, int] | None:
@@ -145,7 +149,7 @@ class _PendingStats:
         with self._lock:
             item = self._by_root.get(local.root)
             if item is None:
-                self._by_root[local.root] = (local, dict(delta), [time.monotonic(), 0])
+                self._by_root[local.root] = (local, dict(delta), _batch(local))
             else:
                 for key, value in delta.items():
                     item[1][key] = item[1].get(key, 0) + value
@@ -160,6 +164,12 @@ class _PendingStats:
         """In a forked child: the parent flushes its own counts."""
         self._lock = threading.Lock()
         self._by_root = {}
+
+
+def _batch(local: Counters) -> list[Any]:
+    """A root's new batch: started now, no counts yet, due by ``local``'s settings."""
+    monotonic = local._clock.monotonic
+    return [monotonic(), 0, local._flush_events, monotonic]
 
 
 _pending = _PendingStats()
