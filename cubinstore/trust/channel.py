@@ -15,8 +15,6 @@ so ``import cubinstore`` stays stdlib-only.
 
 from __future__ import annotations
 
-import errno
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +33,7 @@ from cubinstore.errors import (
     TrustError,
     UnsafeStoreError,
 )
-from cubinstore.store.local.root import _DIR_FLAGS, NotRegularFile, read_at
+from cubinstore.store.local.root import LinkInStore, NotRegularFile
 from cubinstore.trust.records import (  # re-exported: the names callers knew here
     CHANNEL_PREFIX,
     MAX_SMALL_BLOB,
@@ -87,49 +85,20 @@ _log = get_logger(__name__)
 
 # -- the host's memory of each channel (rollback protection) ----------------------------------------
 
-def _channels_dir(local: LocalStore) -> int | None:
-    """A descriptor of ``v1/channels`` reached without following a link below the root; None if absent.
-
-    A link there is an error, never "no state": reading it as absent would turn rollback
-    protection off without a word."""
-    flags_follow = _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0)
-    path = local.root
-    try:
-        fd = os.open(path, flags_follow)  # the root is followed: the user chose it
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StoreError(f"cannot open store directory {path}: {exc.strerror or exc}") from exc
-    for part in ("v1", "channels"):
-        path = path / part
-        try:
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                raise TrustError(f"channel state directory {path} is a symlink or not a directory; cubinstore never "
-                                 "follows links inside its store, and without it this host's rollback floor is "
-                                 "unknown: remove the link (the next resolution makes a real directory)") from None
-            raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
-        finally:
-            os.close(fd)
-        fd = child
-    return fd
-
-
 def read_state(local: LocalStore, channel: str) -> ChannelState | None:
-    """The state of ``channel`` in ``local`` (None: this host never signed or accepted a release of it)."""
+    """The state of ``channel`` in ``local`` (None: this host never signed or accepted a release of it).
+
+    Read strictly: a link on the way is an error, never "no state", since reading it as absent
+    would turn rollback protection off without a word."""
     where = local.v1 / "channels" / f"{channel}.json"
-    fd = _channels_dir(local)
-    if fd is None:
-        return None
     try:
-        raw = read_at(fd, f"{channel}.json", MAX_STATE_BYTES, path=where)
+        raw = local.read_file(("channels",), f"{channel}.json", MAX_STATE_BYTES, strict=True)
+    except LinkInStore as exc:
+        raise TrustError(f"channel state directory {exc.path} is a symlink or not a directory; cubinstore never "
+                         "follows links inside its store, and without it this host's rollback floor is "
+                         "unknown: remove the link (the next resolution makes a real directory)") from None
     except NotRegularFile as exc:
         raise TrustError(f"channel state {where} is not a regular file ({exc}); remove it") from None
-    finally:
-        os.close(fd)
     if raw is None:
         return None
     where_ = f"channel state {where}"

@@ -121,9 +121,11 @@ class LocalStore(Counters, Layer):
 
     # -- files below v1/, by directory descriptor ----------------------------------------------
 
-    def read_file(self, parts: tuple[str, ...], name: str, limit: int, *, touch: bool = False) -> bytes | None:
-        """At most ``limit + 1`` bytes of ``v1/<parts>/<name>``; None if absent. Links: ``NotRegularFile``."""
-        with self._fs.dir("v1", *parts) as fd:
+    def read_file(self, parts: tuple[str, ...], name: str, limit: int, *, touch: bool = False,
+                  strict: bool = False) -> bytes | None:
+        """At most ``limit + 1`` bytes of ``v1/<parts>/<name>``; None if absent. Links: ``NotRegularFile``
+        (a linked directory on the way too, with ``strict``; else it reads as absent)."""
+        with self._fs.dir("v1", *parts, strict=strict) as fd:
             if fd is None:
                 return None
             return read_at(fd, name, limit, path=self.v1.joinpath(*parts, name), touch=touch)

@@ -48,6 +48,14 @@ class NotRegularFile(Exception):
     """The name is a symlink, directory, FIFO or other non-regular file (never followed or read)."""
 
 
+class LinkInStore(NotRegularFile):
+    """A directory on the way below the root is a symlink or not a directory (a ``strict`` read)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} is a symlink or not a directory")
+        self.path = path
+
+
 class StoreRoot:
     """The root directory of a local store; ``dir(*parts)`` opens a directory below it safely."""
 
@@ -79,18 +87,20 @@ class StoreRoot:
         return fd
 
     @contextmanager
-    def dir(self, *parts: str, create: bool = False, check: bool = False) -> Iterator[int | None]:
+    def dir(self, *parts: str, create: bool = False, check: bool = False,
+            strict: bool = False) -> Iterator[int | None]:
         """A descriptor of ``root/parts...``, or None when it does not exist (and not ``create``).
 
         ``create`` makes missing directories (mode 0755); ``create`` or ``check`` verifies that
         no directory on the way is writable by another user. A symlink or non-directory on
-        the way is an ``UnsafeStoreError`` when writing and a miss (None, logged) when reading.
+        the way is an ``UnsafeStoreError`` when writing and a miss (None, logged) when reading,
+        or ``LinkInStore`` with ``strict`` (where reading it as absent would hide state).
         """
         session = self._session
         if session is not None:
             with self._held_lock:
                 fd = session.get(parts)
-        if session is not None and (fd is not None or create or check):
+        if session is not None and not strict and (fd is not None or create or check):
             # Inside a session a directory checked once serves every operation; a read of one not
             # yet held takes the plain path below (reads need no ownership check).
             if fd is None:
@@ -104,7 +114,7 @@ class StoreRoot:
                             session[parts] = fd
             yield fd
             return
-        fd = self._open(parts, create=create, check=check or create)
+        fd = self._open(parts, create=create, check=check or create, strict=strict)
         try:
             yield fd
         finally:
@@ -165,7 +175,7 @@ class StoreRoot:
         for fd in [*session.values(), *reads.values()]:
             os.close(fd)
 
-    def _open(self, parts: tuple[str, ...], *, create: bool, check: bool) -> int | None:
+    def _open(self, parts: tuple[str, ...], *, create: bool, check: bool, strict: bool = False) -> int | None:
         path = self.root
         try:
             fd = os.open(path, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
@@ -185,7 +195,7 @@ class StoreRoot:
             for part in parts:
                 path = path / part
                 parent, fd = fd, None  # _step closes the parent, whatever happens
-                fd = self._step(parent, part, path, create=create, check=check)
+                fd = self._step(parent, part, path, create=create, check=check, strict=strict)
                 if fd is None:
                     return None
                 if check:
@@ -196,7 +206,7 @@ class StoreRoot:
             raise
         return fd
 
-    def _step(self, parent: int, name: str, path: Path, *, create: bool, check: bool) -> int | None:
+    def _step(self, parent: int, name: str, path: Path, *, create: bool, check: bool, strict: bool = False) -> int | None:
         """Open ``name`` below ``parent`` (closing ``parent``): the child's descriptor or None."""
         try:
             for _ in range(2):
@@ -218,6 +228,8 @@ class StoreRoot:
                 )
                 if create or check:
                     raise UnsafeStoreError(f"refusing to use {message}") from exc
+                if strict:
+                    raise LinkInStore(path) from exc
                 _log.warning("ignoring %s", message)
                 return None
             raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
