@@ -32,12 +32,9 @@ CHILD_TIMEOUT_S = 300  # only bounds a broken child (a regression that blocks), 
 
 
 @pytest.fixture
-def lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
-    for name in list(os.environ):
-        if name.startswith("CUBINSTORE_"):
-            monkeypatch.delenv(name)
+def lib(tmp_path: Path, clean_env: Path) -> Iterator[SimpleNamespace]:
     jit.clear_caches()
-    home = tmp_path / "home"
+    home = clean_env  # tmp_path / "home", also CUBINSTORE_HOME
     include = make_library(tmp_path / "lib")
     host = tmp_path / "host"  # a directory outside every root: "the host's files"
     host.mkdir()
@@ -123,7 +120,7 @@ def test_a_sealed_compile_that_reads_a_host_file_fails_naming_it_and_caches_noth
     with pytest.raises(JitCompileError) as info:
         _compile(lib, source, sealed=True, family="axpy", params={"dtype": "f32"})
     message = str(info.value)
-    assert message.startswith(f"sealed JIT compile of key xxh3:") and f" read {secret}: expected only files" in message
+    assert message.startswith("sealed JIT compile of key xxh3:") and f" read {secret}: expected only files" in message
     assert "host-secret-line-4242" not in message
     assert type(info.value) is JitCompileError
     local = LocalStore(lib.home)
