@@ -34,22 +34,16 @@ from cubinstore.errors import (
     UnsafeStoreError,
 )
 from cubinstore.store.local.root import LinkInStore, NotRegularFile
-from cubinstore.trust.records import (  # re-exported: the names callers knew here
+from cubinstore.trust.records import (
     CHANNEL_PREFIX,
     MAX_SMALL_BLOB,
     MAX_STATE_BYTES,
-    POLICY_SCHEMA,
-    RECORD_SCHEMA,
-    SIGNATURE_SCHEMA,
-    STATE_SCHEMA,
     Accepted,
     ChannelState,
     ReleaseRecord,
     SignatureBlob,
     TrustPolicy,
     channel_name,
-    format_time,
-    key_id,
     parse_state,
 )
 from cubinstore.trust.verify import Candidate, check_floor, decide, refusal
@@ -59,26 +53,7 @@ if TYPE_CHECKING:
     from cubinstore.store.http import HttpStore
     from cubinstore.store.local.cas import LocalStore
 
-__all__ = [
-    "CHANNEL_PREFIX",
-    "MAX_SMALL_BLOB",
-    "POLICY_SCHEMA",
-    "RECORD_SCHEMA",
-    "SIGNATURE_SCHEMA",
-    "STATE_SCHEMA",
-    "Accepted",
-    "ChannelState",
-    "ReleaseRecord",
-    "SignatureBlob",
-    "TrustPolicy",
-    "channel_name",
-    "format_time",
-    "key_id",
-    "local_pointer",
-    "read_state",
-    "resolve_channel",
-    "write_state",
-]
+__all__ = ["local_pointer", "read_state", "resolve_channel", "write_state"]
 
 _log = get_logger(__name__)
 
