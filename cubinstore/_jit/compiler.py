@@ -385,7 +385,6 @@ def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tu
         except CubinstoreError:
             _verified_ok.discard(fact)
     problem = _entry_problem(entry, k)
-    data = None
     if problem is None:
         try:
             # Verified now (and kept in memory), so a later load cannot find it gone.
@@ -394,7 +393,11 @@ def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tu
             # Evicted by gc, or only bad bytes found: the sources are here, so compile it again.
             _log.warning("JIT %s: the index names %s, which cannot be read (%s); compiling again", k, entry.digest, exc)
             return None
-        problem = _cubin_problem(data, entry, k)
+        try:
+            image = CubinImage(data, f"JIT kernel {k} ({entry.digest})")  # parsed once, for both checks
+            problem = _cubin_problem(image, entry)
+        except CubinstoreError as exc:
+            problem = f"not a CUBIN: {exc}"
     if problem is not None:
         _log.warning("JIT %s: the index entry naming %s does not hold (%s); removed, compiling again",
                      k, entry.digest, problem)
@@ -403,9 +406,8 @@ def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tu
         except CubinstoreError as exc:
             _log.warning("JIT %s: cannot remove its index entry: %s", k, exc)
         return None
-    assert data is not None
     try:
-        _check_declared(entry.kernels, entries, k, CubinImage(data, f"JIT kernel {k}"), Arch.parse(entry.arch))
+        _check_declared(entry.kernels, entries, k, image, Arch.parse(entry.arch))
     except BadArgumentError as exc:
         _log.warning("JIT %s: %s; compiling again", k, exc)
         return None
@@ -425,14 +427,11 @@ def _entry_problem(entry: IndexEntry, k: JitKey) -> str | None:
     return None
 
 
-def _cubin_problem(data: bytes, entry: IndexEntry, k: JitKey) -> str | None:
-    try:
-        image = CubinImage(data, f"JIT kernel {k} ({entry.digest})")
-        arch = Arch.parse(entry.arch)
-        sm = image.sm
-        kernels = tuple(sorted(image.kernels))
-    except CubinstoreError as exc:
-        return f"not a CUBIN: {exc}"
+def _cubin_problem(image: CubinImage, entry: IndexEntry) -> str | None:
+    """How the CUBIN differs from what its index entry claims (arch, kernels); None if it does not."""
+    arch = Arch.parse(entry.arch)
+    sm = image.sm
+    kernels = tuple(sorted(image.kernels))
     if sm is not None and sm != arch.major * 10 + arch.minor:
         return f"the entry says {entry.arch}, the CUBIN's ELF header says sm_{sm}"
     if kernels != tuple(sorted(entry.kernels)):
