@@ -5,6 +5,7 @@
 #   - npm: bazelisk and buildifier (package-lock.json); .bazeliskrc points bazelisk at the local Bazel
 #   - PyPI: .venv with the test dependencies, the CUTLASS headers wheel and this package;
 #           .venv-buildgrid with BuildGrid (a gRPC remote cache for the tests)
+#   - tools/bootstrap_bazel7.sh: Bazel 7 (a Debian sid root), PostgreSQL, psycopg2 for BuildGrid
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,4 +52,7 @@ if [ ! -x .venv-buildgrid/bin/bgd ]; then
   "$PYTHON" -m venv .venv-buildgrid
   .venv-buildgrid/bin/python -m pip install -q --disable-pip-version-check -r requirements-buildgrid.txt
 fi
+# Bazel 7 in a Debian sid root, PostgreSQL and psycopg2 for the remote-execution tests: the
+# README's two commands set up everything the suite needs (idempotent; a second run only checks).
+tools/bootstrap_bazel7.sh
 log "ready: $("$BAZEL_BIN" --version 2>/dev/null | head -1), $(.venv/bin/python --version)"
