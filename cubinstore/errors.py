@@ -12,6 +12,7 @@ __all__ = [
     "CubinstoreError",
     "CubinFormatError",
     "CudaError",
+    "DemanglerError",
     "ExpiredReleaseError",
     "IncompatibleArchError",
     "IntegrityError",
@@ -106,6 +107,11 @@ class ExpiredReleaseError(TrustError):
 
 class JitCompileError(CubinstoreError):
     """nvcc refused a JIT translation unit; the message holds the command (relative paths) and nvcc's output."""
+
+
+class DemanglerError(CubinstoreError):
+    """The demangler (``cu++filt`` or ``c++filt``) could not be found, could not run, hung or printed
+    something other than names, while resolving an entry given as a C++ name."""
 
 
 class JitTimeoutError(JitCompileError):

@@ -45,6 +45,7 @@ from cubinstore._core.abi import Arch
 from cubinstore._core.digest import Digest
 from cubinstore._jit import compiler as _compiler
 from cubinstore._jit.compiler import clear_caches
+from cubinstore._jit.demangle import resolve_entries
 from cubinstore._jit.index import IndexEntry
 from cubinstore._jit.key import JitKey
 from cubinstore.errors import BadArgumentError
@@ -62,13 +63,17 @@ class JitKernel:
     """The result of ``compile``: a CUBIN in the store, launchable like ``Library.kernel``'s ``Kernel``."""
 
     def __init__(self, key: JitKey, entry: IndexEntry, entries: Mapping[str, Sequence[str]] | None,
-                 compiled: bool, store: Store, compile_seconds: float, found_by: str = "compile") -> None:
+                 compiled: bool, store: Store, compile_seconds: float, found_by: str = "compile",
+                 names: Mapping[str, str] | None = None) -> None:
         self.key = key
         self.digest: Digest = entry.digest
         self.size = entry.size
         self.arch = entry.arch
         self.kernels: tuple[str, ...] = entry.kernels  # every __global__ symbol of the CUBIN
+        # Symbol -> parameter types, as a manifest keys its entries; ``names``: symbol -> the name
+        # it was declared by (a C++ name, or the symbol itself), which ``launch`` takes too.
         self.entries: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in (entries or {}).items()}
+        self.names: dict[str, str] = {s: (names or {}).get(s, s) for s in self.entries}
         self.compiled = compiled  # this call ran nvcc (False: an index hit, or another process compiled it)
         self.compile_seconds = compile_seconds
         # "direct": the included files checked (``cubinstore._jit.direct``); "key": the full key; "compile": nvcc ran.
@@ -91,18 +96,19 @@ class JitKernel:
             if self._library is None:
                 if not self.entries:
                     raise BadArgumentError(
-                        f"JIT kernel {self.key} ({', '.join(self.kernels)}): pass entries={{symbol: [types]}} "
-                        "to compile() to launch it"
+                        f"JIT kernel {self.key} ({', '.join(self.kernels)}): pass entries={{symbol or C++ name: "
+                        "[types]}} to compile() to launch it"
                     )
                 # The manifest and the launcher (and the driver behind it) load with the first
                 # launch, not with `import cubinstore.jit`: a process that only compiles never pays for them.
                 from cubinstore.launch import Library
-                from cubinstore.manifest import KernelSpec, Manifest
+                from cubinstore.manifest import EntrySpec, KernelSpec, Manifest
 
                 spec = KernelSpec(
                     id=f"jit/{self.key.hex}/{self.arch}", family="jit", params={"key": self.key.hex},
                     arch=self.arch, digest=self.digest, size=self.size, entries=self.entries,
                     target=f"//jit:k{self.key.hex}",
+                    entry_specs={s: EntrySpec(s, self.names[s], types, None) for s, types in self.entries.items()},
                 )
 
                 self._library = Library(Manifest.build([spec], source=f"JIT {self.key}"), self._store)
@@ -113,7 +119,8 @@ class JitKernel:
         return self.library().kernel(f"jit/{self.key.hex}/{self.arch}", device=device)
 
     def launch(self, entry: str, *, device: Any = None, **kwargs: Any) -> None:
-        """``Kernel.launch`` on ``device``: ``grid``, ``block``, ``args``, ``shared_mem``, ``cluster``, ``stream``."""
+        """``Kernel.launch`` of ``entry`` (its symbol or the name it was declared by) on ``device``:
+        ``grid``, ``block``, ``args``, ``shared_mem``, ``cluster``, ``stream``."""
         self.kernel(device).launch(entry, **kwargs)
 
 
@@ -146,7 +153,14 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     ``include_dirs``: the library's include roots, absolute, wherever it is installed.
     ``flags``: extra nvcc flags (``-D``, ``-std=``...; absolute ``-I`` paths are keyed by
     content). ``arch``: default the current device's (``sm_XYa`` from Hopper on).
-    ``entries``: symbol -> parameter types, checked against the CUBIN and needed to launch.
+    ``entries``: entry -> parameter types, checked against the CUBIN and needed to launch. An
+    entry is named as the Bazel macro names it: an ``extern "C"`` name, a mangled symbol, or the
+    C++ name of the function, ``"mylib::scale<128, float>"``, qualified or (when unique)
+    unqualified, in any spacing. A C++ name is matched against the CUBIN's kernels demangled by
+    the toolkit's ``cu++filt``, else ``c++filt`` on ``$PATH`` (run only for such a name; none is a
+    ``DemanglerError`` naming what was tried); an unknown or ambiguous name is a
+    ``BadArgumentError`` naming the kernels. ``k.entries`` is keyed by symbol and ``k.names`` maps
+    each symbol to its declared name; ``k.launch`` takes either.
     ``family``/``params``: how the warm set names this point (for ``warmset export``).
     ``jit``: may this call run nvcc (default ``CUBINSTORE_JIT``); off, a miss raises
     ``KernelNotFoundError``. A failing compile raises ``JitCompileError`` with nvcc's command
@@ -159,7 +173,12 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     """
     found = _compiler.compile(source, include_dirs=include_dirs, flags=flags, arch=arch, entries=entries, family=family,
                               params=params, store=store, jit=jit, sealed=sealed, timeout=timeout)
-    return JitKernel(found.key, found.entry, found.entries, found.compiled, found.store, found.seconds, found.found_by)
+    # The compile or the hit checked the declared entries against the CUBIN: this is that match again, memoised.
+    declared = found.entries or {}
+    resolved = resolve_entries(declared, found.entry.kernels, where=f"JIT kernel {found.key}") if declared else {}
+    by_symbol = {symbol: declared[name] for name, (symbol, _) in resolved.items()}
+    names = dict(resolved.values())
+    return JitKernel(found.key, found.entry, by_symbol, found.compiled, found.store, found.seconds, found.found_by, names)
 
 
 def __getattr__(name: str) -> Any:

@@ -29,3 +29,5 @@ dest="$PWD/.device/kernels"  # bazel-bin is a link: a relative path from inside 
   while IFS= read -r -d '' f; do mkdir -p "$dest/$(dirname "$f")"; cp -L "$f" "$dest/$f"; done)
 cp -rL "$cutlass_include" .device/cutlass_include
 echo "staged $(find .device/kernels -name '*.cubin' | wc -l) CUBINs and CUTLASS headers in .device ($(du -sh .device | cut -f1))"
+# The kernel library fixture's kernels, compiled through cubinstore-nvcc (tests/nvcc/test_nvcc_gpu.py).
+.venv/bin/python tests/nvcc/stage_gpu.py .device/nvcc

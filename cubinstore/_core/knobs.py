@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from cubinstore._core.text import show
@@ -38,6 +37,8 @@ __all__ = [
     "lock_timeout",
     "manifest",
     "memory_bytes",
+    "nvcc",
+    "nvcc_publish",
     "offline",
     "remotes",
     "trust_policy",
@@ -49,19 +50,28 @@ __all__ = [
 TYPES = ("path", "URLs", "bool", "seconds", "int", "str")
 
 
-@dataclass(frozen=True)
 class Variable:
     """One environment variable: its name, type (one of ``TYPES``), default and meaning.
 
     ``default`` is the value an unset variable reads as (None: no value), ``shown`` how the
-    README writes a default that is computed (the user cache directory).
+    README writes a default that is computed (the user cache directory). A plain class, not a
+    dataclass: ``cubinstore-nvcc`` imports this module on every call, and ``dataclasses`` costs
+    more to import than the whole of a cache hit's work.
     """
 
-    name: str
-    type: str
-    default: object
-    doc: str
-    shown: str | None = None
+    __slots__ = ("name", "type", "default", "doc", "shown")
+
+    def __init__(self, name: str, type: str, default: object, doc: str, shown: str | None = None) -> None:  # noqa: A002
+        self.name, self.type, self.default, self.doc, self.shown = name, type, default, doc, shown
+
+    def __repr__(self) -> str:
+        return f"Variable({self.name!r}, {self.type!r}, {self.default!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Variable) and all(getattr(self, a) == getattr(other, a) for a in self.__slots__)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
     def get(self) -> object:
         """The variable's value, parsed by its type (what its accessor below returns, before any fallback)."""
@@ -102,11 +112,14 @@ ALLOW_SHARED_STORE = Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", False,
                               "write to a local store whose directories other users can write")
 TRUST_POLICY = Variable("CUBINSTORE_TRUST_POLICY", "path", None, "trust policy file for channel:NAME (signed releases)")
 FETCH_JOBS = Variable("CUBINSTORE_FETCH_JOBS", "int", 16, "blobs prefetch downloads (and publish uploads) at once")
+NVCC = Variable("CUBINSTORE_NVCC", "path", None, "the real nvcc cubinstore-nvcc runs", shown="the toolkit's bin/nvcc")
+NVCC_PUBLISH = Variable("CUBINSTORE_NVCC_PUBLISH", "bool", False,
+                        "cubinstore-nvcc uploads what it compiles to CUBINSTORE_REMOTE (trusted writers, CI)")
 
 VARIABLES: tuple[Variable, ...] = (
     HOME, REMOTE, DISK_CACHE, OFFLINE, HTTP_TIMEOUT, HTTP_CONNECT_TIMEOUT, HTTP_RETRIES, HTTP_DEADLINE,
     LOCK_TIMEOUT, MEMORY_BYTES, MANIFEST, JIT, JIT_TIMEOUT, HOST_CC, CUTLASS_INCLUDE, ALLOW_SHARED_STORE,
-    TRUST_POLICY, FETCH_JOBS,
+    TRUST_POLICY, FETCH_JOBS, NVCC, NVCC_PUBLISH,
 )
 
 # Not ours, read as third_party/cuda/cuda_toolkit.bzl reads them: where the JIT finds the toolkit.
@@ -300,6 +313,37 @@ def which(command: str) -> str | None:
     import shutil
 
     return shutil.which(command, path=os.environ.get("PATH"))
+
+
+# -- cubinstore-nvcc ------------------------------------------------------------------------------
+
+#: Variables that change what nvcc or the host compiler does without a word on the command line:
+#: ``cubinstore-nvcc`` hands a call made under any of them to the real nvcc (its compile runs
+#: in a clean environment, so it could not honour them).
+NVCC_OVERRIDES: tuple[str, ...] = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN", "CPATH", "C_INCLUDE_PATH",
+                                   "CPLUS_INCLUDE_PATH", "GCC_EXEC_PREFIX", "COMPILER_PATH")
+
+
+def nvcc() -> Path | None:
+    """``CUBINSTORE_NVCC``: the nvcc ``cubinstore-nvcc`` runs (None: the toolkit's)."""
+    return _path(NVCC)
+
+
+def nvcc_publish() -> bool:
+    """``CUBINSTORE_NVCC_PUBLISH``: ``cubinstore-nvcc`` uploads its compiles to the remote (CI only)."""
+    return _bool(NVCC_PUBLISH)
+
+
+def nvcc_overrides() -> list[str]:
+    """The ``NVCC_OVERRIDES`` that are set (to anything but the empty string)."""
+    return [name for name in NVCC_OVERRIDES if os.environ.get(name)]
+
+
+def toolchain_environment() -> tuple[str, ...]:
+    """What decides which nvcc, toolkit and host compiler a compile uses (raw values, "" when
+    unset): the name of ``cubinstore-nvcc``'s cache of their identities on this host."""
+    names = (NVCC.name, CUDA_PATH.name, CUDA_HOME.name, "PATH", HOST_CC.name)
+    return tuple(f"{n}={os.environ.get(n, '')}" for n in names)
 
 
 def cutlass_include() -> Path | None:

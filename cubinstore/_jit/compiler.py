@@ -26,11 +26,13 @@ from cubinstore._core import knobs as _env
 from cubinstore._core.abi import Arch, layout_mismatch, module_anchor, param_type
 from cubinstore._core.nvcc import cubin_argv
 from cubinstore._core.cubin import CubinImage
+from cubinstore._core.cxxnames import name_problem
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore._jit import direct as _jitdirect
 from cubinstore._jit import key as _jitkey
+from cubinstore._jit.demangle import resolve_entries
 from cubinstore._jit.direct import (
     DEPS_NAME,
     Deps,
@@ -88,7 +90,8 @@ _log = get_logger("cubinstore.jit")  # the logger name users configure, as befor
 SOURCE_NAME: Final = "cubinstore_jit.cu"
 ANCHOR_NAME: Final = "cubinstore_jit.anchor.h"
 OUTPUT_NAME: Final = "cubinstore_jit.cubin"
-LOG_NAME: Final = "cubinstore_jit.log"  # nvcc's stdout and stderr, in the compile directory
+LOG_NAME: Final = "cubinstore_jit.log"  # nvcc's stdout, in the compile directory
+ERR_NAME: Final = "cubinstore_jit.err"  # nvcc's stderr
 _MAX_STDERR: Final = 16000
 _MAX_LOG: Final = 1 << 20  # bytes of nvcc's output read back
 _MAX_DEPS: Final = 16 << 20  # bytes of the dependency list read back
@@ -166,7 +169,7 @@ class Inputs:
 class Request:
     """One call's inputs, resolved: text, trees, flags, toolkit, host, arch, and the full key."""
 
-    def __init__(self, inputs: Inputs, flags: Sequence[str], local: Any) -> None:
+    def __init__(self, inputs: Inputs, flags: Sequence[str], local: Any, program: str | None = None) -> None:
         self.text = inputs.text
         self.arch = inputs.arch
         self.include_dirs = inputs.include_dirs
@@ -174,7 +177,8 @@ class Request:
         self.flags: Flags = normalize_flags(flags, local=local)
         self.toolkit: Toolkit = find_toolkit(local=local)
         self.host: HostCompiler = host_compiler(local=local)
-        self.key = make_key(key_parts(self.text, SOURCE_NAME, self.trees, self.flags, self.arch, self.toolkit, self.host))
+        self.key = make_key(key_parts(self.text, SOURCE_NAME, self.trees, self.flags, self.arch, self.toolkit, self.host,
+                                      program))
 
 
 def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathLike[str]], flags: Sequence[str] = (),
@@ -209,12 +213,15 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     sealed: bool = False,
     timeout: float | None = None,
     nvcc: Callable[[list[str], Path], subprocess.CompletedProcess[str]] | None = None,
+    program: str | None = None,
 ) -> Compiled:
     """What ``cubinstore.jit.compile`` does (its docstring describes every argument), returning the
     index entry found or written and how; ``jit.compile`` wraps it in a ``JitKernel``.
 
     ``nvcc``: what runs nvcc's argv in the compile directory (default ``run_nvcc``; tests pass a
-    wrapper to act while it runs).
+    wrapper to act while it runs). ``program``: the content key (xxh3) of the program ``nvcc``
+    runs when it is not the toolkit's own nvcc (``cubinstore-nvcc`` under ``CUBINSTORE_NVCC``):
+    part of the key, so another compiler program never shares one.
     """
     if not isinstance(sealed, bool):
         raise BadArgumentError(f"sealed: expected True or False, got {show(sealed)}")
@@ -226,13 +233,13 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         entries = check_entries(entries)
     inputs = Inputs(source, include_dirs, arch)
     # The direct key first: only the files this TU included are checked (``_jitdirect``).
-    dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local)
+    dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local, program)
     known = _direct_hit(index, store, dreq, entries, sealed)
     if known is not None:
         k, found = known
         _log.debug("JIT %s: direct hit, %s", k, found.digest)
         return Compiled(k, found, entries, False, store, 0.0, "direct")
-    req = Request(inputs, flags, local)
+    req = Request(inputs, flags, local, program)
     base = req.key
     hit = _hit(index, store, base, entries, sealed)
     if hit is not None:
@@ -259,7 +266,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         started = time.perf_counter()
         token = _limit.set(limit)
         try:
-            data, deps, outside = _compile(req, index, dreq, sealed, nvcc or run_nvcc)
+            data, deps, outside, result = _compile(req, index, dreq, sealed, nvcc or run_nvcc)
         finally:
             _limit.reset(token)
         seconds = time.perf_counter() - started
@@ -275,6 +282,8 @@ def compile(  # noqa: A001 - the verb a kernel library expects
             index.put_parts(k.hex, k.parts)
         if deps is not None:  # before the index entry, so a kill after it still leaves them to re-list
             put_deps(index, k.hex, *deps)
+        # nvcc's messages (the compile directory's names), for a caller that replays them (cubinstore-nvcc).
+        index.put_output(k.hex, result.stdout, result.stderr)
         # An index entry exists only once its CUBIN is in the CAS; the direct entry (and the
         # base key's list of outside-file keys) only once the index entry does.
         index.put(found)
@@ -369,11 +378,13 @@ _verified_ok: set[tuple[Any, ...]] = set()
 
 def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tuple[str, ...]] | None) -> IndexEntry | None:
     """``k``'s index entry if it holds: its key and parts make ``k``, its CUBIN verifies (sha256,
-    size), is for its arch and has exactly its kernels, and the declared entries match the CUBIN.
+    size), is for its arch and has exactly its kernels, and the declared entries match the CUBIN
+    (each names one of its kernels, by symbol or C++ name, whose parameters have the declared layout).
 
     An entry that does not hold is removed (quarantined) with a warning naming key and digest,
     so the caller compiles again. A CUBIN that cannot be read (evicted) is a plain miss; declared
-    entries the CUBIN lacks are a miss that keeps the entry (the compile decides whose fault)."""
+    entries the CUBIN lacks are a miss that keeps the entry (the compile decides whose fault).
+    No demangler for a C++ name raises ``DemanglerError`` (compiling again would not help)."""
     entry = index.get(k.hex)
     if entry is None:
         return None
@@ -480,9 +491,9 @@ def _lay_out(req: Request, work: Path) -> None:
 
 def _compile(req: Request, index: JitIndex, dreq: DirectRequest, sealed: bool,
              nvcc: Callable[[list[str], Path], subprocess.CompletedProcess[str]],
-             ) -> tuple[bytes, tuple[Any, Any, Any] | None, list[tuple[str, str]]]:
-    """The CUBIN's bytes, what the direct entry records (None: write none), and the (path, xxh3)
-    of each file read from outside every root (``Deps.outside``)."""
+             ) -> tuple[bytes, tuple[Any, Any, Any] | None, list[tuple[str, str]], subprocess.CompletedProcess[str]]:
+    """The CUBIN's bytes, what the direct entry records (None: write none), the (path, xxh3)
+    of each file read from outside every root (``Deps.outside``), and nvcc's result."""
     work = index.compile_dir(req.key.hex, 0)
     try:
         try:
@@ -506,7 +517,7 @@ def _compile(req: Request, index: JitIndex, dreq: DirectRequest, sealed: bool,
             direct = None
         outside = _hash_outside(req, deps, started_ns)
         try:
-            return (work / OUTPUT_NAME).read_bytes(), direct, outside
+            return (work / OUTPUT_NAME).read_bytes(), direct, outside, result
         except OSError as exc:
             raise JitCompileError(
                 f"nvcc exited 0 for JIT {req.key} but wrote no {OUTPUT_NAME}: {shlex.join(argv)}\n{result.stderr}"
@@ -627,11 +638,12 @@ def run_nvcc(argv: list[str], work: Path) -> subprocess.CompletedProcess[str]:
     limit = _limit.get()
     # nvcc's intermediates go to TMPDIR: inside the compile directory, under the store's root.
     env = dict(ACTION_ENV, TMPDIR=str(work / "tmp"))
-    log = work / LOG_NAME
+    log, err = work / LOG_NAME, work / ERR_NAME
     try:
-        with open(log, "wb") as out:
+        # Two files, not pipes: nothing to drain while waiting, and a replay keeps the streams apart.
+        with open(log, "wb") as out, open(err, "wb") as errors:
             proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=errors, start_new_session=True)
     except OSError as exc:
         raise JitCompileError(f"cannot run nvcc ({shlex.join(argv)}): {exc.strerror or exc}") from exc
     try:
@@ -648,15 +660,19 @@ def run_nvcc(argv: list[str], work: Path) -> subprocess.CompletedProcess[str]:
         raise
     if _group_members(proc.pid):  # nvcc exited, a child of it did not: it goes too
         _kill_group(proc, wait_for_leader=False)
+    return subprocess.CompletedProcess(argv, returncode, _read_log(log), _read_log(err))
+
+
+def _read_log(path: Path) -> str:
     try:
-        with open(log, "rb") as f:
+        with open(path, "rb") as f:
             output = f.read(_MAX_LOG + 1)
     except OSError:
         output = b""
-    text = output[:_MAX_LOG].decode("utf-8", errors="replace")
+    text = output[:_MAX_LOG].decode("utf-8", errors="surrogateescape")
     if len(output) > _MAX_LOG:
         text += f"\n... (output over {_MAX_LOG} bytes not read)"
-    return subprocess.CompletedProcess(argv, returncode, "", text)
+    return text
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -699,7 +715,8 @@ def _kill_group(proc: subprocess.Popen[bytes], wait_for_leader: bool = True) -> 
 
 
 def _failure(req: Request, argv: list[str], result: subprocess.CompletedProcess[str]) -> str:
-    output = (result.stderr + result.stdout).strip()
+    # Printable whatever bytes nvcc wrote (the streams are read with surrogateescape, for replays).
+    output = (result.stderr + result.stdout).strip().encode("utf-8", "replace").decode("utf-8")
     if len(output) > _MAX_STDERR:
         output = output[:_MAX_STDERR] + f"\n... ({len(output) - _MAX_STDERR} more characters)"
     legend = "; ".join([f"inc/{i} = include_dirs[{i}]" for i in range(len(req.include_dirs))]
@@ -712,12 +729,15 @@ def _failure(req: Request, argv: list[str], result: subprocess.CompletedProcess[
 # -- entries --------------------------------------------------------------------------------------
 
 def check_entries(entries: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """The declared entries, checked: each a symbol or a C++ name (``_core.cxxnames``) with parameter types."""
     if not isinstance(entries, Mapping) or not entries:
-        raise BadArgumentError(f"entries: expected a non-empty mapping of symbol -> parameter types, got {show(entries)}")
+        raise BadArgumentError(f"entries: expected a non-empty mapping of symbol or C++ name -> parameter types, "
+                               f"got {show(entries)}")
     out: dict[str, tuple[str, ...]] = {}
     for name, types in entries.items():
-        if not isinstance(name, str) or not name:
-            raise BadArgumentError(f"entries: expected symbol names, got {show(name)}")
+        why = name_problem(name)
+        if why is not None:
+            raise BadArgumentError(f"entries: expected symbols or C++ names, got {show(name)}: {why}")
         if isinstance(types, str) or not isinstance(types, Sequence):
             raise BadArgumentError(f"entries[{name!r}]: expected a list of parameter types, got {show(types)}")
         for t in types:
@@ -728,17 +748,20 @@ def check_entries(entries: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, 
 
 def _check_declared(kernels: Sequence[str], entries: Mapping[str, tuple[str, ...]] | None, k: JitKey,
                     image: CubinImage | None, arch: Arch | None) -> None:
-    """Every declared entry is a kernel of the CUBIN; with the image, its parameters match the declared types."""
-    for name, types in (entries or {}).items():
-        if name not in kernels:
+    """Every declared entry names one kernel of the CUBIN, by symbol or C++ name (``_jit.demangle``);
+    with the image, that kernel's parameters match the declared types."""
+    if not entries:
+        return
+    resolved = resolve_entries(entries, kernels, where=f"JIT kernel {k}")
+    if image is None or arch is None:
+        return
+    for name, types in entries.items():
+        symbol = resolved[name][0]
+        m = layout_mismatch([param_type(t) for t in types], arch, image.param_layout(symbol))
+        if m is not None:
+            kernel = "the CUBIN" if symbol == name else f"the CUBIN's {symbol}"
             raise BadArgumentError(
-                f"JIT kernel {k}: entry {name!r} is not a __global__ function of the CUBIN; it has {', '.join(kernels) or 'none'}"
+                f"JIT kernel {k} entry {name!r}: declared {list(types)} (offsets {[o for o, _ in m.expected]}, "
+                f"sizes {[s for _, s in m.expected]}), {kernel} has offsets {[o for o, _ in m.actual]}, "
+                f"sizes {[s for _, s in m.actual]}"
             )
-        if image is not None and arch is not None:
-            m = layout_mismatch([param_type(t) for t in types], arch, image.param_layout(name))
-            if m is not None:
-                raise BadArgumentError(
-                    f"JIT kernel {k} entry {name!r}: declared {list(types)} (offsets {[o for o, _ in m.expected]}, "
-                    f"sizes {[s for _, s in m.expected]}), the CUBIN has offsets {[o for o, _ in m.actual]}, "
-                    f"sizes {[s for _, s in m.actual]}"
-                )

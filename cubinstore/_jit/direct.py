@@ -132,7 +132,7 @@ class DirectRequest:
     include the files those identities were taken from."""
 
     def __init__(self, text: str, source_name: str, include_dirs: Sequence[str], flags: Sequence[str], arch: Arch,
-                 local: LocalStore) -> None:
+                 local: LocalStore, program: str | None = None) -> None:
         self.local = local
         self.flags: Flags = normalize_flags(flags, local=local, key_dirs=False)
         self.toolkit_root, _ = locate_toolkit()
@@ -142,6 +142,8 @@ class DirectRequest:
             "scheme": DIRECT_SCHEME, "source": xxh3(text.encode("utf-8", "surrogateescape")), "source_name": source_name,
             "includes": len(include_dirs), "flags": list(self.flags.keyed), "arch": str(arch),
         }
+        if program is not None:  # another nvcc program than the toolkit's (``jit.key.key_parts``)
+            self._request["program"] = program
         # The stat cache's name: everything but the identities, and where each root is here.
         self._stat_name = "\0".join((
             "direct", xxhash.xxh3_128_hexdigest(dumps_canonical(self._request)), self.host_name, self.host_binary,

@@ -20,6 +20,8 @@
     v1/jit/deps/<2 hex>/<key>.json    the files a key's compile included (root label, relative path,
                                       xxh3) and the shape of each root: what a direct hit checks
     v1/jit/direct/<2 hex>/<dkey>.json direct key -> the keys compiled under it, newest first
+    v1/jit/output/<2 hex>/<key>.json  nvcc's stdout and stderr when it compiled the key (the compile
+                                      directory's names): what ``cubinstore-nvcc`` replays
     v1/jit/stat/                      stat fingerprints of trees (a local speed-up, never keyed)
     v1/jit/locks/<2 hex>/<key>.lock   one compile per key across processes
     v1/jit/tmp/<key>.<pid>.<n>/       private compile directories
@@ -31,6 +33,7 @@ validated, and a damaged entry reads as absent (a miss recompiles and rewrites i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,6 +64,8 @@ OUTSIDE_SCHEMA: Final = "cubinstore/jit-outside/v1"
 PARTS_SCHEMA: Final = "cubinstore/jit-parts/v1"
 DEPS_SCHEMA: Final = "cubinstore/jit-deps/v1"
 DIRECT_SCHEMA: Final = "cubinstore/jit-direct/v1"
+OUTPUT_SCHEMA: Final = "cubinstore/jit-output/v1"
+_MAX_OUTPUT: Final = 4 << 20
 MAX_CANDIDATES: Final = 8  # keys kept per direct key (the same TU against differing included headers)
 _KEY_RE: Final = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _MAX_ENTRY: Final = 1 << 20
@@ -104,9 +109,9 @@ class JitIndex:
     def _at(kind: str, key: str, suffix: str = ".json") -> tuple[tuple[str, ...], str]:
         return ("jit", kind, key[:2]), f"{key}{suffix}"
 
-    def _read(self, kind: str, key: str) -> bytes | None:
+    def _read(self, kind: str, key: str, limit: int = _MAX_ENTRY) -> bytes | None:
         try:
-            return self.local.read_file(*self._at(kind, check_key(key)), _MAX_ENTRY)
+            return self.local.read_file(*self._at(kind, check_key(key)), limit)
         except BadArgumentError:
             raise
         except Exception as exc:  # noqa: BLE001 - unreadable reads as absent; a compile rewrites it
@@ -204,6 +209,28 @@ class JitIndex:
             return files, {str(k): v for k, v in shapes.items()}
         except Exception as exc:  # noqa: BLE001 - damaged reads as absent
             _log.warning("ignoring malformed JIT deps %s: %s", key, exc)
+            return None
+
+    def put_output(self, key: str, stdout: str, stderr: str) -> None:
+        doc = {"schema": OUTPUT_SCHEMA, "key": key, "stdout": stdout, "stderr": stderr}
+        # ASCII-escaped: nvcc's bytes that are not UTF-8 are kept (read with surrogateescape), not refused.
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
+        self.local.write_file(*self._at("output", check_key(key)), data, durable=False)
+
+    def get_output(self, key: str) -> tuple[str, str] | None:
+        """(stdout, stderr) of the compile of ``key``; None when not kept (compiled before it was) or damaged."""
+        raw = self._read("output", key, limit=_MAX_OUTPUT)
+        if raw is None:
+            return None
+        try:
+            doc = loads_strict(raw, f"JIT output {key}", ValueError)
+            if doc.get("schema") != OUTPUT_SCHEMA or doc.get("key") != key:
+                raise ValueError("schema or key")
+            if not isinstance(doc.get("stdout"), str) or not isinstance(doc.get("stderr"), str):
+                raise ValueError("streams")
+            return doc["stdout"], doc["stderr"]
+        except Exception as exc:  # noqa: BLE001 - damaged reads as absent
+            _log.warning("ignoring malformed JIT output %s: %s", key, exc)
             return None
 
     def get_direct(self, dkey: str) -> list[str]:

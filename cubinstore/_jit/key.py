@@ -1017,7 +1017,9 @@ def make_key(parts: KeyParts) -> JitKey:
 
 
 def key_parts(source_text: str, source_name: str, include_trees: Iterable[Tree], flags: Flags, arch: Arch,
-              toolkit: Toolkit, host: HostCompiler) -> KeyParts:
+              toolkit: Toolkit, host: HostCompiler, program: str | None = None) -> KeyParts:
+    """The parts of one call's key. ``program``: the content key of the nvcc program run when it is
+    not the toolkit's own (``cubinstore-nvcc`` under ``CUBINSTORE_NVCC``), kept with the toolkit's identity."""
     return KeyParts(
         scheme=SCHEME,
         source=xxh3(source_text.encode("utf-8", "surrogateescape")),
@@ -1025,6 +1027,6 @@ def key_parts(source_text: str, source_name: str, include_trees: Iterable[Tree],
         includes=tuple(t.key for t in include_trees),
         flags=flags.keyed,
         arch=str(arch),
-        toolkit=toolkit.identity,
+        toolkit=toolkit.identity if program is None else {**toolkit.identity, "program": program},
         host={"name": host.name, "identity": host.identity},
     )

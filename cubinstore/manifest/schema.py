@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from cubinstore._core.cxxnames import MAX_NAME_CHARS
 from cubinstore._core import abi as _abi
 from cubinstore._core.abi import (
     IDENT_RE,
@@ -49,7 +50,7 @@ KERNEL_KEYS = frozenset(KERNEL_FIELDS)
 ENTRY_KEYS = frozenset({"name", "params", "offsets", "launch"})
 LABEL_RE = re.compile(r"//[A-Za-z0-9_.+/-]*(?::[A-Za-z0-9_.+/=,@~-]+)?", re.ASCII)
 # A readable C++ name: printable ASCII, e.g. "ns::gemm<ns::bf16, 128, 256>".
-MAX_READABLE_CHARS = 1024
+MAX_READABLE_CHARS = MAX_NAME_CHARS  # cubinstore._core.cxxnames: the JIT's entries obey it too
 _READABLE_RE = re.compile(rf"[ -~]{{1,{MAX_READABLE_CHARS}}}", re.ASCII)
 
 

@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 from cubinstore._core import knobs as _env
 from cubinstore._core.digest import Digest
 from cubinstore._core.text import show
+from cubinstore.store.action_result import MAX_ACTION_RESULT_BYTES
 from cubinstore.store.layer import Layer, limit_for
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
@@ -156,6 +157,31 @@ class HttpStore(Layer):
     def put_named(self, name: str, data: bytes) -> None:
         """PUT ``data`` at ``<url>/<name>`` (a channel pointer)."""
         self._with_retries("PUT", f"{self._prefix}/{name}", bytes(data), None)
+
+    # -- action cache (the Bazel HTTP cache protocol's /ac/) -------------------------------------
+
+    def get_action_result(self, action_hex: str) -> bytes | None:
+        """GET ``<url>/ac/<action_hex>``: the entry's bytes, unparsed and unverified (at most
+        ``MAX_ACTION_RESULT_BYTES``; a longer one raises ``IntegrityError`` unread), or None on
+        404. ``action_result.decode_action_result`` parses them."""
+        status, data = self._with_retries("GET", self._ac_path(action_hex), None, None, limit=MAX_ACTION_RESULT_BYTES)
+        return None if status == 404 else data
+
+    def put_action_result(self, action_hex: str, data: bytes) -> None:
+        """PUT an encoded ``ActionResult`` at ``<url>/ac/<action_hex>`` (trusted writers only:
+        anyone who can write here decides what a key maps to)."""
+        path = self._ac_path(action_hex)
+        if len(data) > MAX_ACTION_RESULT_BYTES:
+            raise BadArgumentError(f"action result for {action_hex} is {len(data)} bytes, over the "
+                                   f"{MAX_ACTION_RESULT_BYTES}-byte limit its readers enforce")
+        self._with_retries("PUT", path, bytes(data), None)
+        _log.debug("stored action result %s (%d bytes) at %s", action_hex, len(data), self.url)
+
+    def _ac_path(self, action_hex: str) -> str:
+        try:
+            return f"{self._prefix}/ac/{Digest(action_hex).hex}"  # validated before it is part of a path
+        except BadArgumentError as exc:
+            raise BadArgumentError(f"invalid action digest for {self.url}/ac/: {exc}") from None
 
     # -- HTTP machinery -------------------------------------------------------------------------
 

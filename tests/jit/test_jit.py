@@ -230,7 +230,7 @@ def test_broken_tu_raises_with_nvccs_message_and_caches_nothing(env: SimpleNames
 
 
 def test_declared_entry_missing_from_the_cubin_is_refused(env: SimpleNamespace) -> None:
-    with pytest.raises(BadArgumentError, match="entry 'nope' is not a __global__ function of the CUBIN; it has scale"):
+    with pytest.raises(BadArgumentError, match="entry 'nope' is not a kernel of its CUBIN; its kernels: scale \\(scale\\)"):
         _compile(env, entries={"nope": ["i32"]})
 
 

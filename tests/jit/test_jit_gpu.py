@@ -91,6 +91,23 @@ def test_jit_kernel_launches_like_a_manifest_kernel(store: Store) -> None:
     assert again.compiled is False and again.key == k.key  # arch=None is the device's: sm_90a on an H200
 
 
+def test_jit_kernel_declared_by_its_cxx_name_launches_by_either_name(store: Store) -> None:
+    tu = ('namespace mylib {\n'
+          'template <int N, typename T> __global__ void scale(int n, T a, T* x) {\n'
+          '  int i = blockIdx.x * N + threadIdx.x; if (i < n) x[i] *= a; }\n'
+          'template __global__ void scale<256, float>(int, float, float*);\n'
+          '}\n')
+    k = jit.compile(tu, include_dirs=[], arch="sm_90a", entries={"mylib::scale<256, float>": ["i32", "f32", "ptr"]},
+                    store=store)
+    (symbol,) = k.entries
+    assert symbol.startswith("_ZN5mylib5scaleILi256EfEE") and k.names == {symbol: "mylib::scale<256, float>"}
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    k.launch("mylib::scale<256, float>", grid=4, block=256, args=(1000, 3.0, x))
+    k.launch(symbol, grid=4, block=256, args=(1000, 0.5, x))
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.arange(1000, device="cuda", dtype=torch.float32) * 1.5)
+
+
 def test_a_point_the_release_lacks_compiles_from_the_manifests_own_template(
         store: Store, tmp_path_factory: pytest.TempPathFactory) -> None:
     # The release's manifest embeds the gemm family's JIT template; its source bundle is a blob
