@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what a fresh machine lacks to build //kernels:all and run the tests, then exits.
 # Idempotent: a second run only checks. Everything is pinned; no download happens during a build.
-#   - Debian: bazel-bootstrap (offline Bazel 4.2.3), nginx-light (WebDAV cache for the tests)
+#   - Debian: bazel-bootstrap (offline Bazel 4.2.3), nginx-light (WebDAV cache for the tests),
+#     libnginx-mod-http-dav-ext (PROPFIND, which sccache's WebDAV backend needs: benchmarks/bench_nvcc_dropin.py)
 #   - npm: bazelisk and buildifier (package-lock.json); .bazeliskrc points bazelisk at the local Bazel
 #   - PyPI: .venv with the test dependencies, the CUTLASS headers wheel and this package;
 #           .venv-buildgrid with BuildGrid (a gRPC remote cache for the tests)
@@ -11,6 +12,7 @@ cd "$(dirname "$0")/.."
 
 BAZEL_DEB=4.2.3+ds-9
 NGINX_DEB=1.22.1-9+deb12u11
+NGINX_DAV_EXT_DEB=1:3.0.0-3
 CUTLASS_WHEEL=nvidia-cutlass==4.2.0.0
 PYTHON=${PYTHON:-python3}
 
@@ -28,6 +30,7 @@ apt_install() {  # apt_install PACKAGE VERSION: the pinned version, else the dis
 
 apt_install bazel-bootstrap "$BAZEL_DEB"
 apt_install nginx-light "$NGINX_DEB"
+apt_install libnginx-mod-http-dav-ext "$NGINX_DAV_EXT_DEB"
 BAZEL_BIN=/usr/bin/bazel-4
 [ -x "$BAZEL_BIN" ] || { log "no $BAZEL_BIN after installing bazel-bootstrap"; exit 1; }
 # Debian's /usr/bin/bazel wrapper looks for /usr/bin/bazel-<.bazelversion>.
@@ -46,7 +49,8 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 # Only the headers of the CUTLASS wheel are used: skip its Python dependencies.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$CUTLASS_WHEEL"
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+# compat: a .pth path entry, not an import hook (every Python start, and so every cubinstore-nvcc call, skips ~8 ms)
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . --config-settings editable_mode=compat
 
 if [ ! -x .venv-buildgrid/bin/bgd ]; then
   "$PYTHON" -m venv .venv-buildgrid

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from cubinstore._core.grammar import IDENT_RE, REL_PATH_RE, WORD_RE
 from cubinstore.errors import BadArgumentError
 
 __all__ = [
@@ -63,13 +64,7 @@ MAX_PARAMS: Final = 32764
 # Parameters of one grid point (a key of its family's grid each): bounds the id-order check's work.
 MAX_POINT_PARAMS: Final = 64
 
-# -- names ------------------------------------------------------------------------------------
-# A parameter key, a grid key, a placeholder: a C identifier.
-IDENT_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
-# Family names and string parameter values become id segments (and target names): no '/', no spaces.
-WORD_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
-# A relative path of words. '..' is a word: a caller that resolves the path refuses it itself.
-REL_PATH_RE: Final = re.compile(rf"{WORD_RE.pattern}(?:/{WORD_RE.pattern})*", re.ASCII)
+# -- names: the grammar (``grammar``), re-exported -----------------------------------------------
 
 # -- parameter types --------------------------------------------------------------------------
 # (size, alignment) in the kernel's parameter space; the same rules a C++ compiler applies.

@@ -16,7 +16,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from typing import Final
 
-from cubinstore._core.abi import IDENT_RE
+from cubinstore._core.grammar import IDENT_RE
 from cubinstore.errors import BadArgumentError
 
 __all__ = ["MAX_NAME_CHARS", "function_name", "name_problem", "names_entry", "normalize_name", "resolve_entries",

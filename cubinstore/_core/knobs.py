@@ -14,10 +14,13 @@ from __future__ import annotations
 import math
 import os
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError
+
+if TYPE_CHECKING:  # pathlib is imported when a path is read: cubinstore-nvcc's hit path reads none as a Path
+    from pathlib import Path
 
 __all__ = [
     "VARIABLES",
@@ -178,6 +181,8 @@ def _path(var: Variable) -> Path | None:
         return None
     if "\0" in value:
         raise BadArgumentError(f"{var.name}: path contains a NUL byte: {show(value)}")
+    from pathlib import Path
+
     return Path(value).expanduser()
 
 
@@ -197,21 +202,40 @@ _READERS = {"path": _path, "URLs": _urls, "bool": _bool, "seconds": _seconds, "i
 
 def user_cache_dir() -> Path:
     """The platform's per-user cache directory (XDG on Linux)."""
+    from pathlib import Path
+
+    return Path(user_cache_dir_str())
+
+
+def user_cache_dir_str() -> str:
+    """``user_cache_dir()`` as a string, computed without pathlib."""
     if sys.platform == "win32":
         base = os.environ.get("LOCALAPPDATA")
-        return Path(base) if base else Path.home() / "AppData" / "Local"
+        return base if base else os.path.join(os.path.expanduser("~"), "AppData", "Local")
     if sys.platform == "darwin":
-        return Path.home() / "Library" / "Caches"
+        return os.path.join(os.path.expanduser("~"), "Library", "Caches")
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     # XDG says a relative value is invalid and must be ignored.
     if xdg and os.path.isabs(xdg):
-        return Path(xdg)
-    return Path.home() / ".cache"
+        return xdg
+    return os.path.join(os.path.expanduser("~"), ".cache")
 
 
 def home() -> Path:
     """Root of the local store: ``CUBINSTORE_HOME``, else ``<user cache dir>/cubinstore``."""
-    return _path(HOME) or user_cache_dir() / "cubinstore"
+    from pathlib import Path
+
+    return Path(home_str())
+
+
+def home_str() -> str:
+    """``home()`` as a string, computed without pathlib (the hit path of ``cubinstore-nvcc``)."""
+    value = _raw(HOME)
+    if not value:
+        return os.path.join(user_cache_dir_str(), "cubinstore")
+    if "\0" in value:
+        raise BadArgumentError(f"{HOME.name}: path contains a NUL byte: {show(value)}")
+    return os.path.expanduser(value)
 
 
 def remotes() -> tuple[str, ...]:

@@ -182,14 +182,14 @@ class Request:
 
 
 def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathLike[str]], flags: Sequence[str] = (),
-        arch: str | Arch | None = None, store: Store | None = None) -> JitKey:
+        arch: str | Arch | None = None, store: Store | None = None, program: str | None = None) -> JitKey:
     """The key ``compile`` computes before compiling (its *base* key), with its parts; compiles nothing.
 
     ``compile`` reports this key unless the compile read files outside every root, flag path,
     the toolkit and the system include directories: then the key it reports also covers those
     files' paths and contents (``k.key.parts.base`` is this key's parts)."""
     store = store if store is not None else default_store()
-    return Request(Inputs(source, include_dirs, arch), flags, local_store(store)).key
+    return Request(Inputs(source, include_dirs, arch), flags, local_store(store), program).key
 
 
 def default_store() -> Store:

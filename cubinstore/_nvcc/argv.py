@@ -10,7 +10,7 @@ that change what nvcc or the host compiler does without appearing on the command
 cached wrongly: an option is modelled only when its whole effect is on the CUBIN's bytes (which
 the key covers) and the files it reads (which nvcc's dependency list names).
 
-Standard library and the name grammar (``_core.abi``): this runs on every call, hits included.
+Standard library and the name grammar (``_core.grammar``): this runs on every call, hits included.
 """
 
 from __future__ import annotations
@@ -18,53 +18,99 @@ from __future__ import annotations
 import os
 import re
 
-from cubinstore._core.abi import IDENT_RE
+from cubinstore._core.grammar import IDENT_RE
 
 __all__ = ["Call", "PassThrough", "parse"]
 
 _ARCH_RE = re.compile(r"sm_[1-9][0-9]{1,2}[af]?", re.ASCII)
-_IDENT = IDENT_RE.pattern
-# A -D value: printable ASCII but what nvcc's shell would read ($ ` \) and its list comma.
-_DEFINE_RE = re.compile(rf"{_IDENT}(=[ !#%&'()*+\-./0-9:;<=>?@A-Z\[\]^_a-z{{|}}~\"]*)?", re.ASCII)
 
-# Behaviour flags, matched whole: each changes only the CUBIN (and the messages), reads no file
-# the dependency list would not name, and writes none.
-_FLAG_RULES = tuple(re.compile(p, re.ASCII) for p in (
-    r"--?std=c\+\+(11|14|17|20|23)",
-    r"-O[0-3]",
-    r"--?expt-relaxed-constexpr",
-    r"--?expt-extended-lambda|--?extended-lambda",
-    r"-lineinfo|--generate-line-info",
-    r"-G|--device-debug",
-    r"--?use_fast_math",
-    r"--?(ftz|prec-div|prec-sqrt|fmad)=(true|false)",
-    r"--?maxrregcount=[1-9][0-9]{0,2}",
-    r"--?extra-device-vectorization",
-    r"--?restrict",
-    r"--?resource-usage|-res-usage",
-    r"-w|--disable-warnings",
-    r"--?diag-suppress=[0-9]{1,5}(,[0-9]{1,5})*",
-    r"--?diag-(warn|error)=[0-9]{1,5}(,[0-9]{1,5})*",
-    r"-Wno-deprecated-gpu-targets|-Wno-deprecated-declarations|-Werror=all-warnings|-Wreorder",
-    r"--?relocatable-device-code=(true|false)|-rdc=(true|false)",
-    r"--?default-stream=(legacy|null|per-thread)",
-    r"-x=?cu|--x=?cu",
-))
+
+def _spellings(*names: str) -> set[str]:
+    """Each option as nvcc takes it, with one dash and with two."""
+    return {spelled for name in names for spelled in (f"-{name}", f"--{name}")}
+
+
+_STDS = ("c++11", "c++14", "c++17", "c++20", "c++23")
+_BOOLS = ("true", "false")
+# Behaviour flags, spelled whole: each changes only the CUBIN (and the messages), reads no file
+# the dependency list would not name, and writes none. Sets, not patterns: the hit path runs
+# this on every call, and compiling a table of patterns costs more than the whole check.
+_FLAGS = frozenset({
+    *_spellings(*(f"std={s}" for s in _STDS), "expt-relaxed-constexpr", "expt-extended-lambda", "extended-lambda",
+                "use_fast_math", "extra-device-vectorization", "restrict", "resource-usage", "x=cu",
+                *(f"{o}={b}" for o in ("ftz", "prec-div", "prec-sqrt", "fmad", "relocatable-device-code") for b in _BOOLS),
+                *(f"default-stream={m}" for m in ("legacy", "null", "per-thread"))),
+    "-O0", "-O1", "-O2", "-O3", "-lineinfo", "--generate-line-info", "-G", "--device-debug", "-res-usage", "-w",
+    "--disable-warnings", "-rdc=true", "-rdc=false", "-Wno-deprecated-gpu-targets", "-Wno-deprecated-declarations",
+    "-Werror=all-warnings", "-Wreorder",
+})
+# Behaviour flags with a number or a list of numbers: option -> (most items, most digits an item).
+_NUMBERED = {**{o: (64, 5) for o in _spellings("diag-suppress", "diag-warn", "diag-error")},
+             **{o: (1, 3) for o in _spellings("maxrregcount")}}
 # What ptxas may be told: optimisation and reporting, never a file.
-_PTXAS_ITEM = re.compile(
-    r"-v|--verbose|-O[0-3]|--register-usage-level=[0-9]{1,2}|--maxrregcount=[1-9][0-9]{0,2}|-maxrregcount=[1-9][0-9]{0,2}"
-    r"|--warn-on-spills|-warn-spills|--warn-on-local-memory-usage|-warn-lmem-usage|--warn-on-double-precision-use"
-    r"|-warn-double-usage|--allow-expensive-optimizations=(true|false)|-allow-expensive-optimizations=(true|false)"
-    r"|--disable-optimizer-constants|--extensible-whole-program|-lineinfo|--generate-line-info",
-    re.ASCII)
+_PTXAS_ITEMS = frozenset({
+    "-v", "--verbose", "-O0", "-O1", "-O2", "-O3", "--warn-on-spills", "-warn-spills", "--warn-on-local-memory-usage",
+    "-warn-lmem-usage", "--warn-on-double-precision-use", "-warn-double-usage", "--disable-optimizer-constants",
+    "--extensible-whole-program", "-lineinfo", "--generate-line-info",
+    *_spellings(*(f"allow-expensive-optimizations={b}" for b in _BOOLS)),
+})
+_PTXAS_NUMBERED = {**{o: (1, 2) for o in _spellings("register-usage-level")}, **{o: (1, 3) for o in _spellings("maxrregcount")}}
 # What the host compiler may be told: code generation and warnings, never a file or a program.
-_HOST_ITEM = re.compile(
-    r"-fPIC|-fpic|-fPIE|-fpie|-O[0-3sg]|-g|-w|-std=(c|gnu)\+\+(11|14|17|20|23)"
-    r"|-f(no-)?(concepts|exceptions|rtti|strict-aliasing|permissive|fast-math|openmp|omit-frame-pointer"
-    r"|visibility-inlines-hidden|math-errno|trapping-math|inline-functions|unroll-loops|tree-vectorize)"
-    r"|-fvisibility=(default|hidden)|-march=[a-z0-9-]{1,32}|-mtune=[a-z0-9-]{1,32}"
-    r"|-W(no-)?[a-z][a-z0-9+-]{0,63}(=[0-9]{1,3})?|-Werror|-pthread" + rf"|-D{_IDENT}(=[A-Za-z0-9_.+-]*)?|-U{_IDENT}",
-    re.ASCII)
+_HOST_ITEMS = frozenset({
+    "-fPIC", "-fpic", "-fPIE", "-fpie", "-O0", "-O1", "-O2", "-O3", "-Os", "-Og", "-g", "-w", "-Werror", "-pthread",
+    "-fvisibility=default", "-fvisibility=hidden",
+    *(f"-std={d}{s[1:]}" for d in ("c", "gnu") for s in _STDS),
+    *(f"-f{no}{name}" for no in ("", "no-") for name in (
+        "concepts", "exceptions", "rtti", "strict-aliasing", "permissive", "fast-math", "openmp", "omit-frame-pointer",
+        "visibility-inlines-hidden", "math-errno", "trapping-math", "inline-functions", "unroll-loops", "tree-vectorize")),
+})
+_LOWER_WORD = frozenset("abcdefghijklmnopqrstuvwxyz0123456789+-")
+
+
+def _numbered(value: str, items: int, digits: int) -> bool:
+    parts = value.split(",")
+    return len(parts) <= items and all(p.isdigit() and p.isascii() and 0 < len(p) <= digits for p in parts)
+
+
+def _with_number(item: str, table: dict[str, tuple[int, int]]) -> bool:
+    option, eq, value = item.partition("=")
+    return bool(eq) and option in table and _numbered(value, *table[option])
+
+
+def _flag_ok(flag: str) -> bool:
+    return flag in _FLAGS or _with_number(flag, _NUMBERED)
+
+
+def _ptxas_ok(item: str) -> bool:
+    return item in _PTXAS_ITEMS or _with_number(item, _PTXAS_NUMBERED)
+
+
+def _host_ok(item: str) -> bool:
+    """A host compiler option that only changes code generation or warnings."""
+    if item in _HOST_ITEMS:
+        return True
+    if item.startswith(("-D", "-U")):
+        name, eq, value = item[2:].partition("=")
+        return bool(IDENT_RE.fullmatch(name)) and (item[1] == "D" or not eq) and all(
+            c.isascii() and (c.isalnum() or c in "_.+-") for c in value)
+    if item.startswith(("-march=", "-mtune=")):
+        value = item.split("=", 1)[1]
+        return 0 < len(value) <= 32 and _LOWER_WORD.issuperset(value)
+    if item.startswith("-W") and not item.startswith(("-Wl,", "-Wa,", "-Wp,")):
+        # -W[no-]<name>[=<n>]: a warning switch (-Wl/-Wa/-Wp hand text to other programs).
+        name, eq, level = item[2:].removeprefix("no-").partition("=")
+        return (0 < len(name) <= 64 and name[0].isalpha() and _LOWER_WORD.issuperset(name)
+                and (not eq or _numbered(level, 1, 3)))
+    return False
+
+
+def _define_ok(value: str) -> bool:
+    """``NAME`` or ``NAME=VALUE``: VALUE printable ASCII but what nvcc's shell reads (``$ ` \\``) and
+    its list comma (nvcc splits a -D value there)."""
+    name, _, rest = value.partition("=")
+    return bool(IDENT_RE.fullmatch(name)) and all(" " <= c <= "~" and c not in "$`\\," for c in rest)
+
+
 # Options whose value is a separate word, and how a value is checked.
 _VALUE_OPTIONS = {
     "-o": "output", "--output-file": "output",
@@ -165,7 +211,7 @@ def parse(args: list[str], cwd: str, overrides: list[str]) -> Call | PassThrough
                 return PassThrough("two output kinds")
             kind = _KIND_OPTIONS[word]
             continue
-        if any(rule.fullmatch(word) for rule in _FLAG_RULES):
+        if _flag_ok(word):
             flags.append(word)
             continue
         split = _split_value(word)
@@ -195,7 +241,7 @@ def parse(args: list[str], cwd: str, overrides: list[str]) -> Call | PassThrough
                 return PassThrough(f"{opt} without a directory")
             flags.extend(["-isystem", _absolute(value, cwd)])
         elif what == "define":
-            if not _DEFINE_RE.fullmatch(value):
+            if not _define_ok(value):
                 return PassThrough(f"-D{value!r} is not modelled")
             flags.append("-D" + value)
         elif what == "undefine":
@@ -203,22 +249,22 @@ def parse(args: list[str], cwd: str, overrides: list[str]) -> Call | PassThrough
                 return PassThrough(f"-U{value!r} is not modelled")
             flags.append("-U" + value)
         elif what == "ptxas":
-            if not all(_PTXAS_ITEM.fullmatch(item) for item in value.split(",")):
+            if not all(_ptxas_ok(item) for item in value.split(",")):
                 return PassThrough(f"ptxas option {value!r} is not modelled")
             flags.append("--ptxas-options=" + value)
         elif what == "host":
-            if not all(_HOST_ITEM.fullmatch(item) for item in value.split(",")):
+            if not all(_host_ok(item) for item in value.split(",")):
                 return PassThrough(f"host compiler option {value!r} is not modelled")
             flags.append("--compiler-options=" + value)
         elif what == "std":
-            if not re.fullmatch(r"c\+\+(11|14|17|20|23)", value, re.ASCII):
+            if value not in _STDS:
                 return PassThrough(f"-std {value!r} is not modelled")
             flags.append("-std=" + value)
         elif what == "lang":
             if value != "cu":
                 return PassThrough(f"-x {value!r}")
         elif what == "diag":
-            if not re.fullmatch(r"[0-9]{1,5}(,[0-9]{1,5})*", value, re.ASCII):
+            if not _numbered(value, 64, 5):
                 return PassThrough(f"--diag-suppress {value!r} is not modelled")
             flags.append("--diag-suppress=" + value)
     if kind is None:

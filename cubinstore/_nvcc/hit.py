@@ -128,7 +128,7 @@ def read_source(path: str) -> bytes | None:
 
 def fast_hit(call: Call, text: bytes) -> bool:
     """Answer ``call`` from a call record that checks; False when none does."""
-    root = str(knobs.home())
+    root = knobs.home_str()
     env = calls.read_env(root, env_name())
     if env is None:
         return False

@@ -67,7 +67,7 @@ COMMANDS: dict[str, tuple[Callable[[], ModuleType], str]] = {
     "unpack": (_release_commands, "verify a bundle and add it to the local store"),
     "publish": (_release_commands, "upload a manifest and its closure to an HTTP CAS, then re-verify"),
     "stats": (_store_commands, "hits, misses, bytes fetched and verification failures of the local store"),
-    "warmset": (_jit_commands, "points met at run time that no release had: list, export for Bazel, prefetch"),
+    "warmset": (_jit_commands, "points met at run time that no release had: list, export for Bazel, publish, prefetch"),
     "explain": (_jit_commands,
                 "why a JIT key or a family point missed: its parts and what differs from the nearest entry"),
     "keygen": (_trust_commands, "make an Ed25519 signing key (PEM, mode 0600) and print its public key"),

@@ -1,5 +1,5 @@
-"""The JIT's commands: ``warmset export|prefetch|list`` and ``explain`` (the logic is in
-``_release.warmset`` and ``_jit.explain``). Modules that need ``xxhash`` are imported when a
+"""The JIT's commands: ``warmset export|prefetch|list|publish`` and ``explain`` (the logic is in
+``_release.warmset``, ``_nvcc.export`` (the ``--nvcc`` forms) and ``_jit.explain``). Modules that need ``xxhash`` are imported when a
 command runs, so ``cubinstore --help`` and the other commands never import it."""
 
 from __future__ import annotations
@@ -43,11 +43,24 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
     if command == "warmset":
         ws = p.add_subparsers(dest="warmset_command", metavar="ACTION", parser_class=type(p))
         ws.required = True
-        e = ws.add_parser("export", help="write (or extend) a .bzl the family's BUILD.bazel loads to build the warm points")
-        e.add_argument("--family", required=True, help="the family, e.g. axpy")
-        e.add_argument("--out", metavar="PATH", help="default kernels/<family>/warmset.bzl (run from the workspace root)")
+        e = ws.add_parser("export", help="write (or extend) a .bzl the family's BUILD.bazel loads to build the warm points; "
+                                         "--nvcc: a Bazel package of the calls cubinstore-nvcc compiled")
+        e.add_argument("--family", help="the family, e.g. axpy")
+        e.add_argument("--nvcc", action="store_true",
+                       help="export the calls cubinstore-nvcc compiled instead: --out DIR gets BUILD.bazel, "
+                            "repositories.bzl, calls.json and srcs/")
+        e.add_argument("--out", metavar="PATH", help="default kernels/<family>/warmset.bzl, or nvcc_warmset/ with "
+                                                     "--nvcc (run from the workspace root)")
         e.add_argument("--since-days", type=_since_days, metavar="N", help="only points seen in the last N days")
+        e.add_argument("--rules-repo", default="@cubinstore", metavar="REPO",
+                       help="with --nvcc: the repository cubinstore's rules are loaded from (default @cubinstore)")
         e.set_defaults(func=_cmd_export)
+        pub = ws.add_parser("publish", help="CI: upload the CUBINs Bazel built for `warmset export --nvcc`, under "
+                                            "the calls' keys, to a remote cache")
+        pub.add_argument("--nvcc", required=True, metavar="DIR", help="the folder `warmset export --nvcc` wrote")
+        pub.add_argument("--bazel-bin", required=True, metavar="PATH", help="Bazel's bin folder (the workspace's bazel-bin)")
+        pub.add_argument("--to", required=True, metavar="URL", help="the remote cache (HTTP CAS and action cache) to fill")
+        pub.set_defaults(func=_cmd_publish)
         f = ws.add_parser("prefetch", help="fetch only the kernels of MANIFEST the warm set names")
         f.add_argument("manifest", help=M_HELP)
         f.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
@@ -57,14 +70,23 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         return
     if command != "explain":
         raise KeyError(command)
-    p.add_argument("what", help="a JIT key (xxh3:<hex>) or a family name")
+    p.add_argument("what", nargs="?", help="a JIT key (xxh3:<hex>) or a family name")
     p.add_argument("params", nargs="*", metavar="NAME=VALUE", help="the family point's parameters")
     p.add_argument("--manifest", help=f"for a family point: {M_HELP} (default CUBINSTORE_MANIFEST)")
     p.add_argument("--arch", help="for a family point: the arch asked for, e.g. sm_90a")
+    p.add_argument("--nvcc", nargs=argparse.REMAINDER, metavar="ARG",
+                   help="a cubinstore-nvcc call: every word after --nvcc is nvcc's arguments, as the library passed them "
+                        "(run from the directory it ran in)")
     p.set_defaults(func=_cmd_explain)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    if args.nvcc:
+        if args.family is not None or args.since_days is not None:
+            raise BadArgumentError("warmset export --nvcc takes no --family or --since-days")
+        return _cmd_export_nvcc(args)
+    if args.family is None:
+        raise BadArgumentError("warmset export: pass --family FAMILY (or --nvcc)")
     from cubinstore._release import warmset
 
     out = Path(args.out) if args.out else Path("kernels") / args.family / "warmset.bzl"
@@ -74,6 +96,39 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if result.skipped_without_family:
         print(f"note: {result.skipped_without_family} JIT records name no family and cannot become Bazel targets", file=sys.stderr)
     return 0
+
+
+def _cmd_export_nvcc(args: argparse.Namespace) -> int:
+    from cubinstore._nvcc import export
+
+    out = Path(args.out) if args.out else Path("nvcc_warmset")
+    result = export.export(local_store(), out, rules_repo=args.rules_repo)
+    for refused in result.refused:
+        print(f"cubinstore: error: warmset export --nvcc: {refused}", file=sys.stderr)
+    repos = len(result.repositories)
+    print(f"exported {len(result.calls)} cubinstore-nvcc calls to {out} (include roots: {repos} "
+          f"{'repository' if repos == 1 else 'repositories'}); build them with the target {export.TARGET_GROUP} "
+          "of its package")
+    print("\nWORKSPACE:\n" + "\n".join(result.workspace_lines()))
+    print("\nor MODULE.bazel:\n" + "\n".join(result.module_lines()))
+    return 1 if result.refused else 0
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from cubinstore._nvcc import export
+    from cubinstore.store import Store
+    from cubinstore.store.http import HttpStore
+
+    to = HttpStore(args.to)
+    store = Store([local_store(), to])
+    report = export.publish(store, Path(args.nvcc), Path(args.bazel_bin))
+    for skipped in report.skipped:
+        print(f"cubinstore: warning: warmset publish: skipped {skipped}", file=sys.stderr)
+    for failed in report.failed:
+        print(f"cubinstore: error: warmset publish: {failed}", file=sys.stderr)
+    print(f"published {len(report.published)} calls to {to.name}; {len(report.skipped)} skipped, "
+          f"{len(report.failed)} uploads failed")
+    return 1 if report.failed else 0
 
 
 def _cmd_prefetch(args: argparse.Namespace) -> int:
@@ -120,6 +175,17 @@ def _value(name: str, text: str) -> str | int:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
+    if args.nvcc is not None:
+        if args.what is not None or args.params or args.manifest or args.arch:
+            raise BadArgumentError("explain --nvcc takes nvcc's arguments only, after --nvcc")
+        if not args.nvcc:
+            raise BadArgumentError("explain --nvcc: pass the nvcc call's arguments after --nvcc")
+        from cubinstore._nvcc.explain import explain_call
+
+        sys.stdout.write(explain_call(args.nvcc))
+        return 0
+    if args.what is None:
+        raise BadArgumentError("explain: pass a JIT key, a family name, or --nvcc ARGS")
     if _KEY_RE.fullmatch(args.what):
         from cubinstore._jit.explain import explain_key
         from cubinstore._jit.index import JitIndex

@@ -265,3 +265,31 @@ def test_a_remote_blob_that_does_not_verify_is_never_loaded(t: SimpleNamespace, 
     fresh = child_env(t.base / "fresh-home", CUBINSTORE_NVCC=str(t.shim), CUBINSTORE_REMOTE=url)
     got = _call(t, t.include, env=fresh, cache=t.base / "fresh-cache")
     assert got.rc == 0 and got.runs == 1 and got.cubin == first.cubin
+
+
+def test_explain_says_why_a_call_missed(t: SimpleNamespace) -> None:
+    first_root = t.base / "first" / "include"
+    first_root.mkdir(parents=True)
+    base = _call(t, [first_root, t.include])
+    cli = Path(sys.executable).with_name("cubinstore")
+
+    def explain(call: SimpleNamespace) -> str:
+        proc = subprocess.run([str(cli), "explain", "--nvcc", *call.argv[1:]], cwd=t.base / "cache" / "tmp", env=t.env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert "holds: the call is a hit" in explain(base)
+    (first_root / "mylib").mkdir()
+    (first_root / "mylib" / "twice.cuh").write_text(TWICE)
+    assert "does not hold: inc/0/mylib/twice.cuh appeared" in explain(base)
+    shutil.rmtree(first_root / "mylib")
+    (t.include / "mylib" / "extra.cuh").write_text(EXTRA.replace("3", "5"))
+    assert "does not hold: inc/1/mylib/extra.cuh changed" in explain(base)
+    # No record of the call key: the JIT key's parts against the nearest key this store knows.
+    other = _call(t, [first_root, t.include], "-DFACTOR=2", name="u9")
+    (other.work / "kernel.cu").write_text(TU)
+    report = explain(SimpleNamespace(argv=[*other.argv[:-1], "-DFACTOR=3"]))
+    assert "no record" in report and "flags" in report
+    # A call it does not cache says which word makes it a pass-through.
+    assert "not cached: option '--keep'" in explain(SimpleNamespace(argv=[*base.argv, "--keep"]))

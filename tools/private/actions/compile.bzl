@@ -1,8 +1,33 @@
-"""The CubinCompile command line, expanded from the one table of its shape.
+"""The CubinCompile action: its command line, expanded from the one table of its shape, and the
+one definition of the action every rule that compiles a CUBIN runs (`cuda_cubin`, `nvcc_cubin`).
 
 `CUBIN_ARGV` and `LIST_SLOTS` mirror `cubinstore/_core/nvcc.py` (the JIT expands the same
-table); `tests/core/test_nvcc_argv.py` checks that the two are equal.
+table); `tests/core/test_nvcc_argv.py` checks that the two are equal. A rule fills the table's
+slots (`cubin_compile_args`) and runs it with `cubin_compile`, taking the toolkit and the
+attributes that select it from `COMPILE_ATTRS`.
 """
+
+load("//third_party/cuda:header_sets.bzl", "ALL", "TOOLKIT_HEADER_SETS", "resolve_header_sets")
+
+# Actions see a fixed environment: nothing from the shell that runs Bazel.
+ACTION_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+
+# The attributes of a rule that runs `cubin_compile`: the toolkit's parts and the header sets.
+COMPILE_ATTRS = {
+    "toolkit_headers": attr.string_list(
+        default = [ALL],
+        doc = "The toolkit's optional header sets the source may include, besides the core headers every compile gets " +
+              "(cuda_runtime.h and the toolkit's own headers): " +
+              ", ".join(["'{}' ({})".format(n, s.doc) for n, s in TOOLKIT_HEADER_SETS.items()]) +
+              "; a set brings the sets it includes. '{}' (the default): the whole include tree. ".format(ALL) +
+              "Fewer files make the sandbox cheaper; a header outside the sets is missing in the sandbox and fails the compile.",
+    ),
+    "_nvcc": attr.label(default = "@local_cuda//:bin/nvcc", executable = True, allow_single_file = True, cfg = "exec"),
+    "_toolkit_compiler": attr.label(default = "@local_cuda//:compiler"),
+    "_toolkit_core_headers": attr.label(default = "@local_cuda//:headers_core"),
+    "_toolkit_header_sets": attr.label_list(default = ["@local_cuda//:headers_" + n for n in TOOLKIT_HEADER_SETS]),
+    "_host_compiler_id": attr.label(default = "@local_cuda//:host_compiler.id", allow_single_file = True),
+}
 
 CUBIN_ARGV = [
     "{nvcc}",
@@ -60,3 +85,40 @@ def cubin_compile_args(ctx, values, lists):
         else:
             args.add(word)
     return args
+
+def _toolkit_inputs(ctx):
+    """The toolkit's files a compile declares, a list of depsets.
+
+    The compiler, the core headers, and the header sets `toolkit_headers` names.
+    """
+    wanted = resolve_header_sets(ctx.label, ctx.attr.toolkit_headers)
+    sets = {t.label.name[len("headers_"):]: t for t in ctx.attr._toolkit_header_sets}
+    return [ctx.attr._toolkit_compiler[DefaultInfo].files, ctx.attr._toolkit_core_headers[DefaultInfo].files] + [
+        sets[name][DefaultInfo].files
+        for name in wanted
+    ]
+
+def cubin_compile(ctx, src, anchor, output, args, headers, progress_message):
+    """Runs nvcc once (mnemonic `CubinCompile`): `src` to `output`.
+
+    Args:
+      ctx: the context of a rule with `COMPILE_ATTRS`.
+      src: the .cu File.
+      anchor: the File force-included before it (its module anchor).
+      output: the .cubin File to write.
+      args: the command after nvcc, from `cubin_compile_args`.
+      headers: a depset of the header Files the source may read, besides the toolkit's.
+      progress_message: what Bazel shows while it runs.
+    """
+    ctx.actions.run(
+        executable = ctx.executable._nvcc,
+        arguments = [args],
+        inputs = depset(
+            [src, anchor, ctx.file._host_compiler_id],
+            transitive = [headers] + _toolkit_inputs(ctx),
+        ),
+        outputs = [output],
+        env = ACTION_ENV,
+        mnemonic = "CubinCompile",
+        progress_message = progress_message,
+    )

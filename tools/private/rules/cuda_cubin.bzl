@@ -1,25 +1,12 @@
 """cuda_cubin: one kernel instantiation compiled by nvcc to one .cubin."""
 
 load("@local_cuda//:defs.bzl", "HOST_CC")
-load("//third_party/cuda:header_sets.bzl", "ALL", "TOOLKIT_HEADER_SETS", "resolve_header_sets")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "merge_flags", "module_anchor")
-load("//tools/private/actions:compile.bzl", "cubin_compile_args")
+load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", _ACTION_ENV = "ACTION_ENV")
 
-# Actions see a fixed environment: nothing from the shell that runs Bazel.
-ACTION_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
-
-def _toolkit_inputs(ctx):
-    """The toolkit's files this compile declares, a list of depsets.
-
-    The compiler, the core headers, and the header sets `toolkit_headers` names.
-    """
-    wanted = resolve_header_sets(ctx.label, ctx.attr.toolkit_headers)
-    sets = {t.label.name[len("headers_"):]: t for t in ctx.attr._toolkit_header_sets}
-    return [ctx.attr._toolkit_compiler[DefaultInfo].files, ctx.attr._toolkit_core_headers[DefaultInfo].files] + [
-        sets[name][DefaultInfo].files
-        for name in wanted
-    ]
+# Re-exported: cubin_manifest and cubin_jit_template run their actions in the same environment.
+ACTION_ENV = _ACTION_ENV
 
 def _cuda_cubin_impl(ctx):
     check_arch(ctx.label, ctx.attr.arch)
@@ -29,7 +16,6 @@ def _cuda_cubin_impl(ctx):
     src = ctx.files.srcs[0]
     cubin = ctx.actions.declare_file(ctx.label.name + ".cubin")
     headers = depset(ctx.files.hdrs, transitive = [d[CudaHeadersInfo].headers for d in ctx.attr.deps])
-    toolkit = _toolkit_inputs(ctx)
     includes = depset(transitive = [d[CudaHeadersInfo].includes for d in ctx.attr.deps])
 
     # The workspace-relative path (a generated TU's too, without bazel-out/<config>/bin)
@@ -57,16 +43,13 @@ def _cuda_cubin_impl(ctx):
         },
     )
 
-    ctx.actions.run(
-        executable = ctx.executable._nvcc,
-        arguments = [args],
-        inputs = depset(
-            [src, anchor, ctx.file._host_compiler_id],
-            transitive = [headers] + toolkit,
-        ),
-        outputs = [cubin],
-        env = ACTION_ENV,
-        mnemonic = "CubinCompile",
+    cubin_compile(
+        ctx,
+        src = src,
+        anchor = anchor,
+        output = cubin,
+        args = args,
+        headers = headers,
         progress_message = "Compiling CUBIN {} ({})".format(ctx.attr.id, ctx.attr.arch),
     )
     return [
@@ -86,7 +69,7 @@ def _cuda_cubin_impl(ctx):
 cuda_cubin = rule(
     implementation = _cuda_cubin_impl,
     doc = "Compiles one .cu translation unit to one CUBIN for one architecture (mnemonic CubinCompile).",
-    attrs = {
+    attrs = dict(COMPILE_ATTRS, **{
         "srcs": attr.label_list(allow_files = [".cu"], mandatory = True, doc = "The one .cu file (or a cubin_tu target)."),
         "hdrs": attr.label_list(allow_files = True, doc = "Headers the source includes."),
         "deps": attr.label_list(providers = [CudaHeadersInfo], doc = "cuda_headers targets, e.g. @cutlass//:cute."),
@@ -98,18 +81,5 @@ cuda_cubin = rule(
         "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
         "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
         "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
-        "_nvcc": attr.label(default = "@local_cuda//:bin/nvcc", executable = True, allow_single_file = True, cfg = "exec"),
-        "toolkit_headers": attr.string_list(
-            default = [ALL],
-            doc = "The toolkit's optional header sets the source may include, besides the core headers every compile gets " +
-                  "(cuda_runtime.h and the toolkit's own headers): " +
-                  ", ".join(["'{}' ({})".format(n, s.doc) for n, s in TOOLKIT_HEADER_SETS.items()]) +
-                  "; a set brings the sets it includes. '{}' (the default): the whole include tree. ".format(ALL) +
-                  "Fewer files make the sandbox cheaper; a header outside the sets is missing in the sandbox and fails the compile.",
-        ),
-        "_toolkit_compiler": attr.label(default = "@local_cuda//:compiler"),
-        "_toolkit_core_headers": attr.label(default = "@local_cuda//:headers_core"),
-        "_toolkit_header_sets": attr.label_list(default = ["@local_cuda//:headers_" + n for n in TOOLKIT_HEADER_SETS]),
-        "_host_compiler_id": attr.label(default = "@local_cuda//:host_compiler.id", allow_single_file = True),
-    },
+    }),
 )

@@ -1,0 +1,19 @@
+"""The name grammar, defined once: identifiers, words and relative paths of words.
+
+``abi`` re-exports these (``from cubinstore._core.abi import IDENT_RE`` keeps working); they live
+in their own module, with nothing but ``re`` imported, so ``cubinstore-nvcc``'s hit path can
+check a ``-D`` name without loading the ABI's dataclasses.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["IDENT_RE", "REL_PATH_RE", "WORD_RE"]
+
+# A parameter key, a grid key, a placeholder, a macro name: a C identifier.
+IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
+# Family names and string parameter values become id segments (and target names): no '/', no spaces.
+WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
+# A relative path of words. '..' is a word: a caller that resolves the path refuses it itself.
+REL_PATH_RE = re.compile(rf"{WORD_RE.pattern}(?:/{WORD_RE.pattern})*", re.ASCII)
