@@ -26,7 +26,8 @@ under the two-line script a user would set as the library's compiler
 
 Columns: calls; real compiles (a: nvcc runs; b: runs of the real nvcc behind the wrapper;
 sccache: calls whose front end (cicc, the PTX step) ran again, from ``--show-stats``); hits =
-calls - real compiles; the median and total wall of the library's build calls; same bytes =
+calls - real compiles; the median and total wall of the library's build calls (its own work
+around the compiler included) and the median wall of the compiler process alone; same bytes =
 CUBINs identical to the real nvcc's (when ``a`` ran). sccache's own counters are in the notes:
 it splits an nvcc call into its steps (``nvcc --dryrun``) and caches the PTX (cicc) and CUBIN
 (ptxas) steps apart, the outer call counted "not cacheable".
@@ -105,6 +106,7 @@ class Row:
     median_ms: float
     total_s: float
     same_bytes: str
+    compiler_ms: float = float("nan")  # median wall of the compiler process alone
     note: str = ""
 
     @property
@@ -221,8 +223,9 @@ def row_of(tool: str, scenario: str, jit: LibraryJit, cubins: dict[str, bytes], 
         same = f"{sum(1 for k, v in cubins.items() if baseline.get(k) == v)}/{len(cubins)}"
     else:
         same = "-"
+    compiler = [r.compiler_seconds for r in jit.records]
     return Row(tool, scenario, len(seconds), compiles, statistics.median(seconds) * 1e3 if seconds else float("nan"),
-               sum(seconds), same, note)
+               sum(seconds), same, note=note, compiler_ms=statistics.median(compiler) * 1e3 if compiler else float("nan"))
 
 
 # -- the tools ------------------------------------------------------------------------------------------
@@ -301,10 +304,11 @@ def bench_sccache(tool: str, sccache: Path, servers: Servers, plan: list[Scenari
 # -- output -----------------------------------------------------------------------------------------------
 
 def print_table(rows: list[Row]) -> None:
-    head = ("tool", "scenario", "calls", "real compiles", "hits", "median ms/call", "total s", "same bytes", "notes")
+    head = ("tool", "scenario", "calls", "real compiles", "hits", "median ms/call", "compiler ms", "total s",
+            "same bytes", "notes")
     table = [head] + [(TOOL_NAMES[r.tool], r.scenario, str(r.calls), "-" if r.compiles is None else str(r.compiles),
-                       "-" if r.hits is None else str(r.hits), f"{r.median_ms:.1f}", f"{r.total_s:.2f}", r.same_bytes,
-                       r.note) for r in rows]
+                       "-" if r.hits is None else str(r.hits), f"{r.median_ms:.1f}", f"{r.compiler_ms:.1f}",
+                       f"{r.total_s:.2f}", r.same_bytes, r.note) for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(head) - 1)]
     for line in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)) + "  " + line[-1])

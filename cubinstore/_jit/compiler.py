@@ -90,6 +90,9 @@ _log = get_logger("cubinstore.jit")  # the logger name users configure, as befor
 SOURCE_NAME: Final = "cubinstore_jit.cu"
 ANCHOR_NAME: Final = "cubinstore_jit.anchor.h"
 OUTPUT_NAME: Final = "cubinstore_jit.cubin"
+# What each output kind's compile writes (``KeyParts.kind``); "cubin" is every release's and family's.
+OUTPUT_NAMES: Final[Mapping[str, str]] = {"cubin": OUTPUT_NAME, "ptx": "cubinstore_jit.ptx",
+                                          "fatbin": "cubinstore_jit.fatbin"}
 LOG_NAME: Final = "cubinstore_jit.log"  # nvcc's stdout, in the compile directory
 ERR_NAME: Final = "cubinstore_jit.err"  # nvcc's stderr
 _MAX_STDERR: Final = 16000
@@ -169,8 +172,10 @@ class Inputs:
 class Request:
     """One call's inputs, resolved: text, trees, flags, toolkit, host, arch, and the full key."""
 
-    def __init__(self, inputs: Inputs, flags: Sequence[str], local: Any, program: str | None = None) -> None:
+    def __init__(self, inputs: Inputs, flags: Sequence[str], local: Any, program: str | None = None,
+                 kind: str = "cubin") -> None:
         self.text = inputs.text
+        self.kind = kind
         self.arch = inputs.arch
         self.include_dirs = inputs.include_dirs
         self.trees = [tree(d, local=local) for d in self.include_dirs]
@@ -178,18 +183,19 @@ class Request:
         self.toolkit: Toolkit = find_toolkit(local=local)
         self.host: HostCompiler = host_compiler(local=local)
         self.key = make_key(key_parts(self.text, SOURCE_NAME, self.trees, self.flags, self.arch, self.toolkit, self.host,
-                                      program))
+                                      program, kind))
 
 
 def key(source: str | os.PathLike[str], *, include_dirs: Sequence[str | os.PathLike[str]], flags: Sequence[str] = (),
-        arch: str | Arch | None = None, store: Store | None = None, program: str | None = None) -> JitKey:
+        arch: str | Arch | None = None, store: Store | None = None, program: str | None = None,
+        kind: str = "cubin") -> JitKey:
     """The key ``compile`` computes before compiling (its *base* key), with its parts; compiles nothing.
 
     ``compile`` reports this key unless the compile read files outside every root, flag path,
     the toolkit and the system include directories: then the key it reports also covers those
     files' paths and contents (``k.key.parts.base`` is this key's parts)."""
     store = store if store is not None else default_store()
-    return Request(Inputs(source, include_dirs, arch), flags, local_store(store), program).key
+    return Request(Inputs(source, include_dirs, arch), flags, local_store(store), program, kind).key
 
 
 def default_store() -> Store:
@@ -214,6 +220,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     timeout: float | None = None,
     nvcc: Callable[[list[str], Path], subprocess.CompletedProcess[str]] | None = None,
     program: str | None = None,
+    kind: str = "cubin",
 ) -> Compiled:
     """What ``cubinstore.jit.compile`` does (its docstring describes every argument), returning the
     index entry found or written and how; ``jit.compile`` wraps it in a ``JitKernel``.
@@ -221,8 +228,14 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     ``nvcc``: what runs nvcc's argv in the compile directory (default ``run_nvcc``; tests pass a
     wrapper to act while it runs). ``program``: the content key (xxh3) of the program ``nvcc``
     runs when it is not the toolkit's own nvcc (``cubinstore-nvcc`` under ``CUBINSTORE_NVCC``):
-    part of the key, so another compiler program never shares one.
+    part of the key, so another compiler program never shares one. ``kind``: what nvcc writes,
+    ``"cubin"`` (default), ``"ptx"`` or ``"fatbin"`` (``cubinstore-nvcc``'s calls); only a CUBIN
+    has kernels to declare ``entries`` of or to launch.
     """
+    if kind not in OUTPUT_NAMES:
+        raise BadArgumentError(f"kind: expected one of {', '.join(OUTPUT_NAMES)}, got {show(kind)}")
+    if kind != "cubin" and entries is not None:
+        raise BadArgumentError(f"entries: a {kind} has no kernels to declare; only a cubin does")
     if not isinstance(sealed, bool):
         raise BadArgumentError(f"sealed: expected True or False, got {show(sealed)}")
     limit = _time_limit(timeout)
@@ -233,13 +246,13 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         entries = check_entries(entries)
     inputs = Inputs(source, include_dirs, arch)
     # The direct key first: only the files this TU included are checked (``_jitdirect``).
-    dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local, program)
+    dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local, program, kind)
     known = _direct_hit(index, store, dreq, entries, sealed)
     if known is not None:
         k, found = known
         _log.debug("JIT %s: direct hit, %s", k, found.digest)
         return Compiled(k, found, entries, False, store, 0.0, "direct")
-    req = Request(inputs, flags, local, program)
+    req = Request(inputs, flags, local, program, kind)
     base = req.key
     hit = _hit(index, store, base, entries, sealed)
     if hit is not None:
@@ -270,9 +283,15 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         finally:
             _limit.reset(token)
         seconds = time.perf_counter() - started
-        image = CubinImage(data, f"JIT kernel {base}")
-        kernels = tuple(sorted(image.kernels))
-        _check_declared(kernels, entries, base, image, req.arch)
+        if kind == "cubin":
+            image = CubinImage(data, f"JIT kernel {base}")
+            kernels = tuple(sorted(image.kernels))
+            _check_declared(kernels, entries, base, image, req.arch)
+        else:
+            kernels = ()
+            problem = _artifact_problem(data, kind)
+            if problem is not None:
+                raise JitCompileError(f"nvcc exited 0 for JIT {base} but its {kind} output {problem}")
         # What the compile read from outside the roots is part of the key it is stored and reported under.
         k = make_key(replace(base.parts, outside=tuple(outside))) if outside else base
         digest = Digest.of(data)
@@ -404,11 +423,15 @@ def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tu
             # Evicted by gc, or only bad bytes found: the sources are here, so compile it again.
             _log.warning("JIT %s: the index names %s, which cannot be read (%s); compiling again", k, entry.digest, exc)
             return None
-        try:
-            image = CubinImage(data, f"JIT kernel {k} ({entry.digest})")  # parsed once, for both checks
-            problem = _cubin_problem(image, entry)
-        except CubinstoreError as exc:
-            problem = f"not a CUBIN: {exc}"
+        if k.parts.kind != "cubin":
+            problem = _artifact_problem(data, k.parts.kind) or (None if not entry.kernels else "it lists kernels")
+            image = None
+        else:
+            try:
+                image = CubinImage(data, f"JIT kernel {k} ({entry.digest})")  # parsed once, for both checks
+                problem = _cubin_problem(image, entry)
+            except CubinstoreError as exc:
+                problem = f"not a CUBIN: {exc}"
     if problem is not None:
         _log.warning("JIT %s: the index entry naming %s does not hold (%s); removed, compiling again",
                      k, entry.digest, problem)
@@ -418,7 +441,8 @@ def _verified(index: JitIndex, store: Store, k: JitKey, entries: Mapping[str, tu
             _log.warning("JIT %s: cannot remove its index entry: %s", k, exc)
         return None
     try:
-        _check_declared(entry.kernels, entries, k, image, Arch.parse(entry.arch))
+        if image is not None:
+            _check_declared(entry.kernels, entries, k, image, Arch.parse(entry.arch))
     except BadArgumentError as exc:
         _log.warning("JIT %s: %s; compiling again", k, exc)
         return None
@@ -436,6 +460,19 @@ def _entry_problem(entry: IndexEntry, k: JitKey) -> str | None:
     if entry.arch != k.parts.arch:
         return f"the key is for {k.parts.arch}, the entry says {entry.arch}"
     return None
+
+
+# A fatbin's magic number (little-endian 0xBA55ED50), and PTX's first directive.
+_FATBIN_MAGIC: Final = b"\x50\xed\x55\xba"
+
+
+def _artifact_problem(data: bytes, kind: str) -> str | None:
+    """How a PTX or fatbin output is not one (None: it looks like one)."""
+    if kind == "fatbin":
+        return None if data[:4] == _FATBIN_MAGIC else "does not start with the fatbin magic number"
+    if kind == "ptx":
+        return None if data.isascii() and b".version" in data[:4096] else "is not PTX text (no .version directive)"
+    return f"is of an unknown kind {kind!r}"
 
 
 def _cubin_problem(image: CubinImage, entry: IndexEntry) -> str | None:
@@ -464,14 +501,17 @@ def _record(local: Any, k: JitKey, arch: Arch, digest: Digest | None, family: st
 
 def command(req: Request) -> list[str]:
     """nvcc's argv, relative to the compile directory: the Bazel rule's shape (``_core.nvcc``)."""
-    return cubin_argv({
+    argv = cubin_argv({
         "nvcc": "cuda/bin/nvcc", "arch": str(req.arch), "host_cc": req.host.name,
         # The JIT's defines are among its flags (already merged with the defaults).
         "flags": list(req.flags.command), "includes": [f"inc/{i}" for i in range(len(req.include_dirs))], "defines": [],
         "anchor": ANCHOR_NAME, "source_name": SOURCE_NAME,
         # -MD: the files the TU read, for the direct key (it does not change the CUBIN's bytes).
-        "extra": ["-MD", "-MF", DEPS_NAME], "output": OUTPUT_NAME, "source": SOURCE_NAME,
+        "extra": ["-MD", "-MF", DEPS_NAME], "output": OUTPUT_NAMES[req.kind], "source": SOURCE_NAME,
     })
+    if req.kind != "cubin":  # the same command, asking nvcc for another output kind
+        argv[argv.index("-cubin")] = f"-{req.kind}"
+    return argv
 
 
 def _lay_out(req: Request, work: Path) -> None:
@@ -517,10 +557,10 @@ def _compile(req: Request, index: JitIndex, dreq: DirectRequest, sealed: bool,
             direct = None
         outside = _hash_outside(req, deps, started_ns)
         try:
-            return (work / OUTPUT_NAME).read_bytes(), direct, outside, result
+            return (work / OUTPUT_NAMES[req.kind]).read_bytes(), direct, outside, result
         except OSError as exc:
             raise JitCompileError(
-                f"nvcc exited 0 for JIT {req.key} but wrote no {OUTPUT_NAME}: {shlex.join(argv)}\n{result.stderr}"
+                f"nvcc exited 0 for JIT {req.key} but wrote no {OUTPUT_NAMES[req.kind]}: {shlex.join(argv)}\n{result.stderr}"
             ) from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -132,7 +132,7 @@ class DirectRequest:
     include the files those identities were taken from."""
 
     def __init__(self, text: str, source_name: str, include_dirs: Sequence[str], flags: Sequence[str], arch: Arch,
-                 local: LocalStore, program: str | None = None) -> None:
+                 local: LocalStore, program: str | None = None, kind: str = "cubin") -> None:
         self.local = local
         self.flags: Flags = normalize_flags(flags, local=local, key_dirs=False)
         self.toolkit_root, _ = locate_toolkit()
@@ -144,6 +144,8 @@ class DirectRequest:
         }
         if program is not None:  # another nvcc program than the toolkit's (``jit.key.key_parts``)
             self._request["program"] = program
+        if kind != "cubin":  # -ptx or -fatbin (``KeyParts.kind``)
+            self._request["kind"] = kind
         # The stat cache's name: everything but the identities, and where each root is here.
         self._stat_name = "\0".join((
             "direct", xxhash.xxh3_128_hexdigest(dumps_canonical(self._request)), self.host_name, self.host_binary,

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the JIT modules need xxhash; a family point's explanation d
 
 __all__ = ["explain_key", "explain_point", "nearest_points", "part_differences"]
 
-_PARTS: Final = ("scheme", "source", "source_name", "includes", "flags", "arch", "toolkit", "host", "outside")
+_PARTS: Final = ("scheme", "source", "source_name", "includes", "flags", "arch", "toolkit", "host", "outside", "kind")
 _MAX_FILES: Final = 12
 
 

@@ -970,6 +970,9 @@ class KeyParts:
     # Known only after a compile: the key before it (``base``) has none. Absent from the JSON
     # when empty, so a key of a TU that reads no such file is what it always was.
     outside: tuple[tuple[str, str], ...] = ()
+    # What nvcc writes: "cubin" (what every release and family holds), or "ptx" / "fatbin" for a
+    # cubinstore-nvcc call asking for them. Absent from the JSON for a CUBIN, so those keys are unchanged.
+    kind: str = "cubin"
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -979,6 +982,8 @@ class KeyParts:
         }
         if self.outside:
             doc["outside"] = [list(f) for f in self.outside]
+        if self.kind != "cubin":
+            doc["kind"] = self.kind
         return doc
 
     @classmethod
@@ -992,7 +997,7 @@ class KeyParts:
             includes=tuple(str(x) for x in doc["includes"]), flags=tuple(str(x) for x in doc["flags"]),
             arch=str(doc["arch"]), toolkit={str(k): str(v) for k, v in doc["toolkit"].items()},
             host={str(k): str(v) for k, v in doc["host"].items()},
-            outside=tuple((a, b) for a, b in outside),
+            outside=tuple((a, b) for a, b in outside), kind=_output_kind(doc.get("kind", "cubin")),
         )
 
     @property
@@ -1012,12 +1017,22 @@ class JitKey:
         return "xxh3:" + self.hex
 
 
+#: What a compile may write: nvcc's -cubin, -ptx or -fatbin.
+OUTPUT_KINDS: Final = ("cubin", "ptx", "fatbin")
+
+
+def _output_kind(kind: object) -> str:
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(OUTPUT_KINDS)}, got {show(kind)}")
+    return str(kind)
+
+
 def make_key(parts: KeyParts) -> JitKey:
     return JitKey(xxhash.xxh3_128_hexdigest(dumps_canonical(parts.to_json())), parts)
 
 
 def key_parts(source_text: str, source_name: str, include_trees: Iterable[Tree], flags: Flags, arch: Arch,
-              toolkit: Toolkit, host: HostCompiler, program: str | None = None) -> KeyParts:
+              toolkit: Toolkit, host: HostCompiler, program: str | None = None, kind: str = "cubin") -> KeyParts:
     """The parts of one call's key. ``program``: the content key of the nvcc program run when it is
     not the toolkit's own (``cubinstore-nvcc`` under ``CUBINSTORE_NVCC``), kept with the toolkit's identity."""
     return KeyParts(
@@ -1029,4 +1044,5 @@ def key_parts(source_text: str, source_name: str, include_trees: Iterable[Tree],
         arch=str(arch),
         toolkit=toolkit.identity if program is None else {**toolkit.identity, "program": program},
         host={"name": host.name, "identity": host.identity},
+        kind=_output_kind(kind),
     )

@@ -1,7 +1,7 @@
 """Which nvcc calls ``cubinstore-nvcc`` caches, and what they ask for.
 
 A call is cached only when every word of it is modelled here: one ``.cu`` source compiled with
-``-cubin`` to the file ``-o`` names, for one real architecture (``-arch=sm_90a``), with include
+``-cubin``, ``-ptx`` or ``-fatbin`` to the file ``-o`` names, for one real architecture (``-arch=sm_90a``), with include
 directories and behaviour flags from ``_FLAG_RULES``. Anything else (``--version``, ``-c``,
 linking, several inputs, ``-gencode``, ``-M*``, ``--keep``, an option this table does not know)
 is a ``PassThrough``: the real nvcc runs it unchanged. So is a call under environment variables
@@ -126,7 +126,8 @@ _VALUE_OPTIONS = {
     "-diag-suppress": "diag", "--diag-suppress": "diag",
 }
 _GLUED = ("-I", "-D", "-U", "-o")  # also spelled with the value attached: -I/x, -DN=1
-_KIND_OPTIONS = {"-cubin": "cubin", "--cubin": "cubin"}
+_KIND_OPTIONS = {"-cubin": "cubin", "--cubin": "cubin", "-ptx": "ptx", "--ptx": "ptx", "-fatbin": "fatbin",
+                 "--fatbin": "fatbin"}
 _MAX_WORDS = 4096
 
 
@@ -268,7 +269,7 @@ def parse(args: list[str], cwd: str, overrides: list[str]) -> Call | PassThrough
                 return PassThrough(f"--diag-suppress {value!r} is not modelled")
             flags.append("--diag-suppress=" + value)
     if kind is None:
-        return PassThrough("no -cubin")
+        return PassThrough("no -cubin, -ptx or -fatbin")
     if len(sources) != 1 or not sources[0].endswith(".cu"):
         return PassThrough(f"expected one .cu input, got {len(sources)} inputs")
     if output is None:

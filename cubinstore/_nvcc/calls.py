@@ -35,8 +35,8 @@ import re
 
 import xxhash
 
-__all__ = ["CALL_SCHEME", "MAX_RECORDS", "call_key", "check", "read_env", "read_records", "read_store_file",
-           "record_problem"]
+__all__ = ["CALL_SCHEME", "MAX_RECORDS", "artifact", "call_key", "check", "looks_like", "read_env", "read_records",
+           "read_store_file", "record_problem"]
 
 CALL_SCHEME = "cubinstore-nvcc-v1"
 RECORDS_SCHEMA = "cubinstore/nvcc-calls/v1"
@@ -122,7 +122,8 @@ def read_env(root: str, name: str) -> dict | None:
     identity, toolkit, program = doc.get("identity"), doc.get("toolkit"), doc.get("program")
     if not (isinstance(paths, list) and isinstance(facts, list) and len(paths) == len(facts) and paths
             and isinstance(identity, str) and _HEX32.fullmatch(identity)
-            and isinstance(toolkit, str) and isinstance(program, str)):
+            and isinstance(toolkit, str) and isinstance(program, str)
+            and (doc.get("program_id") is None or (isinstance(doc["program_id"], str) and _XXH3.fullmatch(doc["program_id"])))):
         return None
     for path, fact in zip(paths, facts):
         if not isinstance(path, str):
@@ -230,10 +231,20 @@ def check(r: dict, bases: dict[str, str]) -> str | None:
     return None
 
 
-def cubin(root: str, r: dict) -> bytes | None:
-    """The record's CUBIN from the local CAS, verified (sha256, size, an ELF image); None if not there."""
+def looks_like(data: bytes, kind: str) -> bool:
+    """Whether ``data`` has the shape of nvcc's ``kind`` output: an ELF CUBIN, a fatbin (its magic
+    number) or PTX text (the JIT index checks the same: ``_jit.compiler``)."""
+    if kind == "cubin":
+        return data[:4] == b"\x7fELF"
+    if kind == "fatbin":
+        return data[:4] == b"\x50\xed\x55\xba"
+    return kind == "ptx" and data.isascii() and b".version" in data[:4096]
+
+
+def artifact(root: str, r: dict, kind: str) -> bytes | None:
+    """The record's output from the local CAS, verified (sha256, size, its kind's shape); None if not there."""
     hex_ = r["digest"][len("sha256:"):]
     data = read_store_file(root, ("v1", "cas", hex_[:2], hex_), r["size"])
-    if data is None or len(data) != r["size"] or hashlib.sha256(data).hexdigest() != hex_ or data[:4] != b"\x7fELF":
+    if data is None or len(data) != r["size"] or hashlib.sha256(data).hexdigest() != hex_ or not looks_like(data, kind):
         return None
     return data

@@ -56,7 +56,8 @@ def explain_call(args: list[str], cwd: str | None = None) -> str:
         lines.append("  no record: the TU text, a flag, the arch, the number of include roots or the toolchain "
                      "differs from every call compiled here")
     jit_key = compiler.key(text.decode("utf-8", "surrogateescape"), include_dirs=list(call.include_dirs),
-                           flags=list(call.flags), arch=call.arch, store=store, program=env["program_id"])
+                           flags=list(call.flags), arch=call.arch, store=store, program=env["program_id"],
+                           kind=call.kind)
     index = compiler.JitIndex(store.local, knobs.lock_timeout())
     index.put_parts(jit_key.hex, jit_key.parts)  # what explain compares
     lines.append(f"the JIT key of this call: {jit_key}")

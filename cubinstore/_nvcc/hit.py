@@ -126,21 +126,22 @@ def read_source(path: str) -> bytes | None:
         os.close(fd)
 
 
-def fast_hit(call: Call, text: bytes) -> bool:
-    """Answer ``call`` from a call record that checks; False when none does."""
+def fast_hit(call: Call, text: bytes) -> tuple[bool, dict | None]:
+    """Answer ``call`` from a call record that checks: (answered, the toolchain identity record
+    when its stats vouch for it, which the miss path then need not take again)."""
     root = knobs.home_str()
     env = calls.read_env(root, env_name())
     if env is None:
-        return False
+        return False, None
     key = calls.call_key(text, call.arch, call.kind, labelled_flags(call), len(call.include_dirs), env["identity"])
     where = bases(call, env["toolkit"])
     for record in calls.read_records(root, key):
         if calls.check(record, where) is not None:
             continue
-        data = calls.cubin(root, record)
+        data = calls.artifact(root, record, call.kind)
         if data is None:
             continue
         write_output(call.output, data)
         emit(record, call, env["toolkit"])
-        return True
-    return False
+        return True, env
+    return False, env

@@ -42,14 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     text = read_source(call.source)
     if text is None:
         return _exec_real(args)  # nvcc says what is wrong with it
+    env = None
     try:
-        if fast_hit(call, text):
+        answered, env = fast_hit(call, text)
+        if answered:
             return 0
     except OSError:
         pass  # a record or output it could not use: the slow path decides
     from cubinstore._nvcc.miss import answer
 
-    return answer(call, args, text)
+    return answer(call, args, text, env)
 
 
 if __name__ == "__main__":

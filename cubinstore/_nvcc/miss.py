@@ -16,20 +16,21 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from cubinstore._core import knobs
 from cubinstore._core.log import get_logger
-from cubinstore._jit import compiler
-from cubinstore._jit.key import hash_file, host_compiler, toolkit_core
-from cubinstore._nvcc import calls, probes, remote, warm
+from cubinstore._nvcc import calls, probes
 from cubinstore._nvcc.argv import Call
 from cubinstore._nvcc.hit import bases, emit, env_name, labelled_flags, write_output
 from cubinstore._nvcc.real import exec_real, real_nvcc
 from cubinstore.errors import CubinstoreError, JitCompileError
 from cubinstore.store import Store, default_store
+
+if TYPE_CHECKING:
+    from cubinstore._jit.compiler import Compiled
 
 __all__ = ["answer", "build_record", "toolchain"]
 
@@ -48,6 +49,8 @@ def _facts(path: str) -> list[int] | None:
 def toolchain(store: Store, program: str) -> dict[str, Any]:
     """This host's toolchain identity (``calls`` env record), written for the hit path when its
     files are not racy. ``program``: the nvcc this call runs."""
+    from cubinstore._jit.key import hash_file, host_compiler, toolkit_core
+
     local = store.local
     core = toolkit_core(local=local)
     host = host_compiler(local=local)
@@ -88,8 +91,10 @@ def _read(path: str, limit: int = 64 << 20) -> bytes | None:
     return None if len(data) > limit else data
 
 
-def build_record(found: compiler.Compiled, call: Call, toolkit: str, text: bytes) -> dict | None:
+def build_record(found: Compiled, call: Call, toolkit: str, text: bytes) -> dict | None:
     """The call record of ``found`` (None when its compile's reads cannot be enumerated)."""
+    from cubinstore._jit import compiler
+
     index = compiler.JitIndex(found.store.local, knobs.lock_timeout())
     deps = index.get_deps(found.key.hex)
     if deps is None:
@@ -135,59 +140,79 @@ def keep(store: Store, key: str, record: dict) -> None:
                          durable=False)
 
 
-def answer(call: Call, args: list[str], text: bytes) -> int:
-    """Answer a call the hit path could not: remote, else compile; 0 on success."""
-    self_path = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else None
+def answer(call: Call, args: list[str], text: bytes, env: dict | None = None) -> int:
+    """Answer a call the hit path could not: remote, else compile; 0 on success. ``env``: the
+    toolchain identity the hit path read (its stats vouched for it), else None (taken here)."""
     try:
-        program = real_nvcc(self_path)
         store = default_store()
-        env = toolchain(store, program)
+        if env is None:
+            self_path = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else None
+            env = toolchain(store, real_nvcc(self_path))
+            checked = False
+        else:
+            checked = True  # the hit path checked the local records with this identity
         key = calls.call_key(text, call.arch, call.kind, labelled_flags(call), len(call.include_dirs), env["identity"])
         where = bases(call, env["toolkit"])
+        root = str(store.local.root)
         # The hit path's check, with the identity just taken (its stats may not vouch for it yet).
-        for record in calls.read_records(str(store.local.root), key):
+        for record in [] if checked else calls.read_records(root, key):
             if calls.check(record, where) is None:
-                data = calls.cubin(str(store.local.root), record)
+                data = calls.artifact(root, record, call.kind)
                 if data is not None:
                     write_output(call.output, data)
                     emit(record, call, env["toolkit"])
                     return 0
-        if not knobs.offline():
-            fetched = remote.fetch(store, key, where)
+        if not knobs.offline() and knobs.remotes():
+            from cubinstore._nvcc import remote
+
+            fetched = remote.fetch(store, key, where, call.kind)
             if fetched is not None:
                 record, data = fetched
                 keep(store, key, record)
                 write_output(call.output, data)
                 emit(record, call, env["toolkit"])
                 return 0
-        own = env["program_id"] is None
-
-        def run(argv: list[str], work: Any) -> Any:
-            return compiler.run_nvcc(argv if own else [program, *argv[1:]], work)
-
-        try:
-            found = compiler.compile(text.decode("utf-8", "surrogateescape"), include_dirs=list(call.include_dirs),
-                                     flags=list(call.flags), arch=call.arch, store=store, nvcc=run,
-                                     program=env["program_id"])
-        except JitCompileError:
-            return exec_real(args)  # nvcc prints why, with its own exit code
-        data = store.get(found.digest, found.size, name=f"JIT {found.key}")
-        record = build_record(found, call, env["toolkit"], text)
-        if record is not None:
-            keep(store, key, record)
-            if found.compiled:
-                warm.note(store, key, call, text, record)
-            if knobs.nvcc_publish():
-                for problem in remote.publish(store, key, record, data):
-                    _log.warning("cubinstore-nvcc: publishing call %s failed: %s", key, problem)
-        write_output(call.output, data)
-        out = record or {"stdout": "", "stderr": ""}
-        if record is None and found.compiled:
-            got = compiler.JitIndex(store.local, knobs.lock_timeout()).get_output(found.key.hex)
-            out = {"stdout": got[0], "stderr": got[1]} if got else out
-        emit(out, call, env["toolkit"])
-        return 0
+        return _compile(store, env, key, call, args, text)
     except CubinstoreError as exc:
         # The cache failed, not the compile: say so on stderr and let nvcc do the work.
         print(f"cubinstore-nvcc: {exc}; running nvcc uncached", file=sys.stderr, flush=True)
         return exec_real(args)
+
+
+def _compile(store: Store, env: dict, key: str, call: Call, args: list[str], text: bytes) -> int:
+    """Compile through the JIT, record the call, and answer it."""
+    from cubinstore._jit import compiler
+    from cubinstore._nvcc import remote, warm
+
+    # The program to run is this environment's, never one a store file names.
+    program = real_nvcc(os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else None)
+    if program != env["program"]:
+        env = toolchain(store, program)
+        key = calls.call_key(text, call.arch, call.kind, labelled_flags(call), len(call.include_dirs), env["identity"])
+    own = env.get("program_id") is None
+
+    def run(argv: list[str], work: Any) -> Any:
+        return compiler.run_nvcc(argv if own else [program, *argv[1:]], work)
+
+    try:
+        found = compiler.compile(text.decode("utf-8", "surrogateescape"), include_dirs=list(call.include_dirs),
+                                 flags=list(call.flags), arch=call.arch, store=store, nvcc=run,
+                                 program=env.get("program_id"), kind=call.kind)
+    except JitCompileError:
+        return exec_real(args)  # nvcc prints why, with its own exit code
+    data = store.get(found.digest, found.size, name=f"JIT {found.key}")
+    record = build_record(found, call, env["toolkit"], text)
+    if record is not None:
+        keep(store, key, record)
+        if found.compiled:
+            warm.note(store, key, call, text, record)
+        if knobs.nvcc_publish():
+            for problem in remote.publish(store, key, record, data, call.kind):
+                _log.warning("cubinstore-nvcc: publishing call %s failed: %s", key, problem)
+    write_output(call.output, data)
+    out = record or {"stdout": "", "stderr": ""}
+    if record is None and found.compiled:
+        got = compiler.JitIndex(store.local, knobs.lock_timeout()).get_output(found.key.hex)
+        out = {"stdout": got[0], "stderr": got[1]} if got else out
+    emit(out, call, env["toolkit"])
+    return 0

@@ -2,7 +2,7 @@
 
 A call key's entry lives at ``<remote>/ac/<action digest>`` (``store.action_result``: the
 digest of an ``Action`` whose command line names the scheme and the call key). Its result
-lists two output files in the CAS: ``kernel.cubin`` (the CUBIN) and ``call.json`` (the call
+lists two output files in the CAS: ``kernel.cubin`` (the CUBIN; ``kernel.ptx`` or ``kernel.fatbin`` for such calls) and ``call.json`` (the call
 record: the files the compile read, by label and content, the places that must stay empty,
 nvcc's output), and carries nvcc's stdout and stderr as the action's own. A reader checks the
 record against this host's files exactly as a local record is checked, and verifies both
@@ -31,7 +31,9 @@ __all__ = ["SCHEME", "fetch", "publish", "remotes"]
 _log = get_logger("cubinstore.nvcc")
 
 SCHEME = "nvcc-call/v1"  # the Action's scheme word: bumped with the record's meaning
-CUBIN_PATH = "kernel.cubin"
+def output_path(kind: str) -> str:
+    """The output file's name in the result: ``kernel.cubin`` (or ``kernel.ptx``, ``kernel.fatbin``)."""
+    return f"kernel.{kind}"
 RECORD_PATH = "call.json"
 
 
@@ -41,8 +43,9 @@ def remotes(store: Store) -> list[HttpStore]:
     return [layer for layer in store.layers if isinstance(layer, HttpStore)]
 
 
-def fetch(store: Store, key: str, where: dict[str, str]) -> tuple[dict, bytes] | None:
-    """(record, CUBIN) from the first remote whose entry for call key ``key`` checks here."""
+def fetch(store: Store, key: str, where: dict[str, str], kind: str = "cubin") -> tuple[dict, bytes] | None:
+    """(record, output) from the first remote whose entry for call key ``key`` checks here."""
+    out_path = output_path(kind)
     action = action_digest_for(SCHEME, key)
     for remote in remotes(store):
         try:
@@ -51,14 +54,14 @@ def fetch(store: Store, key: str, where: dict[str, str]) -> tuple[dict, bytes] |
                 continue
             result = decode_action_result(raw)
             files = {f.path: f for f in result.output_files}
-            if CUBIN_PATH not in files or RECORD_PATH not in files:
-                raise IntegrityError(f"it lacks {CUBIN_PATH} or {RECORD_PATH}")
+            if out_path not in files or RECORD_PATH not in files:
+                raise IntegrityError(f"it lacks {out_path} or {RECORD_PATH}")
             meta = files[RECORD_PATH]
             record = json.loads(store.get(meta.digest, meta.size, name=f"nvcc call {key} record"))
             problem = calls.record_problem(record) if isinstance(record, dict) else "not an object"
             if problem is not None:
                 raise IntegrityError(f"its call record is malformed ({problem})")
-            cubin = files[CUBIN_PATH]
+            cubin = files[out_path]
             if str(cubin.digest) != record["digest"] or cubin.size != record["size"]:
                 raise IntegrityError("its CUBIN is not the one its record names")
             why = calls.check(record, where)
@@ -66,15 +69,15 @@ def fetch(store: Store, key: str, where: dict[str, str]) -> tuple[dict, bytes] |
                 _log.debug("nvcc call %s: %s's entry does not hold here (%s)", key, remote.name, why)
                 continue
             data = store.get(cubin.digest, cubin.size, name=f"nvcc call {key}")
-            if data[:4] != b"\x7fELF":
-                raise IntegrityError(f"{cubin.digest} is not an ELF image")
+            if not calls.looks_like(data, kind):
+                raise IntegrityError(f"{cubin.digest} is not a {kind}")
             return record, data
         except (CubinstoreError, ValueError) as exc:
             _log.warning("nvcc call %s: ignoring the entry of %s (action %s): %s", key, remote.name, action, exc)
     return None
 
 
-def publish(store: Store, key: str, record: dict, data: bytes) -> list[str]:
+def publish(store: Store, key: str, record: dict, data: bytes, kind: str = "cubin") -> list[str]:
     """Upload the CUBIN, the record and the entry naming them (in that order: an entry never
     names a missing blob) to every remote of ``store``; each upload is read back. Returns the
     problems, one per remote that failed (empty: all took it)."""
@@ -83,7 +86,8 @@ def publish(store: Store, key: str, record: dict, data: bytes) -> list[str]:
     if str(cubin_digest) != record["digest"]:
         raise IntegrityError(f"nvcc call {key}: the CUBIN to publish is {cubin_digest}, its record names {record['digest']}")
     result = ActionResult(
-        output_files=(OutputFile(CUBIN_PATH, cubin_digest, len(data)), OutputFile(RECORD_PATH, record_digest, len(blob))),
+        output_files=(OutputFile(output_path(kind), cubin_digest, len(data)),
+                      OutputFile(RECORD_PATH, record_digest, len(blob))),
         stdout_raw=record["stdout"].encode("utf-8", "surrogateescape"),
         stderr_raw=record["stderr"].encode("utf-8", "surrogateescape"),
     ).encode()

@@ -293,6 +293,7 @@ class BuildRecord:
     stdout: str = ""
     stderr: str = ""
     returncode: int | None = None
+    compiler_seconds: float = 0.0  # wall time of the nvcc process alone (0.0 on a library-cache hit)
 
     @property
     def output(self) -> str:
@@ -391,7 +392,9 @@ class LibraryJit:
         code.write_text(inst.tu())
         argv = [str(self.nvcc), str(code), "-cubin", "-o", str(work / "kernel.cubin"), *self.flags()]
         # From <cache>/tmp: files in the caller's directory must not shadow standard headers.
+        started = time.perf_counter()
         proc = subprocess.run(argv, cwd=tmp_root, capture_output=True, text=True, env=self._env(), timeout=600)
+        compiler_seconds = time.perf_counter() - started
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise LibraryJitError(f"{inst.name}: nvcc {self.nvcc} exited {proc.returncode}: {output[-4000:]}")
@@ -408,7 +411,7 @@ class LibraryJit:
             # Another process (rank) renamed first: keep its directory, drop ours.
             shutil.rmtree(work, ignore_errors=True)
         self.records.append(BuildRecord(inst.name, True, time.perf_counter() - start, final / "kernel.cubin",
-                                        tuple(argv), proc.stdout, proc.stderr, proc.returncode))
+                                        tuple(argv), proc.stdout, proc.stderr, proc.returncode, compiler_seconds))
         return final / "kernel.cubin"
 
     def nvcc_runs(self) -> int:

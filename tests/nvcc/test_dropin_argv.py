@@ -55,11 +55,17 @@ def test_relative_paths_resolve_against_the_working_directory() -> None:
     (["k.cu", "-cubin", "-o", "k.cubin", "-arch=sm_90a", "--options-file", "f"], "'--options-file'"),
     (["k.cu", "-cubin", "-o", "k.cubin", "-arch=sm_90a", "-ccbin", "clang"], "'-ccbin'"),
     (["k.cu", "-cubin", "-o", "k.cubin", "-arch=sm_90a", "-DX=$(id)"], "-D"),
-    (["k.cu", "-fatbin", "-o", "k.fatbin", "-arch=sm_90a"], "'-fatbin'"),
+    (["k.cu", "-cubin", "-ptx", "-o", "k.ptx", "-arch=sm_90a"], "two output kinds"),
 ])
 def test_what_it_does_not_model_passes_through(args: list[str], why: str) -> None:
     call = parse(args, CWD, [])
     assert isinstance(call, PassThrough) and why in call.why, call
+
+
+@pytest.mark.parametrize("kind", ["cubin", "ptx", "fatbin"])
+def test_each_output_kind_is_cached(kind: str) -> None:
+    call = parse(["k.cu", f"-{kind}", "-o", f"k.{kind}", "-arch=sm_90a"], CWD, [])
+    assert isinstance(call, Call) and call.kind == kind
 
 
 def test_a_call_under_an_nvcc_variable_passes_through() -> None:

@@ -68,16 +68,16 @@ def t(tmp_path: Path) -> SimpleNamespace:
 
 
 def _call(t: SimpleNamespace, include: Path | list[Path], *extra: str, cache: Path | None = None, tu: str = TU,
-          nvcc: Path = WRAPPER, env: dict[str, str] | None = None, name: str = "u1") -> SimpleNamespace:
+          nvcc: Path = WRAPPER, env: dict[str, str] | None = None, name: str = "u1", kind: str = "cubin") -> SimpleNamespace:
     """The library JIT's call: TU at <cache>/tmp/<name>/kernel.cu, run from <cache>/tmp."""
     cache = cache or t.base / "cache"
     work = cache / "tmp" / name
     work.mkdir(parents=True, exist_ok=True)
     (work / "kernel.cu").write_text(tu)
-    out = work / "kernel.cubin"
+    out = work / f"kernel.{kind}"
     out.unlink(missing_ok=True)
     roots = include if isinstance(include, list) else [include]
-    argv = [str(nvcc), str(work / "kernel.cu"), "-cubin", "-o", str(out), "-std=c++17", *(f"-I{r}" for r in roots),
+    argv = [str(nvcc), str(work / "kernel.cu"), f"-{kind}", "-o", str(out), "-std=c++17", *(f"-I{r}" for r in roots),
             f"--gpu-architecture={ARCH}", "-O3", *extra]
     before = _runs(t.log)
     proc = subprocess.run(argv, cwd=cache / "tmp", env=env or t.env, capture_output=True, timeout=300)
@@ -140,6 +140,19 @@ def test_a_hit_replays_the_compile_and_runs_no_nvcc(t: SimpleNamespace) -> None:
     # The replay names this call's TU, not the first one's.
     assert again.stderr == first.stderr.replace(str(first.work).encode(), str(again.work).encode())
     assert again.stdout == first.stdout
+
+
+@pytest.mark.parametrize("kind, magic", [("ptx", b"//"), ("fatbin", b"\x50\xed\x55\xba")])
+def test_ptx_and_fatbin_calls_are_cached_too(t: SimpleNamespace, kind: str, magic: bytes) -> None:
+    first = _call(t, t.include, kind=kind)
+    assert first.rc == 0 and first.runs == 1 and first.cubin.startswith(magic), first.stderr
+    if kind == "ptx":
+        assert b".entry scale" in first.cubin
+    again = _call(t, _library(t.base / "elsewhere"), kind=kind, cache=t.base / "cache2")
+    assert (again.rc, again.runs, again.cubin) == (0, 0, first.cubin)
+    # A cubin of the same TU is another call: compiled, and an ELF image.
+    cubin = _call(t, t.include)
+    assert cubin.runs == 1 and cubin.cubin[:4] == b"\x7fELF"
 
 
 def test_a_library_at_any_prefix_hits(t: SimpleNamespace) -> None:
