@@ -83,14 +83,20 @@ def read_store_file(root: str, parts: tuple[str, ...], limit: int) -> bytes | No
         return None
     finally:
         os.close(fd)
+    return read_open(ffd, limit)
+
+
+def read_open(fd: int, limit: int) -> bytes | None:
+    """The bytes of the open file ``fd`` (closed here) if it is a regular file of at most ``limit``
+    bytes; None otherwise. Reads at most ``limit + 1`` bytes whatever the file claims."""
     try:
-        st = os.fstat(ffd)
+        st = os.fstat(fd)
         if st.st_mode & 0o170000 != 0o100000 or st.st_size > limit:
             return None
         chunks = []
         left = limit + 1
         while left > 0:
-            chunk = os.read(ffd, min(left, _CHUNK))
+            chunk = os.read(fd, min(left, _CHUNK))
             if not chunk:
                 break
             chunks.append(chunk)
@@ -100,7 +106,7 @@ def read_store_file(root: str, parts: tuple[str, ...], limit: int) -> bytes | No
     except OSError:
         return None
     finally:
-        os.close(ffd)
+        os.close(fd)
 
 
 def _json(raw: bytes | None) -> dict | None:

@@ -104,26 +104,12 @@ def emit(record: dict, call: Call, toolkit: str) -> None:
 
 
 def read_source(path: str) -> bytes | None:
+    """The TU's bytes (at most 64 MiB of a regular file); None when it cannot be read (nvcc says why)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
-    try:
-        if os.fstat(fd).st_mode & 0o170000 != 0o100000:
-            return None
-        chunks, left = [], _MAX_SOURCE + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-        return None if len(data) > _MAX_SOURCE else data
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    return calls.read_open(fd, _MAX_SOURCE)
 
 
 def fast_hit(call: Call, text: bytes) -> tuple[bool, dict | None]:

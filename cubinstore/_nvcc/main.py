@@ -18,7 +18,6 @@ import sys
 
 from cubinstore._core import knobs
 from cubinstore._nvcc.argv import PassThrough, parse
-from cubinstore._nvcc.hit import fast_hit, read_source
 
 __all__ = ["main"]
 
@@ -39,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     call = parse(args, os.getcwd(), knobs.nvcc_overrides())
     if isinstance(call, PassThrough):
         return _exec_real(args)
+    try:
+        from cubinstore._nvcc.hit import fast_hit, read_source
+    except ImportError as exc:  # xxhash: the package without its jit extra
+        print(f"cubinstore-nvcc: {exc}; install the jit extra (pip install 'cubinstore[jit]')", file=sys.stderr, flush=True)
+        return 1
     text = read_source(call.source)
     if text is None:
         return _exec_real(args)  # nvcc says what is wrong with it
