@@ -45,6 +45,7 @@ MAX_RECORDS = 8  # per call key: the same TU against differing headers (two libr
 MAX_RECORDS_BYTES = 8 << 20
 MAX_ENV_BYTES = 1 << 20
 MAX_OUTPUT_CHARS = 1 << 20
+MAX_HEADER_BYTES = 64 << 20  # a file a record says the compile read: checked only up to this size
 _HEX32 = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
 _XXH3 = re.compile(r"xxh3:[0-9a-f]{32}", re.ASCII)
@@ -190,19 +191,24 @@ def record_problem(r: dict) -> str | None:
 # -- the check ------------------------------------------------------------------------------------------
 
 def _xxh3_file(path: str) -> str | None:
+    """The file's xxh3 (None: missing, not a regular file, or over ``MAX_HEADER_BYTES``: no header is)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_mode & 0o170000 != 0o100000:
-            return None  # a FIFO or a device is never read
+        st = os.fstat(fd)
+        if st.st_mode & 0o170000 != 0o100000 or st.st_size > MAX_HEADER_BYTES:
+            return None  # a FIFO or a device is never read; nor a file no compile reads whole
         h = xxhash.xxh3_128()
-        while True:
-            chunk = os.read(fd, _CHUNK)
+        left = MAX_HEADER_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(_CHUNK, left))
             if not chunk:
                 return "xxh3:" + h.hexdigest()
             h.update(chunk)
+            left -= len(chunk)
+        return None
     except OSError:
         return None
     finally:

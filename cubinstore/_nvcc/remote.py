@@ -61,6 +61,10 @@ def fetch(store: Store, key: str, where: dict[str, str], kind: str = "cubin") ->
             problem = calls.record_problem(record) if isinstance(record, dict) else "not an object"
             if problem is not None:
                 raise IntegrityError(f"its call record is malformed ({problem})")
+            if record["outside"]:
+                # Files by absolute path: a remote's record never makes this host read one.
+                raise IntegrityError("its call record names files outside the include roots, which a remote "
+                                     "record may not (the call compiles here)")
             cubin = files[out_path]
             if str(cubin.digest) != record["digest"] or cubin.size != record["size"]:
                 raise IntegrityError("its CUBIN is not the one its record names")

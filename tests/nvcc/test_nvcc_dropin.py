@@ -306,3 +306,17 @@ def test_explain_says_why_a_call_missed(t: SimpleNamespace) -> None:
     assert "no record" in report and "flags" in report
     # A call it does not cache says which word makes it a pass-through.
     assert "not cached: option '--keep'" in explain(SimpleNamespace(argv=[*base.argv, "--keep"]))
+
+
+def test_a_remote_record_never_makes_a_host_read_a_file_outside_its_roots(t: SimpleNamespace, nginx) -> None:
+    url = nginx.base()
+    outside = t.base / "etc" / "factor.h"
+    outside.parent.mkdir()
+    outside.write_text("#define FACTOR 2\n")
+    tu = f'#include "{outside}"\n' + TU.replace("* EXTRA", "* EXTRA * FACTOR")
+    ci = dict(t.env, CUBINSTORE_REMOTE=url, CUBINSTORE_NVCC_PUBLISH="1")
+    assert _call(t, t.include, env=ci, tu=tu).runs == 1  # published, with its outside file in the record
+    fresh = child_env(t.base / "fresh-home", CUBINSTORE_NVCC=str(t.shim), CUBINSTORE_REMOTE=url)
+    got = _call(t, t.include, env=fresh, tu=tu, cache=t.base / "fresh-cache")
+    assert got.rc == 0 and got.runs == 1  # refused: compiled here, which reads the file itself
+    assert b"outside the include roots" not in got.stderr  # a log line, not the library's output
