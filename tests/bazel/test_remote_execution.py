@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ._servers import BuildboxWorker, BuildGridExecution, PostgreSQL, find_postgres, in_worker_root
-from ._workspace import ALL_TARGETS, COMPILE, MANIFEST, REPO_ROOT, BuildResult, find_bgd
+from ._workspace import ALL_TARGETS, COMPILE, MANIFEST, REPO_ROOT, BuildResult, Workspace, copy_workspace, find_bgd
 from .conftest import Bazel7Tools, Checkouts7, Tools, unavailable
 
 pytestmark = pytest.mark.bazel
@@ -105,3 +105,24 @@ def test_second_checkout_gets_every_action_from_the_cluster_cache(
     assert again.misses() == set(), f"the second checkout executed actions (log: {again.log})"
     assert again.by_label(MANIFEST) == {"//kernels:manifest": True}
     assert again.manifest == remote.manifest
+
+
+def test_a_consumer_builds_remotely_with_the_manifest_of_its_local_build(
+        cluster: Cluster, bazel7_tools: Bazel7Tools, bazel_tools: Tools, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # examples/consumer depends on cubinstore as a module: its manifest action runs cubinstore's tool
+    # from external/cubinstore~ on the worker, where only declared inputs exist.
+    base = tmp_path_factory.mktemp("consumer-rbe")
+    copy_workspace(base / "checkout", venv=bazel_tools.venv)
+    root = base / "checkout" / "examples" / "consumer"
+    remote = Workspace(root=root, output_base=base / "output_remote", bazel=bazel7_tools.bazel, bzlmod=True)
+    local = Workspace(root=root, output_base=base / "output_local", bazel=bazel7_tools.bazel, bzlmod=True)
+    try:
+        built = remote.build(("//:manifest",), disk_cache=None, flags=cluster.flags)
+        runs = {(s.mnemonic, s.runner, s.cache_hit) for s in built.spawns if s.mnemonic in (COMPILE, MANIFEST)}
+        assert runs == {(COMPILE, "remote", False), (MANIFEST, "remote", False)}, f"log: {built.log}"
+        manifest = (root / "bazel-bin" / "manifest.json").read_bytes()
+        local.build(("//:manifest",), disk_cache=None)
+        assert (root / "bazel-bin" / "manifest.json").read_bytes() == manifest
+    finally:
+        remote.shutdown()
+        local.shutdown()
