@@ -41,7 +41,7 @@ def built(consumer: Workspace) -> tuple[BuildResult, dict]:
 def test_consumer_builds_its_own_family_with_cubinstores_rules(built: tuple[BuildResult, dict]) -> None:
     result, manifest = built
     ids = sorted(k["id"] for k in manifest["kernels"])
-    assert ids == ["scale/f32/sm_80", "scale/f32/sm_90a", "scale/f64/sm_80", "scale/f64/sm_90a", "tile/block128/sm_90a"]
+    assert ids == ["scale/f32/sm_80", "scale/f32/sm_90a", "scale/f64/sm_80", "scale/f64/sm_90a", "tile/block128/sm_90a", "wheel/v1/sm_90a"]
     assert {k["target"] for k in manifest["kernels"]} == set(result.by_label())
     assert result.misses() == set(result.by_label())
     assert result.by_label(MANIFEST) == {"//:manifest": False}
@@ -52,6 +52,8 @@ def test_consumer_builds_its_own_family_with_cubinstores_rules(built: tuple[Buil
     # CuTe through cubinstore's public alias; the entry named by its C++ name, resolved to its symbol.
     (tile,) = entries["tile/block128/sm_90a"].values()
     assert tile["name"] == "consumer::rowscale<128>" and tile["params"] == ["i32", "i32", "ptr", "ptr"]
+    # Another library's headers, found by package name through the module extension.
+    assert entries["wheel/v1/sm_90a"]["scale_half"]["params"] == ["i32", "f32", "ptr"]
 
 
 def test_consumer_compiles_with_the_toolkit_of_cubinstores_module(
