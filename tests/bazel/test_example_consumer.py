@@ -67,3 +67,30 @@ def test_consumer_compiles_with_the_toolkit_of_cubinstores_module(
     for kernel in manifest["kernels"]:
         package, name = kernel["target"][2:].split(":")
         assert (consumer.root / "bazel-bin" / package / f"{name}.cubin").stat().st_size == kernel["size"]
+
+
+def test_a_local_header_folder_through_the_extension(bazel7_tools: Bazel7Tools, bazel_tools: Tools,
+                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("consumer-local")
+    vendor = base / "vendor" / "include"
+    (vendor / "vendor").mkdir(parents=True)
+    (vendor / "vendor" / "factor.cuh").write_text("#pragma once\n#define VENDOR_FACTOR 3\n")
+    copy_workspace(base / "checkout", venv=bazel_tools.venv)
+    root = base / "checkout" / CONSUMER
+    with open(root / "MODULE.bazel", "a") as f:
+        f.write(f'headers.local(name = "vendor", path = "{vendor}")\nuse_repo(headers, "vendor")\n')
+    (root / "vendored").mkdir()
+    (root / "vendored" / "k.cu").write_text(
+        '#include <vendor/factor.cuh>\nextern "C" __global__ void triple(int n, float* x) {\n'
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  if (i < n) x[i] *= VENDOR_FACTOR;\n}\n")
+    (root / "vendored" / "BUILD.bazel").write_text(
+        'load("@cubinstore//tools:defs.bzl", "cubin_instantiations")\n\n'
+        'cubin_instantiations(\n    name = "vendored",\n    srcs = ["k.cu"],\n    archs = ["sm_90a"],\n'
+        '    entries = {"triple": ["i32", "ptr"]},\n    grid = {"v": [1]},\n    deps = ["@vendor//:headers"],\n)\n')
+    ws = Workspace(root=root, output_base=base / "output_base", bazel=bazel7_tools.bazel, bzlmod=True)
+    try:
+        result = ws.build(("//vendored",), disk_cache=None)
+        assert {s.label for s in result.spawns if s.mnemonic == COMPILE} == {"//vendored:vendored_1_sm_90a"}
+        assert (root / "bazel-bin" / "vendored" / "vendored_1_sm_90a.cubin").read_bytes()[:4] == b"\x7fELF"
+    finally:
+        ws.shutdown()
