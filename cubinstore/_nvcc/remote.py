@@ -35,6 +35,7 @@ def output_path(kind: str) -> str:
     """The output file's name in the result: ``kernel.cubin`` (or ``kernel.ptx``, ``kernel.fatbin``)."""
     return f"kernel.{kind}"
 RECORD_PATH = "call.json"
+_INLINE = 1 << 20  # a record up to this size is inlined in the result too (well within its 4 MiB)
 
 
 def remotes(store: Store) -> list[HttpStore]:
@@ -57,7 +58,9 @@ def fetch(store: Store, key: str, where: dict[str, str], kind: str = "cubin") ->
             if out_path not in files or RECORD_PATH not in files:
                 raise IntegrityError(f"it lacks {out_path} or {RECORD_PATH}")
             meta = files[RECORD_PATH]
-            record = json.loads(store.get(meta.digest, meta.size, name=f"nvcc call {key} record"))
+            # Inlined by our writers (the decoder checked it against its digest); else from the CAS.
+            raw = meta.contents or store.get(meta.digest, meta.size, name=f"nvcc call {key} record")
+            record = json.loads(raw)
             problem = calls.record_problem(record) if isinstance(record, dict) else "not an object"
             if problem is not None:
                 raise IntegrityError(f"its call record is malformed ({problem})")
@@ -90,8 +93,9 @@ def publish(store: Store, key: str, record: dict, data: bytes, kind: str = "cubi
     if str(cubin_digest) != record["digest"]:
         raise IntegrityError(f"nvcc call {key}: the CUBIN to publish is {cubin_digest}, its record names {record['digest']}")
     result = ActionResult(
+        # The record inlined too (a reader saves a request) and in the CAS (REAPI readers expect it there).
         output_files=(OutputFile(output_path(kind), cubin_digest, len(data)),
-                      OutputFile(RECORD_PATH, record_digest, len(blob))),
+                      OutputFile(RECORD_PATH, record_digest, len(blob), contents=blob if len(blob) <= _INLINE else b"")),
         stdout_raw=record["stdout"].encode("utf-8", "surrogateescape"),
         stderr_raw=record["stderr"].encode("utf-8", "surrogateescape"),
     ).encode()
