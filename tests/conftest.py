@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers.net import free_port, nginx_conf, wait_for_port
+from helpers.net import find_nginx, local_services
 
 from cubinstore._core.abi import kernel_id, render_param  # the id grammar, defined once
 
@@ -166,43 +166,30 @@ def tools() -> SimpleNamespace:
 # -- a real nginx WebDAV server -------------------------------------------------------------------
 
 class Nginx:
-    """nginx on a free loopback port; ``/`` accepts PUT (WebDAV); ``/slow/`` sends at 1 MB/s."""
+    """nginx on a free loopback port; ``/`` accepts PUT (WebDAV); ``/slow/`` sends at 1 MB/s.
+    The server of tools/cache_local.sh (``local_services.NginxCache``), with the slow location."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.www = workdir / "www"
+        self.server: local_services.NginxCache | None = None
+        self.www = workdir / "data"  # what the server's root will be
         self.log = workdir / "access.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
+
+    @property
+    def port(self) -> int:
+        return self.server.port if self.server is not None else 0
 
     def start(self) -> None:
-        nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+        nginx = find_nginx()
         if nginx is None:
             pytest.skip("nginx not installed (needed for the real HTTP cache tests)")
-        self.www.mkdir(parents=True, exist_ok=True)
-        for _ in range(5):  # the free port can be taken between probe and bind
-            port = free_port()
-            conf = self.workdir / "nginx.conf"
-            conf.write_text(nginx_conf(self.workdir, port, self.www, self.log, slow_location=True))
-            with open(self.workdir / "stderr.log", "ab") as err:  # the child keeps its own copy
-                proc = subprocess.Popen([nginx, "-p", str(self.workdir), "-c", str(conf), "-e", str(self.workdir / "error.log")],
-                                        stdout=err, stderr=err)
-            if wait_for_port(port, proc, time.monotonic() + 10):
-                self.proc, self.port = proc, port
-                return
-            proc.kill()
-            proc.wait()
-        errors = (self.workdir / "error.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"nginx did not start: {errors}")
+        self.server = local_services.NginxCache(self.workdir, nginx, slow_location=True)
+        self.www, self.log = self.server.data, self.server.access_log
+        self.server.start()
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.server is not None:
+            self.server.stop()
 
     def base(self, slow: bool = False) -> str:
         """A fresh, empty CAS URL (unique path prefix) on this server."""
