@@ -13,7 +13,11 @@ the runtime imports too:
 - each entry's parameters must have the sizes and offsets the ABI's layout rule gives the
   declared types (checked against the CUBIN's .nv.info), or the build fails naming the
   kernel, entry and parameter: a layout the runtime would refuse never ships;
-- launch geometry is evaluated (integer arithmetic) and its grid rules checked.
+- where the entry's symbol is a mangled name, its parameter types must be the declared ones
+  (``cubinstore._core.mangled``): layout cannot tell `f32` from `i32` or `ptr` from `u64`, the
+  mangled name can; an extern "C" symbol carries no types;
+- launch geometry is evaluated (integer arithmetic) and its grid rules checked, each `args[i]`
+  against the entry's parameters (it must exist and be declared an integer type).
 
 Usage: manifest_tool.py SPEC.json OUT.json
 SPEC.json: {"demangler": CMD, "demangle_timeout": SECONDS (optional, default 120),
@@ -40,7 +44,8 @@ for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__fi
 from cubinstore._core import abi  # noqa: E402
 from cubinstore._core.cubin import CubinImage  # noqa: E402
 from cubinstore._core.cxxnames import resolve_entries  # noqa: E402
-from cubinstore._core.geometry import LaunchGeometry, eval_rule  # noqa: E402
+from cubinstore._core.geometry import LaunchGeometry, eval_rule, rule_arg_indices  # noqa: E402
+from cubinstore._core.mangled import decode_params, type_problem  # noqa: E402
 from cubinstore._jit.demangle import DEMANGLE_TIMEOUT, demangle  # noqa: E402
 from cubinstore.errors import CubinstoreError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
@@ -100,6 +105,36 @@ def check_layout(kernel: dict[str, Any], declared: str, symbol: str, types: list
     return list(expected)
 
 
+def check_types(kernel: dict[str, Any], declared: str, symbol: str, types: list[str]) -> None:
+    """Fails unless each declared type is one the entry's mangled name allows (where it says)."""
+    params = decode_params(symbol)
+    problem = None if params is None else type_problem(types, params)
+    if problem is not None:
+        index, why = problem
+        raise BuildError(f"{_where(kernel)}: entry '{declared}' parameter {index} {why} ({symbol})")
+
+
+# What a grid rule's `args[i]` may read: the launch evaluates it as an int (i8 .. u64).
+_INTEGER_TYPES = frozenset(t for t in abi.SCALAR_TYPES if t[0] in "iu")
+
+
+def check_rule_args(kernel: dict[str, Any], declared: str, types: list[str], where: str, rule: str) -> None:
+    """Fails unless every `args[i]` of a grid rule is an integer parameter of the entry, so a rule
+    that would raise at every launch fails the build instead."""
+    try:
+        indices = rule_arg_indices(rule)
+    except CubinstoreError as exc:
+        raise BuildError(f"{_where(kernel)}: launch {where}: {exc}") from None
+    for i in indices:
+        if i >= len(types):
+            raise BuildError(f"{_where(kernel)}: launch {where}: rule {rule!r} reads args[{i}], but entry "
+                             f"'{declared}' takes {len(types)} parameters (args[0] .. args[{len(types) - 1}])")
+        if types[i] not in _INTEGER_TYPES:
+            raise BuildError(f"{_where(kernel)}: launch {where}: rule {rule!r} reads args[{i}], which entry "
+                             f"'{declared}' declares '{types[i]}'; a rule reads integer parameters "
+                             f"({', '.join(sorted(_INTEGER_TYPES))})")
+
+
 def _const(kernel: dict[str, Any], where: str, value: Any) -> Any:
     """A geometry value with placeholders filled: an int, or integer arithmetic to evaluate."""
     if isinstance(value, list):
@@ -112,14 +147,17 @@ def _const(kernel: dict[str, Any], where: str, value: Any) -> Any:
     return value
 
 
-def launch_geometry(kernel: dict[str, Any], declared: str) -> dict[str, Any] | None:
+def launch_geometry(kernel: dict[str, Any], declared: str, types: list[str]) -> dict[str, Any] | None:
     geometry = kernel.get("launch", {}).get(declared)
     if geometry is None:
         return None
     out = {k: _const(kernel, f"{declared}.{k}", v) for k, v in geometry.items() if k != "grid"}
     if "grid" in geometry:
         grid = []
-        for item in geometry["grid"] if isinstance(geometry["grid"], list) else [geometry["grid"]]:
+        items = geometry["grid"] if isinstance(geometry["grid"], list) else [geometry["grid"]]
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                check_rule_args(kernel, declared, types, f"{declared}.grid[{i}]", item)
             try:  # constant arithmetic becomes a number; a rule over args/sm_count stays
                 grid.append(eval_rule(item) if isinstance(item, str) else item)
             except CubinstoreError:
@@ -143,7 +181,8 @@ def manifest_entry(kernel: dict[str, Any], demangler: str, timeout: float = DEMA
         for declared, types in kernel["entries"].items():
             symbol, name = resolved[declared]
             entry = {"name": name, "params": types, "offsets": check_layout(kernel, declared, symbol, types, cubin, arch)}
-            geometry = launch_geometry(kernel, declared)
+            check_types(kernel, declared, symbol, types)
+            geometry = launch_geometry(kernel, declared, types)
             if geometry is not None:
                 entry["launch"] = geometry
             entries[symbol] = entry

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_SHARED_MEM",
     "check_rule",
     "eval_rule",
+    "rule_arg_indices",
 ]
 
 # Bounds of a declared geometry, checked when a manifest is opened (the driver checks the
@@ -173,6 +174,17 @@ def check_rule(text: str) -> None:
         _rule(text)
     except _RuleError as exc:
         raise BadArgumentError(f"launch rule {text!r}: {exc}") from None
+
+
+def rule_arg_indices(text: str) -> tuple[int, ...]:
+    """The sorted ``i`` of every ``args[i]`` a well-formed rule reads (the build checks them
+    against the entry's parameters); raises ``BadArgumentError`` as ``check_rule`` does."""
+    import ast
+
+    check_rule(text)
+    found = {node.slice.value for node in ast.walk(ast.parse(text, mode="eval"))
+             if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)}
+    return tuple(sorted(found))
 
 
 def _dims3(value: Any, where: str, *, limit: int) -> tuple[int, int, int]:

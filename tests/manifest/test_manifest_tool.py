@@ -114,12 +114,14 @@ CUTLASS_GLOBAL void gemm_impl(uint32_t m, uint32_t n, const __grid_constant__ CU
   if (m == 0) d[0] = BM + BN;
 }
 template <int N> __global__ void other(int* p) { p[0] = N; }
+template <class T> __global__ void scale(int n, T alpha, T* y) { if (n) y[0] *= alpha; }
 }  // namespace lib
 static void __instantiate_kernel() {
   auto p = reinterpret_cast<void*>(&lib::gemm_impl<lib::bf16, 128, 256>);
   auto q = reinterpret_cast<void*>(&lib::other<3>);
   auto r = reinterpret_cast<void*>(&lib::other<4>);
-  (void)p; (void)q; (void)r;
+  auto s = reinterpret_cast<void*>(&lib::scale<float>);
+  (void)p; (void)q; (void)r; (void)s;
 }
 """
 GEMM_TYPES = ["u32", "u32", "tensormap", "ptr"]
@@ -217,6 +219,68 @@ def test_launch_rule_with_a_wrong_argument_count_fails_the_build_in_one_line(tmp
     assert not (tmp_path / "manifest.json").exists()
 
 
+# -- declared types against the mangled name's ------------------------------------------------------
+
+def test_a_float_parameter_declared_i32_fails_naming_the_parameter_and_both_types(tmp_path, library_cubin):
+    # Same size and offset, so the layout check passes; the mangled name says float.
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {"lib::scale<float>": ["i32", "i32", "ptr"]})])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        "cubin_manifest: kernel 'lib/bf16/sm_90a' (//kernels/lib:lib_bf16_sm_90a): entry 'lib::scale<float>' "
+        "parameter 1 is declared 'i32', but the kernel's mangled name gives 'T_' (float): declare 'f32' "
+        "(_ZN3lib5scaleIfEEviT_PS1_)\n")
+    assert not (tmp_path / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("types, index, message", [
+    (["i32", "u32", "tensormap", "ptr"], 0,
+     "is declared 'i32', but the kernel's mangled name gives 'j' (unsigned int): declare 'u32'"),
+    (["u32", "u32", "tensormap", "u64"], 3,
+     "is declared 'u64', but the kernel's mangled name gives 'Pf' (pointer to float): declare 'ptr'"),
+    (["u32", "u32", "struct:128:128", "ptr"], 2,
+     "is declared 'struct:128:128', but the kernel's mangled name gives '14CUtensorMap_st' (CUtensorMap): "
+     "declare 'tensormap'"),
+])
+def test_a_declared_type_the_mangled_name_contradicts_fails(tmp_path, library_cubin, types, index, message):
+    result = run_tool(tmp_path, [lib_kernel(library_cubin, {"lib::gemm_impl<lib::bf16, 128, 256>": types})])
+    assert result.returncode == 1, result.stderr
+    assert (f"entry 'lib::gemm_impl<lib::bf16, 128, 256>' parameter {index} {message} (_ZN3lib9gemm_impl"
+            in result.stderr), result.stderr
+
+
+def test_an_extern_c_symbol_carries_no_types_so_only_the_layout_is_checked(tmp_path, axpy_cubin):
+    # axpy_f32(int n, float a, ...) is extern "C": f32 declared i32 has the same size, so it builds.
+    result = run_tool(tmp_path, [kernel(axpy_cubin, entries={"axpy_f32": ["i32", "i32", "ptr", "ptr"]})])
+    assert result.returncode == 0, result.stderr
+
+
+# -- grid rules against the entry's parameters ----------------------------------------------------------
+
+@pytest.mark.parametrize("rule, message", [
+    ("cdiv(args[4], 256)",
+     "rule 'cdiv(args[4], 256)' reads args[4], but entry 'axpy_f32' takes 4 parameters (args[0] .. args[3])"),
+    ("cdiv(args[0], 256) + args[2]",
+     "rule 'cdiv(args[0], 256) + args[2]' reads args[2], which entry 'axpy_f32' declares 'ptr'; "
+     "a rule reads integer parameters (i16, i32, i64, i8, u16, u32, u64, u8)"),
+    ("max(args[1], 1)", "rule 'max(args[1], 1)' reads args[1], which entry 'axpy_f32' declares 'f32'"),
+])
+def test_a_grid_rule_reading_a_parameter_the_entry_lacks_fails_the_build_naming_the_rule(tmp_path, axpy_cubin,
+                                                                                        rule, message):
+    result = run_tool(tmp_path, [kernel(axpy_cubin, launch={"axpy_f32": {"block": [256], "grid": ["1", rule]}})])
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(
+        "cubin_manifest: kernel 'axpy/f32/vec4/sm_90a' (//kernels/axpy:axpy_f32_vec4_sm_90a): "
+        "launch axpy_f32.grid[1]: " + message), result.stderr
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_a_grid_rule_over_integer_parameters_builds(tmp_path, axpy_cubin):
+    rule = "min(sm_count, cdiv(args[0], 1024))"
+    result = run_tool(tmp_path, [kernel(axpy_cubin, launch={"axpy_f32": {"block": [256], "grid": [rule]}})])
+    assert result.returncode == 0, result.stderr
+    assert entries_of(tmp_path)["axpy_f32"]["launch"]["grid"] == [rule]
+
+
 # -- entries name whole C++ names ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("fragment", [
@@ -288,7 +352,7 @@ def test_a_hung_demangler_is_killed_and_fails_the_build_naming_it(tmp_path, libr
     result = run_tool_with(tmp_path, [lib_kernel(library_cubin, {name: GEMM_TYPES})], str(script),
                            demangle_timeout=0.5)
     assert result.returncode == 1
-    assert result.stderr == (f"cubin_manifest: demangler '{script}' did not finish within 0.5 s for 3 names; "
+    assert result.stderr == (f"cubin_manifest: demangler '{script}' did not finish within 0.5 s for 4 names; "
                              f"killed\n")
     assert not (tmp_path / "manifest.json").exists()
     with pytest.raises(ProcessLookupError):  # killed and reaped before the tool exited
@@ -297,9 +361,9 @@ def test_a_hung_demangler_is_killed_and_fails_the_build_naming_it(tmp_path, libr
 
 @pytest.mark.parametrize("body, message", [
     ("while read l; do printf '\\377\\n'; done", "printed a byte that is not ASCII at offset 0"),
-    ("exec yes 'void f()'", "printed more than 16384 bytes per name for 3 names"),
+    ("exec yes 'void f()'", "printed more than 16384 bytes per name for 4 names"),
     ("while read l; do printf '\\001\\n'; done", "gave '\\x01' for _ZN3lib"),
-    ("echo one line; exit 0", "exited 0 with 1 lines for 3 names"),
+    ("echo one line; exit 0", "exited 0 with 1 lines for 4 names"),
 ])
 def test_a_demangler_that_prints_garbage_fails_the_build_naming_it(tmp_path, library_cubin, body, message):
     script = _fake_demangler(tmp_path, body)

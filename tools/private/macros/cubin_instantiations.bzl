@@ -40,6 +40,57 @@ def _points(grid):
         points.extend(_product(g))
     return points
 
+def _placeholders(text):
+    """The `{name}` placeholders of a string, in order.
+
+    Only braces around an identifier are one, so C++ such as `{0}` or `{ x, y }` is not.
+    """
+    found = []
+    for piece in text.split("{")[1:]:
+        if "}" not in piece:
+            continue
+        word = piece.partition("}")[0]
+        if word and not word[0].isdigit() and word.replace("_", "a").isalnum():
+            found.append(word)
+    return found
+
+def _strings(value):
+    """Every string of an attribute value: itself, a list's items, a dict's keys and values.
+
+    Starlark has no recursion; three levels hold `launch`'s entry -> key -> list of rules.
+    """
+    strings = []
+    pending = [value]
+    for _ in range(4):
+        nested = []
+        for v in pending:
+            if type(v) == "string":
+                strings.append(v)
+            elif type(v) == "list":
+                nested.extend(v)
+            elif type(v) == "dict":
+                nested.extend(v.keys())
+                nested.extend(v.values())
+        pending = nested
+    return strings
+
+def _check_placeholders(name, attributes, keys):
+    """Fails naming the attribute and the placeholder when one is no grid key.
+
+    A typo would otherwise reach nvcc as text (`-DBLOCK={blok}`).
+    """
+    for attribute, value in attributes.items():
+        for text in _strings(value):
+            for word in _placeholders(text):
+                if word not in keys:
+                    fail("cubin_instantiations '{}': attribute '{}' has placeholder '{{{}}}' in {}, which is not a grid key; grid keys: {}".format(
+                        name,
+                        attribute,
+                        word,
+                        repr(text),
+                        ", ".join(["'{" + k + "}'" for k in keys]),
+                    ))
+
 def _fill(template, params):
     """`template` with each `{key}` of `params` replaced; other braces are left alone."""
     for key, value in params.items():
@@ -97,7 +148,9 @@ def cubin_instantiations(
     (`<name>_<v1>_<v2>....cu`).
 
     `{param}` placeholders are filled per point in `src_template`'s text, `hdrs`, `defines`,
-    `copts`, `entries` (names and types) and `launch`.
+    `copts`, `entries` (names and types) and `launch`. In those attributes (not in the
+    template's text, which loading cannot read) a `{word}` that is no grid key fails loading,
+    naming the attribute.
 
     Args:
       name: family target name and prefix of every instantiation target.
@@ -132,6 +185,12 @@ def cubin_instantiations(
     """
     if (src_template == None) == (not srcs):
         fail("cubin_instantiations '{}': give exactly one of 'srcs' and 'src_template'".format(name))
+    keys = (grid if type(grid) == "list" else [grid])[0].keys()
+    _check_placeholders(
+        name,
+        {"hdrs": hdrs, "defines": defines, "copts": copts, "entries": entries, "launch": launch},
+        keys,
+    )
     family = family or name
     if warm_points:
         grid = warm_grid(grid, warm_points)
