@@ -1,11 +1,13 @@
 """examples/consumer: another workspace that `bazel_dep`s on cubinstore (bzlmod, Bazel 7,
 `local_path_override`), defines its own family with `cubin_instantiations` and builds its own
-manifest with `cubin_manifest`, the toolkit coming from cubinstore's repository rule."""
+manifest with `cubin_manifest`, the toolkit coming from cubinstore's repository rule; a copy of
+it at another path builds from the first one's disk cache without running an action."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,15 +33,27 @@ def consumer(bazel7_tools: Bazel7Tools, bazel_tools: Tools,
         ws.shutdown()
 
 
+@dataclass(frozen=True)
+class Built:
+    result: BuildResult
+    manifest_bytes: bytes
+    disk_cache: Path  # empty before this build, which wrote every action's result to it
+
+    @property
+    def manifest(self) -> dict:
+        return json.loads(self.manifest_bytes)
+
+
 @pytest.fixture(scope="module")
-def built(consumer: Workspace) -> tuple[BuildResult, dict]:
-    result = consumer.build(("//:manifest",), disk_cache=None)
-    manifest = json.loads((consumer.root / "bazel-bin" / "manifest.json").read_bytes())
-    return result, manifest
+def built(consumer: Workspace) -> Built:
+    disk_cache = consumer.output_base.parent / "disk_cache"
+    disk_cache.mkdir()
+    result = consumer.build(("//:manifest",), disk_cache=disk_cache)
+    return Built(result, (consumer.root / "bazel-bin" / "manifest.json").read_bytes(), disk_cache)
 
 
-def test_consumer_builds_its_own_family_with_cubinstores_rules(built: tuple[BuildResult, dict]) -> None:
-    result, manifest = built
+def test_consumer_builds_its_own_family_with_cubinstores_rules(built: Built) -> None:
+    result, manifest = built.result, built.manifest
     ids = sorted(k["id"] for k in manifest["kernels"])
     assert ids == ["scale/f32/sm_80", "scale/f32/sm_90a", "scale/f64/sm_80", "scale/f64/sm_90a", "tile/block128/sm_90a", "wheel/v1/sm_90a"]
     assert {k["target"] for k in manifest["kernels"]} == set(result.by_label())
@@ -50,15 +64,20 @@ def test_consumer_builds_its_own_family_with_cubinstores_rules(built: tuple[Buil
     assert entries["scale/f64/sm_80"]["scale_f64"]["params"] == ["i32", "f64", "ptr"]
     assert entries["scale/f64/sm_80"]["scale_f64"]["offsets"] == [0, 8, 16]
     # CuTe through cubinstore's public alias; the entry named by its C++ name, resolved to its symbol.
-    (tile,) = entries["tile/block128/sm_90a"].values()
-    assert tile["name"] == "consumer::rowscale<128>" and tile["params"] == ["i32", "i32", "ptr", "ptr"]
+    ((symbol, tile),) = entries["tile/block128/sm_90a"].items()
+    assert symbol == "_ZN8consumer8rowscaleILi128EEEviiNS_6AffineE14CUtensorMap_stPf"
+    assert tile["name"] == "consumer::rowscale<128>"
+    # A struct by value and a tensor map after the scalars: the tensor map at its 128-byte
+    # alignment in sm_90's parameter bank (0x210 + 112 = 640), as the CUBIN laid them out.
+    assert tile["params"] == ["i32", "i32", "struct:12:4", "tensormap", "ptr"]
+    assert tile["offsets"] == [0, 4, 8, 112, 240]
+    assert tile["launch"] == {"block": [128, 1, 1], "shared_mem": 0, "grid": ["cdiv(args[1], 128)", "args[0]"]}
     # Another library's headers, found by package name through the module extension.
     assert entries["wheel/v1/sm_90a"]["scale_half"]["params"] == ["i32", "f32", "ptr"]
 
 
-def test_consumer_compiles_with_the_toolkit_of_cubinstores_module(
-        built: tuple[BuildResult, dict], consumer: Workspace) -> None:
-    result, manifest = built
+def test_consumer_compiles_with_the_toolkit_of_cubinstores_module(built: Built, consumer: Workspace) -> None:
+    result, manifest = built.result, built.manifest
     # nvcc is cubinstore's @local_cuda, seen from the consumer under its canonical name.
     nvcc = {s.arguments[0] for s in result.spawns if s.mnemonic == COMPILE}
     assert len(nvcc) == 1
@@ -67,6 +86,28 @@ def test_consumer_compiles_with_the_toolkit_of_cubinstores_module(
     for kernel in manifest["kernels"]:
         package, name = kernel["target"][2:].split(":")
         assert (consumer.root / "bazel-bin" / package / f"{name}.cubin").stat().st_size == kernel["size"]
+
+
+def test_a_copy_of_the_consumer_at_another_depth_runs_no_action(
+        built: Built, consumer: Workspace, bazel7_tools: Bazel7Tools, bazel_tools: Tools,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("consumer-relocated")
+    copy_workspace(base / "srv" / "releases" / "current" / "checkout", venv=bazel_tools.venv)
+    ws = Workspace(root=base / "srv" / "releases" / "current" / "checkout" / CONSUMER,
+                   output_base=base / "output_base", bazel=bazel7_tools.bazel, bzlmod=True)
+    assert len(ws.root.parts) != len(consumer.root.parts)
+    try:
+        result = ws.build(("//:manifest",), disk_cache=built.disk_cache)
+        manifest = (ws.root / "bazel-bin" / "manifest.json").read_bytes()
+    finally:
+        ws.shutdown()
+    # Every compile and the manifest come from the first copy's disk cache: no path of either
+    # checkout, output base or of cubinstore's repository under it is in an action key.
+    assert set(result.by_label()) == set(built.result.by_label())
+    assert result.misses() == set(), f"recompiled after relocation (log: {result.log})"
+    assert result.by_label(MANIFEST) == {"//:manifest": True}
+    assert [s.mnemonic for s in result.spawns if not s.cache_hit] == []
+    assert manifest == built.manifest_bytes
 
 
 def test_a_local_header_folder_through_the_extension(bazel7_tools: Bazel7Tools, bazel_tools: Tools,
@@ -90,7 +131,7 @@ def test_a_local_header_folder_through_the_extension(bazel7_tools: Bazel7Tools, 
     ws = Workspace(root=root, output_base=base / "output_base", bazel=bazel7_tools.bazel, bzlmod=True)
     try:
         result = ws.build(("//vendored",), disk_cache=None)
-        assert {s.label for s in result.spawns if s.mnemonic == COMPILE} == {"//vendored:vendored_1_sm_90a"}
-        assert (root / "bazel-bin" / "vendored" / "vendored_1_sm_90a.cubin").read_bytes()[:4] == b"\x7fELF"
+        assert {s.label for s in result.spawns if s.mnemonic == COMPILE} == {"//vendored:vendored_v1_sm_90a"}
+        assert (root / "bazel-bin" / "vendored" / "vendored_v1_sm_90a.cubin").read_bytes()[:4] == b"\x7fELF"
     finally:
         ws.shutdown()
