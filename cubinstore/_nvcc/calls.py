@@ -35,7 +35,7 @@ import re
 
 import xxhash
 
-__all__ = ["CALL_SCHEME", "MAX_RECORDS", "artifact", "call_key", "check", "looks_like", "read_env", "read_records",
+__all__ = ["CALL_SCHEME", "MAX_RECORDS", "artifact", "call_key", "canonical", "check", "looks_like", "read_env", "read_records",
            "read_store_file", "record_problem"]
 
 CALL_SCHEME = "cubinstore-nvcc-v1"
@@ -54,7 +54,9 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
 
 
-def _canonical(doc: object) -> bytes:
+def canonical(doc: object) -> bytes:
+    """The one JSON spelling of cubinstore-nvcc's records: sorted keys, compact, ASCII (nvcc's
+    bytes that are not UTF-8 survive as escapes)."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -62,7 +64,7 @@ def call_key(text: bytes, arch: str, kind: str, flags: list[str], roots: int, en
     """The call key (32 hex): content only, never a path."""
     doc = {"scheme": CALL_SCHEME, "source": "xxh3:" + xxhash.xxh3_128_hexdigest(text), "arch": arch, "kind": kind,
            "flags": flags, "roots": roots, "env": env_identity}
-    return xxhash.xxh3_128_hexdigest(_canonical(doc))
+    return xxhash.xxh3_128_hexdigest(canonical(doc))
 
 
 # -- reading the store without following links ------------------------------------------------------

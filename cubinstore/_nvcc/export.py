@@ -304,7 +304,7 @@ def _calls_file(exported: Exported) -> bytes:
                           for label, root in zip(c.labels, (*c.deps, *c.system_deps))],
                 "record": c.record}
         for c in exported.calls}}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode() + b"\n"
+    return calls.canonical(doc) + b"\n"
 
 
 def export(local: Any, out: Path, *, rules_repo: str = "@cubinstore") -> Exported:

@@ -120,7 +120,13 @@ def fast_hit(call: Call, text: bytes) -> tuple[bool, dict | None]:
     if env is None:
         return False, None
     key = calls.call_key(text, call.arch, call.kind, labelled_flags(call), len(call.include_dirs), env["identity"])
-    where = bases(call, env["toolkit"])
+    return answer_from_records(call, root, key, env["toolkit"]), env
+
+
+def answer_from_records(call: Call, root: str, key: str, toolkit: str) -> bool:
+    """Answer ``call`` from the first record of call key ``key`` that holds here and whose output
+    the local CAS has, verified; False when none does."""
+    where = bases(call, toolkit)
     for record in calls.read_records(root, key):
         if calls.check(record, where) is not None:
             continue
@@ -128,6 +134,6 @@ def fast_hit(call: Call, text: bytes) -> tuple[bool, dict | None]:
         if data is None:
             continue
         write_output(call.output, data)
-        emit(record, call, env["toolkit"])
-        return True, env
-    return False, env
+        emit(record, call, toolkit)
+        return True
+    return False

@@ -12,7 +12,6 @@ call is recorded (``record``) and, for CI, published; the miss is kept for ``war
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ from cubinstore._core import knobs
 from cubinstore._core.log import get_logger
 from cubinstore._nvcc import calls, probes
 from cubinstore._nvcc.argv import Call
-from cubinstore._nvcc.hit import bases, emit, env_name, labelled_flags, write_output
+from cubinstore._nvcc.hit import answer_from_records, bases, emit, env_name, labelled_flags, write_output
 from cubinstore._nvcc.real import exec_real, real_nvcc
 from cubinstore.errors import CubinstoreError, JitCompileError
 from cubinstore.store import Store, default_store
@@ -56,7 +55,7 @@ def toolchain(store: Store, program: str) -> dict[str, Any]:
     host = host_compiler(local=local)
     own = os.path.realpath(program) == os.path.realpath(core.root / "bin" / "nvcc")
     program_id = None if own else hash_file(program, "xxh3", what="CUBINSTORE_NVCC")
-    identity = xxhash.xxh3_128_hexdigest(calls._canonical({
+    identity = xxhash.xxh3_128_hexdigest(calls.canonical({
         "toolkit": core.identity, "host": {"name": host.name, "identity": host.identity}, "program": program_id}))
     paths = [*core.id_paths, *host.id_paths, program]
     facts = [*(None if f is None else list(f) for f in core.id_facts), *(None if f is None else list(f) for f in host.id_facts),
@@ -67,7 +66,7 @@ def toolchain(store: Store, program: str) -> dict[str, Any]:
     now = time.time_ns()
     if local is not None and all(f is None or now - max(f[3], f[4]) > _RACY_NS for f in facts):
         try:
-            local.write_file(("nvcc", "env", name[:2]), name + ".json", calls._canonical(doc), durable=False)
+            local.write_file(("nvcc", "env", name[:2]), name + ".json", calls.canonical(doc), durable=False)
         except CubinstoreError as exc:
             _log.warning("cubinstore-nvcc: cannot keep the toolchain identity: %s", exc)
     return doc
@@ -136,7 +135,7 @@ def keep(store: Store, key: str, record: dict) -> None:
         older = [r for r in calls.read_records(root, key) if (r["key"], r["digest"]) != same]
         doc = {"schema": calls.RECORDS_SCHEMA, "call": key, "records": [record, *older][:calls.MAX_RECORDS]}
         local.write_file(("nvcc", "calls", key[:2]), key + ".json",
-                         json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode(),
+                         calls.canonical(doc),
                          durable=False)
 
 
@@ -155,13 +154,8 @@ def answer(call: Call, args: list[str], text: bytes, env: dict | None = None) ->
         where = bases(call, env["toolkit"])
         root = str(store.local.root)
         # The hit path's check, with the identity just taken (its stats may not vouch for it yet).
-        for record in [] if checked else calls.read_records(root, key):
-            if calls.check(record, where) is None:
-                data = calls.artifact(root, record, call.kind)
-                if data is not None:
-                    write_output(call.output, data)
-                    emit(record, call, env["toolkit"])
-                    return 0
+        if not checked and answer_from_records(call, root, key, env["toolkit"]):
+            return 0
         if not knobs.offline() and knobs.remotes():
             from cubinstore._nvcc import remote
 

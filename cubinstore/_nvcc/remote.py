@@ -88,7 +88,7 @@ def publish(store: Store, key: str, record: dict, data: bytes, kind: str = "cubi
     """Upload the CUBIN, the record and the entry naming them (in that order: an entry never
     names a missing blob) to every remote of ``store``; each upload is read back. Returns the
     problems, one per remote that failed (empty: all took it)."""
-    blob = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    blob = calls.canonical(record)
     cubin_digest, record_digest = Digest.of(data), Digest.of(blob)
     if str(cubin_digest) != record["digest"]:
         raise IntegrityError(f"nvcc call {key}: the CUBIN to publish is {cubin_digest}, its record names {record['digest']}")

@@ -33,10 +33,6 @@ SCHEMA = "cubinstore/nvcc-warm/v1"
 _MAX_NOTE = 16 << 20
 
 
-def _dump(doc: dict) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def note(store: Any, key: str, call: Call, text: bytes, record: dict) -> None:
     """Keep the miss of call key ``key`` (its TU text goes to the CAS by sha256)."""
     local = store.local
@@ -53,7 +49,7 @@ def note(store: Any, key: str, call: Call, text: bytes, record: dict) -> None:
                    "kind": call.kind, "flags": labelled_flags(call), "roots": roots, "record": record,
                    "count": (old["count"] if old else 0) + 1, "first_seen": old["first_seen"] if old else now,
                    "last_seen": now}
-            local.write_file(("nvcc", "warm", key[:2]), key + ".json", _dump(doc), durable=False)
+            local.write_file(("nvcc", "warm", key[:2]), key + ".json", calls.canonical(doc), durable=False)
     except CubinstoreError as exc:  # advice for CI: the call itself is answered
         _log.warning("cubinstore-nvcc: cannot keep the miss of call %s for warmset export: %s", key, exc)
 
