@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers.net import find_nginx, local_services
+from helpers.registry import RegistryServer, TokenServer
 
 from cubinstore._core.abi import kernel_id, render_param  # the id grammar, defined once
 
@@ -357,3 +358,45 @@ def faulty() -> Iterator[FaultyServer]:
     server = FaultyServer()
     yield server
     server.stop()
+
+
+# -- real OCI registries (Debian's docker-registry) -------------------------------------------------
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A plain registry on loopback (HTTP, no auth); ``registry.repo()`` is a fresh repository."""
+    server = RegistryServer(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def secure_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A registry over TLS (a CA made at start: ``.ca``) behind htpasswd basic auth (``.user``, ``.password``)."""
+    password = uuid.uuid4().hex
+    server = RegistryServer(tmp_path_factory.mktemp("registry-tls"), tls=True, user="ci", password=password)
+    server.user, server.password = "ci", password  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy_registry(registry: RegistryServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A pull-through cache of ``registry`` (a mirror: the same repositories, read only)."""
+    server = RegistryServer(tmp_path_factory.mktemp("registry-proxy"), proxy_of=registry.server.url)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A registry behind the Bearer token flow: ``.tokens`` is its realm (a ``TokenServer`` taking
+    ``.user``/``.password``), on another port of loopback."""
+    password = uuid.uuid4().hex
+    workdir = tmp_path_factory.mktemp("registry-token")
+    tokens = TokenServer(workdir / "realm", "ci", password)
+    server = RegistryServer(workdir / "registry", token=tokens.registry_options)
+    server.tokens, server.user, server.password = tokens, "ci", password  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+    tokens.stop()

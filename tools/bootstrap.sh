@@ -2,7 +2,8 @@
 # Installs what a fresh machine lacks to build //kernels:all and run the tests, then exits.
 # Idempotent: a second run only checks. Everything is pinned; no download happens during a build.
 #   - Debian: bazel-bootstrap (offline Bazel 4.2.3), nginx-light (WebDAV cache for the tests),
-#     libnginx-mod-http-dav-ext (PROPFIND, which sccache's WebDAV backend needs: benchmarks/bench_nvcc_dropin.py)
+#     libnginx-mod-http-dav-ext (PROPFIND, which sccache's WebDAV backend needs: benchmarks/bench_nvcc_dropin.py),
+#     docker-registry (the CNCF distribution registry: OCI release tests) and skopeo (their interop tests)
 #   - npm: bazelisk and buildifier (package-lock.json); .bazeliskrc points bazelisk at the local Bazel
 #   - PyPI: .venv with the test dependencies, the CUTLASS headers wheel and this package;
 #           .venv-buildgrid with BuildGrid (a gRPC remote cache for the tests)
@@ -13,6 +14,8 @@ cd "$(dirname "$0")/.."
 BAZEL_DEB=4.2.3+ds-9
 NGINX_DEB=1.22.1-9+deb12u11
 NGINX_DAV_EXT_DEB=1:3.0.0-3
+REGISTRY_DEB=2.8.2+ds1-1
+SKOPEO_DEB=1.9.3+ds1-1+b10
 CUTLASS_WHEEL=nvidia-cutlass==4.2.0.0
 PYTHON=${PYTHON:-python3}
 
@@ -31,6 +34,8 @@ apt_install() {  # apt_install PACKAGE VERSION: the pinned version, else the dis
 apt_install bazel-bootstrap "$BAZEL_DEB"
 apt_install nginx-light "$NGINX_DEB"
 apt_install libnginx-mod-http-dav-ext "$NGINX_DAV_EXT_DEB"
+apt_install docker-registry "$REGISTRY_DEB"
+apt_install skopeo "$SKOPEO_DEB"
 BAZEL_BIN=/usr/bin/bazel-4
 [ -x "$BAZEL_BIN" ] || { log "no $BAZEL_BIN after installing bazel-bootstrap"; exit 1; }
 # Debian's /usr/bin/bazel wrapper looks for /usr/bin/bazel-<.bazelversion>.

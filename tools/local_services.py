@@ -488,6 +488,170 @@ class BuildboxWorker(Server):
                                                         str(self.jobs)])
 
 
+# -- OCI registries (Debian's docker-registry, the CNCF distribution registry) ----------------------
+
+def registry_conf(port: int, storage: Path, *, tls: tuple[Path, Path] | None = None, htpasswd: Path | None = None,
+                  proxy_of: str | None = None, token: dict[str, str] | None = None) -> str:
+    """A distribution registry config: filesystem storage under ``storage`` on 127.0.0.1:``port``,
+    deletes allowed (tests garbage-collect blobs), access log on the console. ``tls``: (certificate,
+    key); ``htpasswd``: basic auth against that bcrypt file; ``token``: the Bearer token flow
+    (realm, service, issuer, rootcertbundle); ``proxy_of``: a pull-through cache of that registry."""
+    lines = [
+        "version: 0.1",
+        "log:",
+        "  level: warn",
+        "  formatter: text",
+        "  accesslog:",
+        "    disabled: false",
+        "storage:",
+        "  filesystem:",
+        f"    rootdirectory: {storage}",
+        "  delete:",
+        "    enabled: true",
+        "  maintenance:",
+        "    uploadpurging:",
+        "      enabled: false",
+        "http:",
+        f"  addr: 127.0.0.1:{port}",
+        # The secret signs upload-session state; random per start, never a committed value.
+        f"  secret: {os.urandom(16).hex()}",
+    ]
+    if tls is not None:
+        lines += ["  tls:", f"    certificate: {tls[0]}", f"    key: {tls[1]}"]
+    if htpasswd is not None:
+        lines += ["auth:", "  htpasswd:", "    realm: cubinstore-test", f"    path: {htpasswd}"]
+    elif token is not None:
+        lines += ["auth:", "  token:", *(f"    {k}: {v}" for k, v in token.items())]
+    if proxy_of is not None:
+        lines += ["proxy:", f"  remoteurl: {proxy_of}"]
+    return "\n".join(lines) + "\n"
+
+
+def make_test_ca(workdir: Path, host: str = "127.0.0.1") -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for ``host`` (an IP SAN) signed by it, made with
+    openssl at start (no key is ever committed): (ca.pem, server.pem, server.key)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (workdir / n for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    ext = workdir / "server.ext"
+    ext.write_text(f"subjectAltName=IP:{host}\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                   "extendedKeyUsage=serverAuth\n")
+    openssl = shutil.which("openssl") or "/usr/bin/openssl"
+    steps = [
+        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+         "-subj", "/CN=cubinstore test CA", "-keyout", str(ca_key), "-out", str(ca)],
+        [openssl, "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={host}",
+         "-keyout", str(key), "-out", str(csr)],
+        [openssl, "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+         "-days", "2", "-extfile", str(ext), "-out", str(cert)],
+    ]
+    for argv in steps:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise ServerError(f"{' '.join(argv[:3])} exited with {proc.returncode}: {proc.stderr}")
+    return ca, cert, key
+
+
+def bcrypt_htpasswd(path: Path, user: str, password: str) -> None:
+    """An htpasswd file with ``user``'s bcrypt hash (the only scheme the registry accepts), made
+    with the C library's crypt (libxcrypt does bcrypt) or, failing that, apache2-utils' htpasswd."""
+    hashed = ""
+    try:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import crypt  # removed in Python 3.13: htpasswd below then
+
+        hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH)) or ""
+    except (ImportError, AttributeError, OSError):
+        pass
+    if not hashed.startswith("$2"):
+        tool = shutil.which("htpasswd")
+        if tool is None:
+            raise ServerError("cannot make a bcrypt hash: no crypt module with bcrypt and no htpasswd (apache2-utils)")
+        proc = subprocess.run([tool, "-nbB", user, password], capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise ServerError(f"htpasswd exited with {proc.returncode}: {proc.stderr}")
+        hashed = proc.stdout.strip().split(":", 1)[1]
+    path.write_text(f"{user}:{hashed}\n")
+    path.chmod(0o600)
+
+
+class Registry(Server):
+    """Debian's docker-registry (CNCF distribution) on loopback, data under `workdir/data`.
+
+    ``tls`` serves HTTPS with a certificate from a CA made at start (``ca`` is its PEM);
+    ``user``/``password`` turn on htpasswd basic auth; ``proxy_of`` makes it a pull-through
+    cache of that registry URL; ``token`` (realm, service, issuer, rootcertbundle) the Bearer
+    token flow."""
+
+    name = "docker-registry"
+
+    def __init__(self, workdir: Path, registry: Path, *, tls: bool = False, user: str | None = None,
+                 password: str | None = None, proxy_of: str | None = None,
+                 token: dict[str, str] | None = None) -> None:
+        super().__init__(workdir)
+        self.registry = registry
+        self.tls = tls
+        self.user, self.password = user, password
+        self.proxy_of = proxy_of
+        self.token = token
+        self.data = workdir / "data"
+        self.ca: Path | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}"
+
+    def _argv(self, port: int) -> list[str]:
+        self.data.mkdir(exist_ok=True)
+        tls = None
+        if self.tls:
+            self.ca, cert, key = make_test_ca(self.workdir / "tls")
+            tls = (cert, key)
+        htpasswd = None
+        if self.user is not None:
+            htpasswd = self.workdir / "htpasswd"
+            bcrypt_htpasswd(htpasswd, self.user, self.password or "")
+        conf = self.workdir / "config.yml"
+        conf.write_text(registry_conf(port, self.data, tls=tls, htpasswd=htpasswd, proxy_of=self.proxy_of,
+                                      token=self.token))
+        return [str(self.registry), "serve", str(conf)]
+
+    def blob(self, hex_digest: str) -> Path:
+        """Where the registry keeps a blob's bytes (its filesystem driver's layout)."""
+        return self.data / "docker/registry/v2/blobs/sha256" / hex_digest[:2] / hex_digest / "data"
+
+    def requests(self, method: str, path_part: str = "") -> int:
+        """How many `method` requests whose path holds ``path_part`` the access log shows so far.
+        A line is written once its response is sent: a caller that must see its last request
+        awaits a later one's line first (tests/helpers/registry.py does)."""
+        count = 0
+        for line in self._log_tail_all().splitlines():
+            match = re.search(r'"([A-Z]+) (\S+) HTTP/[0-9.]+"', line)
+            if match and match.group(1) == method and path_part in match.group(2):
+                count += 1
+        return count
+
+    def _log_tail_all(self) -> str:
+        return self.console.read_text(errors="replace") if self.console.exists() else ""
+
+
+def find_registry() -> Path | None:
+    """Debian's docker-registry (tools/bootstrap.sh installs it), else `registry` on PATH."""
+    found = shutil.which("docker-registry") or shutil.which("registry")
+    return Path(found) if found else None
+
+
+def find_skopeo() -> Path | None:
+    found = shutil.which("skopeo")
+    return Path(found) if found else None
+
+
 # -- finding the programs -------------------------------------------------------------------------------
 
 def find_nginx() -> Path | None:
@@ -631,6 +795,14 @@ def _start_rbe(stack: Stack, args: argparse.Namespace) -> tuple[list[Server], li
     return started, flags, extra
 
 
+def _start_registry(stack: Stack, args: argparse.Namespace) -> tuple[list[Server], list[str], dict[str, str]]:
+    binary = _require(find_registry(), "docker-registry not found (tools/bootstrap.sh installs Debian's docker-registry)")
+    server = Registry(stack.dir / "registry", binary)
+    server.start(args.port)
+    # What cubinstore takes: CUBINSTORE_REMOTE=oci://HOST:PORT/REPO, publish --to oci://HOST:PORT/REPO[:TAG].
+    return [server], [f"oci://{server.host}"], {"data": str(server.data)}
+
+
 def _start(stack: Stack, args: argparse.Namespace) -> int:
     state = stack.load()
     if state is not None:
@@ -642,7 +814,8 @@ def _start(stack: Stack, args: argparse.Namespace) -> int:
         raise ServerError(f"{stack.kind}: a previous start in {stack.dir} is partly running or stale: "
                           f"run `stop` first")
     stack.dir.mkdir(parents=True, exist_ok=True)
-    servers, flags, extra = (_start_cache if stack.kind == "cache" else _start_rbe)(stack, args)
+    starters = {"cache": _start_cache, "rbe": _start_rbe, "registry": _start_registry}
+    servers, flags, extra = starters[stack.kind](stack, args)
     stack.save(servers, flags, extra)
     for s in servers:
         print(f"{stack.kind}: {s.name} on 127.0.0.1:{s.port} (pid {s.pid}, logs in {s.workdir})", file=sys.stderr)
@@ -681,10 +854,11 @@ def _status(stack: Stack) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="local_services.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=("cache", "rbe"), help="the nginx cache or the remote-execution stack")
+    parser.add_argument("kind", choices=("cache", "rbe", "registry"),
+                        help="the nginx cache, the remote-execution stack, or an OCI registry (prints oci://HOST:PORT)")
     parser.add_argument("command", choices=("start", "stop", "status"))
     parser.add_argument("--dir", help=f"state directory (default ${DIR_ENV}, else ~/.cache/cubinstore/local-services)")
-    parser.add_argument("--port", type=int, default=0, help="port of nginx or BuildGrid (default: a free one)")
+    parser.add_argument("--port", type=int, default=0, help="port of nginx, BuildGrid or the registry (default: a free one)")
     parser.add_argument("--prefix", default="cache", help="cache: the URL path the cache lives under")
     parser.add_argument("--jobs", type=int, default=2, help="rbe: actions the worker runs at once")
     parser.add_argument("--root", help=f"rbe: the worker's root (default ${SID_ROOT_ENV}, else {DEFAULT_SID_ROOT})")

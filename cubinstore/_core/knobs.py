@@ -26,6 +26,7 @@ __all__ = [
     "VARIABLES",
     "Variable",
     "allow_shared_store",
+    "verify_full",
     "cutlass_include",
     "disk_cache",
     "fetch_jobs",
@@ -43,6 +44,7 @@ __all__ = [
     "nvcc",
     "nvcc_publish",
     "offline",
+    "registry_auth_files",
     "remotes",
     "trust_policy",
 ]
@@ -95,7 +97,7 @@ class Variable:
 
 
 HOME = Variable("CUBINSTORE_HOME", "path", None, "root of the local store", shown="user cache dir/cubinstore")
-REMOTE = Variable("CUBINSTORE_REMOTE", "URLs", (), "comma-separated HTTP CAS base URLs, tried in order")
+REMOTE = Variable("CUBINSTORE_REMOTE", "URLs", (), "comma-separated remotes, tried in order: HTTP CAS base URLs, oci://HOST[:PORT]/REPO registries")
 DISK_CACHE = Variable("CUBINSTORE_DISK_CACHE", "path", None, "Bazel --disk_cache directory, read only")
 OFFLINE = Variable("CUBINSTORE_OFFLINE", "bool", False, "never touch the network; a local miss is an error")
 HTTP_TIMEOUT = Variable("CUBINSTORE_HTTP_TIMEOUT", "seconds", 30.0, "read timeout: longest wait for the next bytes")
@@ -116,18 +118,25 @@ ALLOW_SHARED_STORE = Variable("CUBINSTORE_ALLOW_SHARED_STORE", "bool", False,
 TRUST_POLICY = Variable("CUBINSTORE_TRUST_POLICY", "path", None, "trust policy file for channel:NAME (signed releases)")
 FETCH_JOBS = Variable("CUBINSTORE_FETCH_JOBS", "int", 16, "blobs prefetch downloads (and publish uploads) at once")
 NVCC = Variable("CUBINSTORE_NVCC", "path", None, "the real nvcc cubinstore-nvcc runs", shown="the toolkit's bin/nvcc")
+VERIFY = Variable("CUBINSTORE_VERIFY", "str", "auto",
+                  "auto: a first load from a store you own checks size and xxh3-128; full: sha256 on every first load")
 NVCC_PUBLISH = Variable("CUBINSTORE_NVCC_PUBLISH", "bool", False,
                         "cubinstore-nvcc uploads what it compiles to CUBINSTORE_REMOTE (trusted writers, CI)")
 
 VARIABLES: tuple[Variable, ...] = (
     HOME, REMOTE, DISK_CACHE, OFFLINE, HTTP_TIMEOUT, HTTP_CONNECT_TIMEOUT, HTTP_RETRIES, HTTP_DEADLINE,
     LOCK_TIMEOUT, MEMORY_BYTES, MANIFEST, JIT, JIT_TIMEOUT, HOST_CC, CUTLASS_INCLUDE, ALLOW_SHARED_STORE,
-    TRUST_POLICY, FETCH_JOBS, NVCC, NVCC_PUBLISH,
+    TRUST_POLICY, FETCH_JOBS, NVCC, NVCC_PUBLISH, VERIFY,
 )
 
 # Not ours, read as third_party/cuda/cuda_toolkit.bzl reads them: where the JIT finds the toolkit.
 CUDA_PATH = Variable("CUDA_PATH", "path", None, "the first place the CUDA toolkit is looked for")
 CUDA_HOME = Variable("CUDA_HOME", "path", None, "the second place the CUDA toolkit is looked for")
+
+# Not ours, read as skopeo, podman and docker read them: the files registry credentials are in.
+REGISTRY_AUTH_FILE = Variable("REGISTRY_AUTH_FILE", "path", None, "containers-auth.json file of skopeo and podman")
+XDG_RUNTIME_DIR = Variable("XDG_RUNTIME_DIR", "path", None, "holds containers/auth.json (`skopeo login`)")
+DOCKER_CONFIG = Variable("DOCKER_CONFIG", "path", None, "docker's configuration directory (config.json)")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -243,6 +252,21 @@ def remotes() -> tuple[str, ...]:
     return _urls(REMOTE)
 
 
+def registry_auth_files() -> list[Path]:
+    """The files an ``oci://`` remote's credentials are read from, first match wins (the order
+    of containers-auth.json(5)): ``REGISTRY_AUTH_FILE``, ``$XDG_RUNTIME_DIR/containers/auth.json``,
+    then docker's ``$DOCKER_CONFIG/config.json`` (default ``~/.docker/config.json``)."""
+    from pathlib import Path
+
+    files = [p for p in (_path(REGISTRY_AUTH_FILE),) if p is not None]
+    runtime = _path(XDG_RUNTIME_DIR)
+    if runtime is not None:
+        files.append(runtime / "containers" / "auth.json")
+    docker = _path(DOCKER_CONFIG)
+    files.append((docker if docker is not None else Path(os.path.expanduser("~")) / ".docker") / "config.json")
+    return files
+
+
 def disk_cache() -> Path | None:
     """``CUBINSTORE_DISK_CACHE``: a Bazel ``--disk_cache`` directory, or None."""
     return _path(DISK_CACHE)
@@ -296,6 +320,17 @@ def manifest() -> str | None:
 def allow_shared_store() -> bool:
     """``CUBINSTORE_ALLOW_SHARED_STORE``: write even where other users can write the store's directories."""
     return _bool(ALLOW_SHARED_STORE)
+
+
+_VERIFY_MODES = ("auto", "full")
+
+
+def verify_full() -> bool:
+    """``CUBINSTORE_VERIFY``: ``full`` keeps sha256 on every first load, even from a store this user owns."""
+    value = (_raw(VERIFY) or str(VERIFY.default)).lower()
+    if value not in _VERIFY_MODES:
+        raise BadArgumentError(f"{VERIFY.name}: expected one of {', '.join(_VERIFY_MODES)}, got {show(value)}")
+    return value == "full"
 
 
 def trust_policy() -> Path | None:

@@ -136,6 +136,9 @@ class VerifyReport:
     corrupt: list[tuple[Digest, str, Path | None]] = field(default_factory=list)  # digest, reason, quarantined to
     missing: list[Digest] = field(default_factory=list)
     strays: list[Path] = field(default_factory=list)
+    # Of the ok entries, their records (LocalStore.check_record): matching, written now, replaced
+    # (stale), or none kept (such entries load with sha256).
+    records: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("ok", "recorded", "re-recorded", "none"), 0))
 
     @property
     def failed(self) -> bool:
@@ -143,7 +146,8 @@ class VerifyReport:
 
 
 def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] | None = None) -> VerifyReport:
-    """Re-hash every entry (or just ``blobs``), quarantining corrupt ones."""
+    """Re-hash every entry (or just ``blobs``), quarantining corrupt ones; write the record of a
+    sound entry that lacks one or whose record is stale."""
     report = VerifyReport()
     if blobs is None:
         local.clean_temps()
@@ -166,4 +170,5 @@ def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] |
             _log.info("corrupt %s: %s; quarantined to %s", digest, exc, moved)  # the caller reports it
             continue
         report.ok += 1
+        report.records[local.check_record(digest, data)] += 1
     return report

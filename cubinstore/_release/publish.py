@@ -1,5 +1,7 @@
 """Publish a release to an HTTP CAS: upload a manifest's closure, read every blob back, then the
 manifest, then (for ``channel:NAME``) the release record, its signature and the channel pointer.
+To an OCI registry (``--to oci://HOST/REPO[:TAG]``) the same order holds, as one artifact
+(``_release.oci``).
 
 The order is the safety: a published manifest never references a missing blob, and a published
 pointer never names a missing signature or record. Each step reads back what it wrote, because a
@@ -40,6 +42,11 @@ class Published:
     channel: str | None = None
     pointer: Digest | None = None
     problems: list[str] = field(default_factory=list)
+    #: To a registry: the artifact's digest and tag, blobs uploaded and blobs it already had.
+    artifact: Digest | None = None
+    tag: str | None = None
+    uploaded: int | None = None
+    present: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -49,7 +56,12 @@ class Published:
 def publish_sources(ref: str, dirs: Sequence[str | Path], local: LocalStore) -> list[Layer]:
     """Where the blobs of ``ref`` are found: the local store, ``CUBINSTORE_DISK_CACHE``, the
     directories ``dirs`` (a build tree or a Bazel disk cache each), the build tree the manifest
-    path lies in, and ``./bazel-bin``."""
+    path lies in, and ``./bazel-bin``; a ``dirs`` entry that is a remote URL (``http://``,
+    ``oci://``) is read after them all."""
+    from cubinstore.store.remotes import remote_layer
+
+    remotes = [d for d in dirs if isinstance(d, str) and "://" in d]
+    dirs = [d for d in dirs if d not in remotes]
     sources: list[Layer] = [local]
     disk_cache = knobs.disk_cache()
     if disk_cache is not None:
@@ -66,20 +78,23 @@ def publish_sources(ref: str, dirs: Sequence[str | Path], local: LocalStore) -> 
         if not directory.is_dir():
             raise BadArgumentError(f"--from {directory}: not a directory")
         sources.append(DiskCacheStore(directory) if (directory / "cas").is_dir() else DirectorySource(directory))
+    sources.extend(remote_layer(url) for url in remotes)
     return sources
 
 
 def publish(ref: str, to: str, dirs: Sequence[str | Path] = (), *, local: LocalStore | None = None,
             jobs: int | None = None, progress: Progress | None = None) -> Published:
     """Publish the release ``ref`` (a manifest path, ``sha256:``, or ``channel:NAME``: the release
-    signed here last) to the HTTP CAS ``to``, from the sources `publish_sources` names.
+    signed here last) to the HTTP CAS ``to``, or as an artifact to the registry repository ``to``
+    (``oci://HOST[:PORT]/REPO[:TAG]``), from the sources `publish_sources` names.
 
     Raises for a bad URL or directory, or a manifest that cannot be read; a blob that fails to go
     up, or to read back, is one line of ``problems`` (and then the manifest is not uploaded).
     """
     from cubinstore.store.http import HttpStore
+    from cubinstore.store.oci.reference import is_oci_url
 
-    remote = HttpStore(to)
+    remote = None if is_oci_url(to) else HttpStore(to)
     local = local if local is not None else LocalStore(knobs.home())
     sources = Store(publish_sources(ref, dirs, local), backfill=False)
     jobs = knobs.fetch_jobs() if jobs is None else jobs
@@ -89,6 +104,20 @@ def publish(ref: str, to: str, dirs: Sequence[str | Path] = (), *, local: LocalS
         manifest = Manifest.from_digest(manifest_digest, sources)
     else:
         manifest = load_manifest(ref, sources)
+    if remote is None:
+        from cubinstore._release.oci import push_release
+
+        result = Published(manifest, to)
+        registry = push_release(result, manifest, sources, to, jobs=jobs, progress=progress)
+        if channel is not None and result.ok:
+            from cubinstore._release.oci import publish_channel
+
+            name, pointer, record = channel
+            result.channel, result.pointer = name, pointer
+            failure = publish_channel(registry, sources, name, pointer, record)
+            if failure:
+                result.problems.append(failure)
+        return result
     result = Published(manifest, remote.url)
     blobs = list(manifest.blobs)
 

@@ -1,4 +1,5 @@
-"""THE manifest-reference resolver: a path, ``sha256:<hex>``, ``channel:NAME``, a `Manifest` or a `Digest`.
+"""THE manifest-reference resolver: a path, ``sha256:<hex>``, ``channel:NAME``, a release artifact in
+an OCI registry (``oci://HOST/REPO@sha256:<hex>``), a `Manifest` or a `Digest`.
 
 ``cubinstore.open`` and every CLI command that takes a manifest resolve it here, so that a
 reference means the same thing wherever it is typed. (``Manifest.load`` sits below the store
@@ -20,10 +21,13 @@ if TYPE_CHECKING:
     from cubinstore.store import Store
     from cubinstore.trust.records import TrustPolicy
 
-__all__ = ["CHANNEL_PREFIX", "DIGEST_PREFIX", "build_trees", "is_path", "load_manifest", "with_build_trees"]
+__all__ = ["CHANNEL_PREFIX", "DIGEST_PREFIX", "OCI_PREFIXES", "build_trees", "is_path", "load_manifest", "with_build_trees"]
 
 DIGEST_PREFIX = "sha256:"
 CHANNEL_PREFIX = "channel:"
+# A registry reference (cubinstore.store.oci.reference.SCHEMES, spelled here so that resolving a
+# path never imports the store).
+OCI_PREFIXES = ("oci://", "oci+http://", "oci+https://", "oci-layout:")
 
 ManifestRef = str | os.PathLike[str] | Manifest | Digest
 
@@ -31,7 +35,7 @@ ManifestRef = str | os.PathLike[str] | Manifest | Digest
 def is_path(ref: object) -> bool:
     """Whether ``ref`` names a manifest file (not a digest, a channel or a `Manifest`)."""
     if isinstance(ref, str):
-        return not ref.startswith((DIGEST_PREFIX, CHANNEL_PREFIX))
+        return not ref.startswith((DIGEST_PREFIX, CHANNEL_PREFIX, *OCI_PREFIXES))
     return isinstance(ref, os.PathLike)
 
 
@@ -43,6 +47,10 @@ def load_manifest(ref: ManifestRef, store: Store | None = None, *,
     - a `Digest` or ``sha256:<hex>``: the blob fetched (verified) through ``store``;
     - ``channel:NAME``: the newest release of that channel signed by a key ``policy``
       (default ``CUBINSTORE_TRUST_POLICY``) allows, fetched through ``store``;
+    - ``oci://HOST[:PORT]/REPO@sha256:<hex>``: the release artifact of that digest (its config is
+      the manifest), every step verified; ``store`` then reaches that registry for the kernels
+      (``_release.oci.open_artifact``). ``:TAG`` instead of the digest resolves the tag and logs
+      the digest it named (a tag can move: pin the digest, or use a signed channel);
     - a path: the file, which must be a regular file (a FIFO or a device is refused at once,
       never read into a hang).
 
@@ -59,6 +67,10 @@ def load_manifest(ref: ManifestRef, store: Store | None = None, *,
 
         store = store if store is not None else _default_store()
         return Manifest.from_digest(resolve_channel(ref, store, policy), store)
+    if isinstance(ref, str) and ref.startswith(OCI_PREFIXES):
+        from cubinstore._release.oci import open_artifact
+
+        return open_artifact(ref, store if store is not None else _default_store())
     if isinstance(ref, (str, os.PathLike)):
         return Manifest.from_path(os.fspath(ref))  # non-blocking open, regular files only
     raise BadArgumentError(f"manifest: expected a path, a Manifest or 'sha256:<hex>', got {show(ref)}")
@@ -67,7 +79,7 @@ def load_manifest(ref: ManifestRef, store: Store | None = None, *,
 def build_trees(ref: str) -> list[Path]:
     """The build trees a manifest path lies in: a ``bazel-bin`` above it, or ``bazel-out/<config>/bin``
     (the same tree reached by its real path). A digest or a channel names none."""
-    if ref.startswith((DIGEST_PREFIX, CHANNEL_PREFIX)):
+    if ref.startswith((DIGEST_PREFIX, CHANNEL_PREFIX, *OCI_PREFIXES)):
         return []
     path = Path(os.path.abspath(ref))
     return [parent for parent in path.parents

@@ -63,7 +63,7 @@ def add_arguments(command: str, p: argparse.ArgumentParser) -> None:
         pub.set_defaults(func=_cmd_publish)
         f = ws.add_parser("prefetch", help="fetch only the kernels of MANIFEST the warm set names")
         f.add_argument("manifest", help=M_HELP)
-        f.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
+        f.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS or oci://HOST/REPO registry to fetch from (before CUBINSTORE_REMOTE)")
         f.set_defaults(func=_cmd_prefetch)
         ls = ws.add_parser("list", help="every warm-set record")
         ls.set_defaults(func=_cmd_list)

@@ -1,4 +1,5 @@
-"""The release commands: ``pack`` and ``unpack`` (a tar for offline hosts) and ``publish`` (to an HTTP CAS).
+"""The release commands: ``pack`` and ``unpack`` (a tar for offline hosts) and ``publish`` (to an HTTP CAS
+or, as one OCI artifact, to a registry).
 
 The logic is in ``_release.bundle`` and ``_release.publish``; this module parses and prints.
 """
@@ -64,6 +65,14 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     if not result.ok:
         return EXIT_FAILED
     manifest = result.manifest
+    if result.artifact is not None:
+        counts = f"{len(manifest.blobs)} blobs, {result.uploaded} uploaded, {result.present} already there"
+        channel = f" and channel {result.channel} ({result.pointer})" if result.channel is not None else ""
+        tag = f" tagged {result.tag}" if result.tag else ""
+        print(f"published {manifest.digest} ({counts}){channel} to {result.url}{tag} as artifact {result.artifact}")
+        # The pinned reference alone on the last line: what `cubinstore.open` and `prefetch` take.
+        print(f"{result.url}@{result.artifact}")
+        return EXIT_OK
     if result.channel is not None:
         print(f"published channel {result.channel} ({result.pointer}) with manifest {manifest.digest} "
               f"({len(manifest.blobs)} blobs) to {result.url}")
@@ -75,7 +84,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _args_pack(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     p.add_argument("manifest", help=M_HELP)
     p.add_argument("out", metavar="OUT.tar")
-    p.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch missing blobs from")
+    p.add_argument("--remote", action="append", metavar="URL",
+                   help="HTTP CAS or registry (oci://HOST/REPO) to fetch missing blobs from")
     return _cmd_pack
 
 
@@ -88,9 +98,11 @@ def _args_unpack(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], i
 
 def _args_publish(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     p.add_argument("manifest", help=M_HELP)
-    p.add_argument("--to", required=True, metavar="URL", help="HTTP CAS base URL (PUT <URL>/cas/<hex>)")
+    p.add_argument("--to", required=True, metavar="URL",
+                   help="HTTP CAS base URL (PUT <URL>/cas/<hex>), or a registry repository oci://HOST[:PORT]/REPO[:TAG]")
     p.add_argument("--from", dest="source", action="append", metavar="DIR",
-                   help="where to find blobs: a build tree (bazel-bin) or a Bazel disk cache (repeatable)")
+                   help="where to find blobs: a build tree (bazel-bin), a Bazel disk cache, or a remote URL "
+                        "(http://, oci://) (repeatable)")
     return _cmd_publish
 
 

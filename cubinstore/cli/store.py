@@ -107,6 +107,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"missing {digest}")
     for stray in report.strays:
         print(f"stray {stray} (ignored)")
+    r = report.records
+    print(f"records (xxh3-128, checked at first load instead of sha256): {r['ok']} ok, {r['recorded']} written, "
+          f"{r['re-recorded']} stale and rewritten, {r['none']} not kept"
+          + ("" if local.trusts_records() else " (this store's first loads use sha256: CUBINSTORE_VERIFY=full, "
+             "a shared store, or one that fails the ownership rule)"))
     print(f"verified {report.checked} entries in {local.root}: {report.ok} ok, {len(report.corrupt)} corrupt, {len(report.missing)} missing")
     if report.failed:
         err(f"verify: {len(report.corrupt)} corrupt and {len(report.missing)} missing entries in {local.root}")
@@ -169,7 +174,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _args_prefetch(p: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     p.add_argument("manifest", help=M_HELP)
-    p.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS to fetch from (before CUBINSTORE_REMOTE)")
+    p.add_argument("--remote", action="append", metavar="URL", help="HTTP CAS or oci://HOST/REPO registry to fetch from (before CUBINSTORE_REMOTE)")
     p.add_argument("--arch", action="append", metavar="ARCH", help="only kernels of this arch (repeatable, or comma-separated)")
     p.add_argument("--policy", metavar="FILE", help="trust policy for channel:NAME (default CUBINSTORE_TRUST_POLICY)")
     return _cmd_prefetch

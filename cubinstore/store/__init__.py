@@ -112,13 +112,20 @@ class Store:
             layers.append(DiskCacheStore(disk_cache))
         remotes = [*extra_remotes, *_env.remotes()]
         if remotes:
-            from cubinstore.store.http import HttpStore, redact
+            from cubinstore.store.http import redact
+            from cubinstore.store.remotes import remote_layer
         if _env.offline():
             if remotes:
                 _log.debug("CUBINSTORE_OFFLINE is set: not using remotes %s", ", ".join(map(redact, remotes)))
         else:
-            layers.extend(HttpStore(url) for url in dict.fromkeys(remotes))
+            layers.extend(remote_layer(url) for url in dict.fromkeys(remotes))
         return cls(layers, strict=strict)
+
+    def sharing_layers(self) -> Store:
+        """A new Store over the same layer objects (their caches and files shared), with counters and
+        a layer list of its own: a layer added to it (an OCI registry a release is opened from) is
+        not added to this one."""
+        return Store(self.layers, strict=self.strict, backfill=self.backfill)
 
     @property
     def local(self) -> LocalStore | None:
@@ -341,8 +348,13 @@ def default_store() -> Store:
     caller shares its memory layer and counters), built again when a variable that shapes it
     changes. The one definition: ``open``, ``Manifest.load``, ``Library``, ``jit`` and channels use it."""
     global _default
-    config = (_env.home(), _env.remotes(), _env.disk_cache(), _env.offline(), _env.memory_bytes())
+    config = (_env.home(), _env.remotes(), _env.disk_cache(), _env.offline(), _env.memory_bytes(), _env.verify_full())
     with _default_lock:
         if _default is None or _default[0] != config:
-            _default = (config, Store.from_env())
+            store = Store.from_env()
+            if store.local is not None:
+                # Decide now how first loads check (and import xxhash where they check records): a
+                # process's first kernel load then pays for neither.
+                store.local.trusts_records()
+            _default = (config, store)
         return _default[1]

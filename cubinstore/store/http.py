@@ -30,21 +30,21 @@ from cubinstore.store.layer import Layer, limit_for
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
 
-__all__ = ["HttpStore", "redact"]
+__all__ = ["RETRY_STATUS", "DeadlineResponse", "HttpStore", "NoResponse", "Transient", "describe_failure", "redact"]
 
 _log = get_logger(__name__)
 
-_RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _PUT_OK = frozenset({200, 201, 204})
 _CHUNK = 1 << 16
 _MAX_IDLE = 64  # idle keep-alive connections kept per remote (a prefetch runs up to CUBINSTORE_FETCH_JOBS at once)
 
 
-class _Transient(Exception):
+class Transient(Exception):
     """A failure worth retrying; the message says what happened."""
 
 
-class _NoResponse(_Transient):
+class NoResponse(Transient):
     """No HTTP response at all (timeout, refused, reset, deadline): what trips the circuit breaker."""
 
 
@@ -206,10 +206,10 @@ class HttpStore(Layer):
             attempts += 1
             try:
                 status, data = self._attempt(method, path, body, size, deadline, url, limit)
-            except _NoResponse as exc:
+            except NoResponse as exc:
                 last = str(exc)
                 _log.debug("%s %s attempt %d failed: %s", method, url, attempts, last)
-            except _Transient as exc:
+            except Transient as exc:
                 answered = True
                 last = str(exc)
                 _log.debug("%s %s attempt %d failed: %s", method, url, attempts, last)
@@ -219,7 +219,7 @@ class HttpStore(Layer):
                     return status, data
                 if method == "PUT" and status in _PUT_OK:
                     return status, None
-                if status not in _RETRY_STATUS:
+                if status not in RETRY_STATUS:
                     hint = "; does the server accept PUT (WebDAV)?" if method == "PUT" and status in (403, 405) else ""
                     raise RemoteUnavailableError(f"{method} {url}: HTTP {status}, not retried{hint}")
                 last = f"HTTP {status}"
@@ -270,13 +270,13 @@ class HttpStore(Layer):
         def remaining() -> float:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise _NoResponse(f"total deadline of {self.deadline:g}s passed")
+                raise NoResponse(f"total deadline of {self.deadline:g}s passed")
             return left
 
         conn, reused = self._connection(min(self.connect_timeout, remaining()))
         try:
             return self._exchange(conn, method, path, body, size, url, limit, remaining)
-        except _NoResponse:
+        except NoResponse:
             if not reused:
                 raise
         # The server may close an idle connection at any time (nginx's keepalive_timeout): a
@@ -291,7 +291,7 @@ class HttpStore(Layer):
         """One request on ``conn``; the connection is kept for the next one only after a clean, whole response."""
         # Every receive (status line, headers, body) waits at most the time left, so a server
         # that sends one byte a second cannot stretch the deadline; see _DeadlineReader.
-        conn.response_class = functools.partial(_DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
+        conn.response_class = functools.partial(DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
         got_response = False
         keep = False
         resp: http.client.HTTPResponse | None = None
@@ -300,10 +300,10 @@ class HttpStore(Layer):
                 try:
                     conn.connect()
                 except (OSError, http.client.HTTPException) as exc:
-                    raise _NoResponse(f"cannot connect: {_describe(exc)}") from exc
+                    raise NoResponse(f"cannot connect: {describe_failure(exc)}") from exc
             sock = conn.sock
             if not isinstance(sock, socket.socket):
-                raise _Transient("connection has no socket after connect")
+                raise Transient("connection has no socket after connect")
             try:
                 # sendall's timeout bounds the whole send, not each chunk.
                 sock.settimeout(min(self.read_timeout, remaining()))
@@ -321,7 +321,7 @@ class HttpStore(Layer):
                 keep = resp.isclosed() and not resp.will_close  # whole body read, server keeps the connection
                 return 200, data
             except (OSError, http.client.HTTPException) as exc:
-                raise (_Transient if got_response else _NoResponse)(_describe(exc)) from exc
+                raise (Transient if got_response else NoResponse)(describe_failure(exc)) from exc
         finally:
             if keep:
                 self._keep(conn)
@@ -339,7 +339,7 @@ class HttpStore(Layer):
             try:
                 length = int(declared)
             except ValueError:
-                raise _Transient(f"bad Content-Length {show(declared)}") from None
+                raise Transient(f"bad Content-Length {show(declared)}") from None
             if (size is not None and length != size) or length > limit:
                 raise IntegrityError(
                     f"GET {url}: server declares {length} bytes, expected "
@@ -353,7 +353,7 @@ class HttpStore(Layer):
                 chunk = resp.read(min(_CHUNK, limit + 1 - total))
             except http.client.IncompleteRead as exc:
                 got = total + len(exc.partial)
-                raise _Transient(f"truncated body: got {got} of {got + (exc.expected or 0)} bytes") from exc
+                raise Transient(f"truncated body: got {got} of {got + (exc.expected or 0)} bytes") from exc
             if not chunk:
                 break
             chunks.append(chunk)
@@ -361,7 +361,7 @@ class HttpStore(Layer):
         if total > limit:
             raise IntegrityError(f"GET {url}: body longer than the expected {limit} bytes; download stopped")
         if size is not None and total < size:
-            raise _Transient(f"truncated body: got {total} of {size} bytes")
+            raise Transient(f"truncated body: got {total} of {size} bytes")
         return b"".join(chunks)
 
 
@@ -392,7 +392,7 @@ class _DeadlineReader(io.RawIOBase):
         super().close()
 
 
-class _DeadlineResponse(http.client.HTTPResponse):
+class DeadlineResponse(http.client.HTTPResponse):
     def __init__(self, sock: socket.socket, *args: Any, remaining: Callable[[], float], read_timeout: float,
                  **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
@@ -400,7 +400,7 @@ class _DeadlineResponse(http.client.HTTPResponse):
         self.fp = io.BufferedReader(_DeadlineReader(sock, remaining, read_timeout), _CHUNK)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_failure(exc: BaseException) -> str:
     if isinstance(exc, socket.timeout):
         return "timed out"
     if isinstance(exc, http.client.RemoteDisconnected):

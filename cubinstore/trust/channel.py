@@ -1,7 +1,9 @@
 """Signed release channels, the I/O: ``channel:NAME`` resolves to a manifest digest someone trusted signed.
 
-A channel pointer (``<remote>/channels/<NAME>``, and ``v1/channels/<NAME>.json`` locally)
-names a signature blob; the pointer itself is untrusted. This module fetches the pointers and
+A channel pointer (``<remote>/channels/<NAME>``, the tag ``channel-<NAME>`` of an ``oci://``
+registry, and ``v1/channels/<NAME>.json`` locally) names a signature blob; the pointer itself
+is untrusted: a registry serving another tag, an old one or a forged manifest offers a
+candidate that ``trust.verify`` refuses exactly as it refuses a bad HTTP pointer. This module fetches the pointers and
 the documents they name, reads and writes the host's channel state, and takes its lock; what
 makes a release acceptable is decided in ``trust.verify``, without I/O. Accepting is one
 compare-and-set on ``v1/channels/<NAME>.json`` under its lock.
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from cubinstore.store import Store
     from cubinstore.store.http import HttpStore
     from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.oci.remote import OciStore
 
 __all__ = ["local_pointer", "read_state", "resolve_channel", "write_state"]
 
@@ -117,6 +120,8 @@ def _small_document(store: Store, digest: Digest, what: str) -> bytes:
     ``MAX_SMALL_BLOB`` bytes from any layer, and stored nowhere (``_remember`` stores what is accepted)."""
     from cubinstore.store.http import HttpStore
     from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.oci.layout import OciLayout
+    from cubinstore.store.oci.remote import OciStore
 
     outcomes: list[str] = []
     # Kinds only, never the exceptions: a traceback would keep a refused download's socket open.
@@ -128,6 +133,8 @@ def _small_document(store: Store, digest: Digest, what: str) -> bytes:
                 data = layer.read_entry(digest, MAX_SMALL_BLOB)
             elif isinstance(layer, HttpStore):
                 data = layer.get_named(f"cas/{digest.hex}", MAX_SMALL_BLOB)  # the blob's URL, capped
+            elif isinstance(layer, (OciStore, OciLayout)):
+                data = layer.read_capped(digest, MAX_SMALL_BLOB)
             else:  # in-process memory, a build tree: nothing is downloaded
                 data = layer.read(digest, None)
         except NotRegularFile as exc:
@@ -180,6 +187,29 @@ def _pointer_at(remote: HttpStore, channel: str) -> Digest | None:
         raise TrustError(f"{where} is malformed: {exc}") from None
 
 
+def _registry_pointer(registry: OciStore, channel: str) -> tuple[Digest, str] | None:
+    """The signature the registry's tag ``channel-NAME`` names: the config of a channel artifact
+    (``store.oci.artifact``), read at most ``MAX_ARTIFACT_BYTES``. Only its shape is checked here;
+    whether it is acceptable is the signature's business, as for an HTTP pointer."""
+    from cubinstore.store.oci.artifact import CHANNEL_ARTIFACT, SIGNATURE_MEDIA_TYPE, channel_tag, parse_artifact
+
+    tag = channel_tag(channel)
+    where = f"channel pointer {registry.url}:{tag}"
+    try:
+        found = registry.get_manifest(tag)
+    except IntegrityError as exc:
+        raise TrustError(f"{where}: {exc}") from None
+    if found is None:
+        return None
+    digest, raw = found
+    try:
+        artifact = parse_artifact(raw, digest, registry.url, artifact_type=CHANNEL_ARTIFACT,
+                                  config_type=SIGNATURE_MEDIA_TYPE)
+    except IntegrityError as exc:
+        raise TrustError(f"{where} is malformed: {exc}") from None
+    return artifact.config.digest, f"{registry.url}:{tag}"
+
+
 def _remember(local: LocalStore, channel: str, best: Candidate, policy: TrustPolicy) -> None:
     """Accept ``best``: one compare-and-set on the channel's state, under its lock.
 
@@ -214,6 +244,7 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
     """
     from cubinstore.store import default_store as _default_store
     from cubinstore.store.http import HttpStore
+    from cubinstore.store.oci.remote import OciStore
 
     channel = channel_name(name[len(CHANNEL_PREFIX):] if name.startswith(CHANNEL_PREFIX) else name)
     if policy is None:
@@ -238,6 +269,14 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
                 continue
             if pointer is not None:
                 pointers.append((pointer, f"{layer.url}/channels/{channel}"))
+        elif isinstance(layer, OciStore):
+            try:
+                offered = _registry_pointer(layer, channel)
+            except CubinstoreError as exc:
+                problems.append(exc)
+                continue
+            if offered is not None:
+                pointers.append(offered)
     state = read_state(local, channel) if local is not None else None
     floor = state.floor(policy) if state is not None else None
     if state is not None and (ignored := state.ignored(policy)):

@@ -6,6 +6,7 @@ it at another path builds from the first one's disk cache without running an act
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,3 +136,30 @@ def test_a_local_header_folder_through_the_extension(bazel7_tools: Bazel7Tools, 
         assert (root / "bazel-bin" / "vendored" / "vendored_v1_sm_90a.cubin").read_bytes()[:4] == b"\x7fELF"
     finally:
         ws.shutdown()
+
+
+def test_the_consumer_alone_outside_any_checkout_builds_from_the_cache(
+        built: Built, bazel7_tools: Bazel7Tools, bazel_tools: Tools,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # What a team does: its own repository holds only its workspace (no cubinstore around it);
+    # cubinstore comes from wherever the team keeps it (a registry; here a checkout elsewhere,
+    # named by --override_module, which replaces the example's local_path_override).
+    base = tmp_path_factory.mktemp("consumer-alone")
+    vendor = copy_workspace(base / "vendor" / "cubinstore", venv=bazel_tools.venv)
+    app = base / "team" / "kernels"
+    shutil.copytree(vendor / CONSUMER, app, symlinks=True)
+    assert not (app.parent / "tools").exists() and not (app / ".." / ".." / "MODULE.bazel").exists()
+    # Its one-line .bazelrc names where cubinstore lives (README step 2), as does the offline
+    # registry line this host needs; nothing of cubinstore is copied into the team's tree.
+    (app / ".bazelrc").write_text(f"import {vendor}/tools/cubinstore.bazelrc\n"
+                                  f"common:bazel7 --registry=file://{vendor}/third_party/registry\n")
+    ws = Workspace(root=app, output_base=base / "output_base", bazel=bazel7_tools.bazel, bzlmod=True)
+    try:
+        result = ws.build(("//:manifest",), disk_cache=built.disk_cache,
+                          flags=(f"--override_module=cubinstore={vendor}",))
+        manifest = (app / "bazel-bin" / "manifest.json").read_bytes()
+    finally:
+        ws.shutdown()
+    assert set(result.by_label()) == set(built.result.by_label())
+    assert result.misses() == set(), f"recompiled outside the checkout (log: {result.log})"
+    assert manifest == built.manifest_bytes

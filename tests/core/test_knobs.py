@@ -64,6 +64,8 @@ def test_the_accessors_read_their_descriptors(monkeypatch: pytest.MonkeyPatch, t
     # Set every variable to a value unlike its default; unsetting one must change exactly one
     # accessor: the one that reads it.
     def sample(var: knobs.Variable) -> tuple[str, object]:
+        if var is knobs.VERIFY:  # a choice of two words, read as "is it full"
+            return ("full", True)
         return {"path": (str(tmp_path), tmp_path), "URLs": ("http://a, http://b", ("http://a", "http://b")),
                 "bool": ("off" if var.default else "on", not var.default), "seconds": ("2.5", 2.5), "int": ("7", 7),
                 "str": ("x", "x")}[var.type]

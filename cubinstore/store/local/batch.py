@@ -25,6 +25,7 @@ from typing import BinaryIO
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore.errors import StoreError
+from cubinstore.store.local.record import Recorder
 from cubinstore.store.local.root import StoreRoot, fsync_fd, new_temp, sync_filesystem, unlink_quiet, write_temp_at
 
 __all__ = ["GROUP_MAX", "GROUP_SECONDS", "Batch"]
@@ -159,13 +160,14 @@ class Batch:
 
     # -- grouped CAS writes -------------------------------------------------------------------
 
-    def stage(self, digest: Digest, data: bytes) -> None:
-        """Write a CAS entry to a temp file beside its final path, renamed when its group commits."""
+    def stage(self, digest: Digest, data: bytes, record: bytes | None = None) -> None:
+        """Write a CAS entry (and its ``record``) to a temp file beside its final path, renamed when its
+        group commits."""
         hex_ = digest.hex
         shard = hex_[:2]
         with self._fs.dir("v1", "cas", shard, create=True) as fd:
             assert fd is not None
-            tmp = self._write_temp(fd, hex_, self._cas_dir / shard, data)
+            tmp = self._write_temp(fd, hex_, self._cas_dir / shard, data, record=record)
         with self._lock:
             now = time.monotonic()
             if not self._group:
@@ -271,7 +273,8 @@ class Batch:
             assert fd is not None
             tmp_fd, name = new_temp(fd, "blob", self._v1 / "staging" / shard)
         os.fchmod(tmp_fd, 0o644)  # the final mode of a CAS entry: it is renamed as is
-        return os.fdopen(tmp_fd, "wb"), name
+        # Hashes what the caller streams and attaches the entry's record when closed (record.py).
+        return Recorder(os.fdopen(tmp_fd, "wb"), digest.hex), name  # type: ignore[return-value]
 
     def commit_staged(self, name: str, digest: Digest) -> None:
         """Rename a staged temp file (verified by the caller) to its CAS entry."""

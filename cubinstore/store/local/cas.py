@@ -30,16 +30,21 @@ from cubinstore.store.local.fill import FillLocks
 from cubinstore.store.local.lock import RANGE_LOCKS, Clock, file_lock, remove_if_unheld
 from cubinstore.store.local.stats import FLUSH_EVENTS, STAT_KEYS, Counters
 from cubinstore._core.log import get_logger
+from cubinstore.store.local import record as _record
 from cubinstore.store.local.root import (
     _DIR_FLAGS,
+    READ_FLAGS,
     TEMP_PREFIX,
     NotRegularFile,
     StoreRoot,
     atomic_file_at,
     atomic_write_at,
+    owned_entry,
     read_at,
     read_below,
+    read_entry_at,
     sync_filesystem,
+    unsafe_reasons,
     write_temp_at,
 )
 from cubinstore.errors import CubinstoreError, StoreError
@@ -48,6 +53,10 @@ from cubinstore.errors import CubinstoreError, StoreError
 __all__ = ["GROUP_MAX", "GROUP_SECONDS", "STAT_KEYS", "Entry", "LocalStore"]
 
 _log = get_logger(__name__)
+
+# What read_verified checked, per process: by record, by sha256, records written for entries
+# that had none, and stale records replaced (tests and the runtime benchmark count them).
+CHECK_KEYS = ("xxh3", "sha256", "recorded", "stale records")
 
 _HEX_RE = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _SHARD_RE = re.compile(r"[0-9a-f]{2}", re.ASCII)
@@ -106,6 +115,11 @@ class LocalStore(Counters, Layer):
         self._shards_read: set[str] = set()  # shards hit once, through an open and close of the directory
         self._shards_lock = threading.Lock()
         self._cas_text = str(self.cas_dir)  # names entries in messages: no Path joins per hit
+        # Whether first loads may check records (trusts_records; None: not decided yet), each shard
+        # directory's ownership (as it was opened), and what this process's first loads checked.
+        self._trusts: bool | None = None
+        self._shard_owned: dict[str, bool] = {}
+        self.checks = dict.fromkeys(CHECK_KEYS, 0)
         weakref.finalize(self, _close_all, self._shards)
         # Batches, grouped writes and staging (batch.py), and the fill locks (fill.py), which may
         # hand a lock to the batch.
@@ -130,13 +144,14 @@ class LocalStore(Counters, Layer):
                 return None
             return read_at(fd, name, limit, path=self.v1.joinpath(*parts, name), touch=touch)
 
-    def write_file(self, parts: tuple[str, ...], name: str, data: bytes, *, durable: bool = True) -> None:
-        """Atomically replace ``v1/<parts>/<name>`` with ``data``."""
+    def write_file(self, parts: tuple[str, ...], name: str, data: bytes, *, durable: bool = True,
+                   record: bytes | None = None) -> None:
+        """Atomically replace ``v1/<parts>/<name>`` with ``data`` (and a CAS entry's ``record``)."""
         deferred, lazy = self._batch.note_write(parts, durable)
         with self._fs.dir("v1", *parts, create=True) as fd:
             assert fd is not None  # create=True never yields None
             atomic_write_at(fd, name, self.v1.joinpath(*parts), data, durable=durable and not lazy,
-                            sync_dir=not deferred)
+                            sync_dir=not deferred, record=record)
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -259,14 +274,19 @@ class LocalStore(Counters, Layer):
         return data
 
     def read_verified(self, digest: Digest, size: int) -> bytes | None:
-        """The entry's bytes if it is a regular file of exactly ``size`` bytes that hashes to ``digest``, else None.
+        """The entry's bytes if it is a regular file of exactly ``size`` bytes that checks out, else None.
+
+        The check: where this store passes the ownership rule (``trusts_records``) and the entry is
+        this user's (or root's) and not writable by others, its record (``record.py``: xxh3-128 and
+        the sha256 it was verified against when written) must match; else, or without a record,
+        sha256. An entry of ours that passes sha256 without a matching record gets one.
 
         The hit path (``Store.get``, ``pack``): one open below the shard's held descriptor that
         follows no link (a shard's first hit opens and closes its directory too, see ``__init__``),
-        one fstat, one read of at most ``size + 1`` bytes (``read_at``, with gc's mtime bump at
-        most hourly), one sha256. Raises nothing and changes nothing else: a None
-        (a miss, a link, bad bytes, an I/O error) is the caller's to resolve through the layered
-        ``Store.get``, which words the error, quarantines bad bytes and fetches. Not counted.
+        one fstat, one read of at most ``size + 1`` bytes (with gc's mtime bump at most hourly),
+        one getxattr, one hash. Raises nothing and changes nothing else: a None (a miss, a link,
+        bad bytes, an I/O error) is the caller's to resolve through the layered ``Store.get``,
+        which words the error, quarantines bad bytes and fetches.
         """
         hex_ = digest.hex
         name = hex_[:2]
@@ -278,18 +298,100 @@ class LocalStore(Counters, Layer):
         path = f"{self._cas_text}/{name}/{hex_}"
         try:
             if shard is not None:
-                data = read_at(shard, hex_, size, path=path, touch=True)
+                got = read_entry_at(shard, hex_, size, path=path)
             else:  # its first hit: open and close the shard (see __init__)
                 self._shards_read.add(name)
-                cas = self._fs.held_dir("v1", "cas")
-                if cas is None:
-                    return None
-                data = read_below(cas, name, hex_, size, path=path, touch=True)
+                got = self._read_first(name, hex_, size, path)
         except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
             return None
-        if data is None or len(data) != size or hashlib.sha256(data).hexdigest() != hex_:
+        if got is None:
             return None
+        data, st, record = got
+        if len(data) != size:
+            return None
+        trusts = self._trusts
+        trusted = (trusts if trusts is not None else self.trusts_records()) and \
+            self._shard_owned.get(name, False) and owned_entry(st)
+        if trusted and record is not None and _record.matches(record, hex_, data):
+            self.checks["xxh3"] += 1
+            return data
+        if hashlib.sha256(data).hexdigest() != hex_:
+            return None
+        self.checks["sha256"] += 1
+        if trusted:  # ours, verified, its record missing or stale: record it for the next first load
+            self._record(name, hex_, st, data, stale=record is not None)
         return data
+
+    def trusts_records(self) -> bool:
+        """Whether a first load may check an entry's record instead of sha256: ``CUBINSTORE_VERIFY`` is
+        not ``full``, the store was not declared shared, xxhash is installed, and the root, ``v1`` and
+        ``v1/cas`` pass the ownership rule (decided once per store object)."""
+        if self._trusts is None:
+            self._trusts = (not _env.verify_full() and not self._fs.allow_shared and _record.xxh3_128() is not None
+                            and self._fs.owned("v1", "cas"))
+        return self._trusts
+
+    def _read_first(self, name: str, hex_: str, size: int, path: str) -> tuple[bytes, os.stat_result, bytes | None] | None:
+        """``read_entry_at`` through a shard directory opened for this read (its ownership noted once)."""
+        cas = self._fs.held_dir("v1", "cas")
+        if cas is None:
+            return None
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=cas)
+        except OSError:  # absent, or a link (Store.get's layered read logs that)
+            return None
+        try:
+            if name not in self._shard_owned:
+                self._shard_owned[name] = not unsafe_reasons(os.fstat(fd))
+            return read_entry_at(fd, hex_, size, path=path)
+        finally:
+            os.close(fd)
+
+    def check_record(self, digest: Digest, data: bytes) -> str:
+        """For ``verify``, once ``data`` (the entry's bytes) verified by sha256: ``"ok"`` (its record
+        matches), ``"recorded"`` / ``"re-recorded"`` (a missing / stale record written now), or
+        ``"none"`` (no record can be kept: a store that fails the ownership rule, no xattrs, no xxhash)."""
+        hex_ = digest.hex
+        try:
+            with self._fs.dir("v1", "cas", hex_[:2]) as shard:
+                if shard is None:
+                    return "none"
+                fd = os.open(hex_, READ_FLAGS, dir_fd=shard)
+                try:
+                    st = os.fstat(fd)
+                    record = _record.read(fd)
+                    if record is not None and _record.matches(record, hex_, data):
+                        return "ok"
+                    if st.st_size != len(data) or not (self.trusts_records() and owned_entry(st)) or \
+                            not _record.write(fd, _record.make(hex_, data)):
+                        return "none"
+                    return "recorded" if record is None else "re-recorded"
+                finally:
+                    os.close(fd)
+        except (OSError, StoreError, NotRegularFile):
+            return "none"
+
+    def _record(self, name: str, hex_: str, st: os.stat_result, data: bytes, *, stale: bool) -> None:
+        """Attach the record of ``data`` (just verified by sha256) to the entry it was read from, if
+        that file is still the one read (same inode): best effort, the next load just hashes again."""
+        value = _record.make(hex_, data)
+        try:
+            with self._fs.dir("v1", "cas", name) as shard:
+                if shard is None:
+                    return
+                fd = os.open(hex_, READ_FLAGS, dir_fd=shard)
+                try:
+                    now = os.fstat(fd)
+                    if (now.st_ino, now.st_dev, now.st_size) == (st.st_ino, st.st_dev, st.st_size) and \
+                            _record.write(fd, value):
+                        self.checks["stale records" if stale else "recorded"] += 1
+                        if stale:
+                            _log.warning("%s/%s/%s: its record did not match its bytes, which verify by sha256; "
+                                         "recorded again", self._cas_text, name, hex_)
+                finally:
+                    os.close(fd)
+        except (OSError, StoreError, NotRegularFile) as exc:
+            _log.debug("cannot record %s/%s/%s: %s", self._cas_text, name, hex_, exc)
 
     def _hold_shard(self, name: str, *, stale: int | None = None) -> int | None:
         """The held descriptor of ``cas/<name>``, opened below the held ``cas`` without following a link;
@@ -306,6 +408,7 @@ class LocalStore(Counters, Layer):
             fd = os.open(name, _DIR_FLAGS, dir_fd=cas)
         except OSError:
             return None
+        self._shard_owned[name] = not unsafe_reasons(os.fstat(fd))
         with self._shards_lock:
             held = self._shards.get(name)
             if held is None or (held == stale and not os.path.samestat(os.fstat(fd), os.fstat(held))):
@@ -336,10 +439,11 @@ class LocalStore(Counters, Layer):
 
     def write_verified(self, digest: Digest, data: bytes) -> None:
         """``write`` for the immutable ``bytes`` the Store hashed a moment ago: once per blob is enough."""
+        record = _record.make(digest.hex, data)  # written with the entry: both appear at its rename
         if self._batch.grouped:
-            self._batch.stage(digest, data)
+            self._batch.stage(digest, data, record)
             return
-        self.write_file(("cas", digest.hex[:2]), digest.hex, data)
+        self.write_file(("cas", digest.hex[:2]), digest.hex, data, record=record)
         _log.debug("stored %s (%d bytes) in %s", digest, len(data), self.root)
 
     def discard(self, digest: Digest, size: int | None, reason: str) -> None:

@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 from cubinstore._core.log import get_logger
 from cubinstore.errors import StoreError, UnsafeStoreError
+from cubinstore.store.local import record as _record
 
 __all__ = ["DIR_MODE", "StoreRoot", "atomic_file_at", "atomic_write_at", "fsync_fd", "read_at", "read_below"]
 
@@ -239,19 +240,56 @@ class StoreRoot:
     def _check(self, fd: int, path: Path) -> None:
         if self.allow_shared:
             return
-        st = os.fstat(fd)
-        problems = []
-        if st.st_mode & 0o022:
-            problems.append(f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} "
-                            f"(mode {stat.S_IMODE(st.st_mode):#o})")
-        if hasattr(os, "geteuid") and st.st_uid not in (os.geteuid(), 0):
-            problems.append(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+        problems = unsafe_reasons(os.fstat(fd))
         if problems:
             raise UnsafeStoreError(
                 f"refusing to write to the store at {self.root}: {path} is {' and '.join(problems)}, so another "
                 f"local user could replace or delete its entries; run `chmod go-w {path}` (and chown it), or set "
                 "CUBINSTORE_ALLOW_SHARED_STORE=1 if everyone who can write it is trusted"
             )
+
+    def owned(self, *parts: str) -> bool:
+        """Whether the root and each directory down to ``root/parts...`` pass the ownership rule
+        (``unsafe_reasons``) and exist; never raises for a store that does not (a foreign or shared one)."""
+        fd = None
+        try:
+            fd = os.open(self.root, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
+            if unsafe_reasons(os.fstat(fd)):
+                return False
+            for part in parts:
+                parent, fd = fd, None
+                try:
+                    fd = os.open(part, _DIR_FLAGS, dir_fd=parent)
+                finally:
+                    os.close(parent)
+                if unsafe_reasons(os.fstat(fd)):
+                    return False
+            return True
+        except OSError:
+            return False
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+_geteuid = getattr(os, "geteuid", None)  # None on Windows: no owners to check
+
+
+def unsafe_reasons(st: os.stat_result) -> list[str]:
+    """The ownership rule, for a directory or an entry: why another local user could change it
+    (writable by group or others, owned by someone other than this user or root); [] if none could."""
+    problems = []
+    if st.st_mode & 0o022:
+        problems.append(f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} "
+                        f"(mode {stat.S_IMODE(st.st_mode):#o})")
+    if _geteuid is not None and st.st_uid not in (_geteuid(), 0):
+        problems.append(f"owned by uid {st.st_uid}, not {_geteuid()}")
+    return problems
+
+
+def owned_entry(st: os.stat_result) -> bool:
+    """``unsafe_reasons(st) == []`` for the hit path: two compares, no list."""
+    return not st.st_mode & 0o022 and (_geteuid is None or st.st_uid == 0 or st.st_uid == _geteuid())
 
 
 def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
@@ -295,10 +333,37 @@ def read_at(dir_fd: int | None, name: str, limit: int, *, path: Path | str, touc
         os.close(fd)
 
 
-def read_fd(fd: int, limit: int, *, path: Path | str, touch: bool = False) -> bytes:
-    """Read at most ``limit + 1`` bytes from the open regular file ``fd`` (``NotRegularFile`` otherwise)."""
+def read_entry_at(dir_fd: int, name: str, limit: int, *, path: str) -> tuple[bytes, os.stat_result, bytes | None] | None:
+    """``read_at`` of a CAS entry with ``touch``, plus the file's stat and its record (``record.py``),
+    all from the one open file; None if absent."""
+    try:
+        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+            raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
+        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
     try:
         st = os.fstat(fd)
+        data = read_fd(fd, limit, path=path, touch=True, st=st)
+        try:
+            record = _record.read(fd)
+        except OSError:
+            record = None  # unreadable: treated as absent (sha256 decides)
+        return data, st, record
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def read_fd(fd: int, limit: int, *, path: Path | str, touch: bool = False, st: os.stat_result | None = None) -> bytes:
+    """Read at most ``limit + 1`` bytes from the open regular file ``fd`` (``NotRegularFile`` otherwise);
+    ``st``: its fstat, if the caller has it."""
+    try:
+        if st is None:
+            st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(f"{path} is not a regular file")
         chunks: list[bytes] = []
@@ -389,10 +454,11 @@ def new_temp(dir_fd: int, name: str, directory: Path) -> tuple[int, str]:
 
 @contextmanager
 def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644,
-                   durable: bool = True, sync_dir: bool = True) -> Iterator[BinaryIO]:
+                   durable: bool = True, sync_dir: bool = True, record: bytes | None = None) -> Iterator[BinaryIO]:
     """Stream into a temp file in ``dir_fd``; on a clean exit fsync it and rename it to ``name``.
 
-    ``sync_dir=False``: the caller fsyncs the directory later (once for many renames).
+    ``sync_dir=False``: the caller fsyncs the directory later (once for many renames). ``record``
+    (a CAS entry's, ``record.py``) is attached to the temp file before the fsync and the rename.
 
     Any exception removes the temp file; an ``OSError`` becomes a ``StoreError`` naming the path
     (an old file at ``name`` is unchanged).
@@ -403,6 +469,7 @@ def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
+            _record.write(f.fileno(), record)
             if durable:
                 os.fsync(f.fileno())
             os.fchmod(f.fileno(), mode)
@@ -416,8 +483,10 @@ def atomic_file_at(dir_fd: int, name: str, directory: Path, *, mode: int = 0o644
         fsync_fd(dir_fd, directory)
 
 
-def write_temp_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644) -> str:
-    """A new temp file beside ``name`` in ``dir_fd`` holding ``data``, neither synced nor renamed: its name.
+def write_temp_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644,
+                  record: bytes | None = None) -> str:
+    """A new temp file beside ``name`` in ``dir_fd`` holding ``data`` (and ``record``), neither synced
+    nor renamed: its name.
 
     For writes made durable together and renamed later (``LocalStore.batch(grouped=True)``).
     """
@@ -425,6 +494,8 @@ def write_temp_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            _record.write(f.fileno(), record)
             os.fchmod(f.fileno(), mode)
     except BaseException as exc:
         unlink_quiet(dir_fd, tmp, directory / tmp)
@@ -435,7 +506,8 @@ def write_temp_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode:
 
 
 def atomic_write_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode: int = 0o644,
-                    durable: bool = True, sync_dir: bool = True) -> None:
+                    durable: bool = True, sync_dir: bool = True, record: bytes | None = None) -> None:
     """``atomic_file_at`` for bytes already in memory."""
-    with atomic_file_at(dir_fd, name, directory, mode=mode, durable=durable, sync_dir=sync_dir) as f:
+    with atomic_file_at(dir_fd, name, directory, mode=mode, durable=durable, sync_dir=sync_dir,
+                        record=record) as f:
         f.write(data)
