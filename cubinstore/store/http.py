@@ -30,10 +30,11 @@ from cubinstore.store.layer import Layer, limit_for
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
 
-__all__ = ["RETRY_STATUS", "DeadlineResponse", "HttpStore", "NoResponse", "Transient", "describe_failure", "redact"]
+__all__ = ["RETRY_STATUS", "HttpStore", "NoResponse", "Transient", "redact"]
 
 _log = get_logger(__name__)
 
+_MAX_ERROR_BODY = 4096  # bytes of a non-200 answer read, for its message
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _PUT_OK = frozenset({200, 201, 204})
 _CHUNK = 1 << 16
@@ -288,10 +289,23 @@ class HttpStore(Layer):
         self, conn: http.client.HTTPConnection, method: str, path: str, body: bytes | None, size: int | None,
         url: str, limit: int | None, remaining: Callable[[], float],
     ) -> tuple[int, bytes | None]:
-        """One request on ``conn``; the connection is kept for the next one only after a clean, whole response."""
+        """One request on ``conn``: the status, and the verified-size body of a GET that answered 200."""
+        headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        status, _, data = self._request(conn, method, path, headers, body, size, url, limit, remaining)
+        return status, (data if method == "GET" and status == 200 else None)
+
+    def _request(
+        self, conn: http.client.HTTPConnection, method: str, target: str, headers: dict[str, str],
+        body: bytes | None, size: int | None, url: str, limit: int | None, remaining: Callable[[], float],
+        *, pooled: bool = True,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One request on ``conn`` (this store's headers, then ``headers``): the status, the response's
+        headers (names in lower case, a repeated name's first value) and its body: a GET's 200 read
+        within ``size``/``limit``, anything else at most 4 KiB (a short error page; none for HEAD).
+        The connection is kept for the next request only when ``pooled`` and after a clean, whole response."""
         # Every receive (status line, headers, body) waits at most the time left, so a server
         # that sends one byte a second cannot stretch the deadline; see _DeadlineReader.
-        conn.response_class = functools.partial(DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
+        conn.response_class = functools.partial(_DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
         got_response = False
         keep = False
         resp: http.client.HTTPResponse | None = None
@@ -300,28 +314,25 @@ class HttpStore(Layer):
                 try:
                     conn.connect()
                 except (OSError, http.client.HTTPException) as exc:
-                    raise NoResponse(f"cannot connect: {describe_failure(exc)}") from exc
+                    raise NoResponse(f"cannot connect: {_describe(exc)}") from exc
             sock = conn.sock
             if not isinstance(sock, socket.socket):
                 raise Transient("connection has no socket after connect")
             try:
                 # sendall's timeout bounds the whole send, not each chunk.
                 sock.settimeout(min(self.read_timeout, remaining()))
-                headers = dict(self._headers)
-                if body is not None:
-                    headers["Content-Type"] = "application/octet-stream"
-                conn.request(method, path, body=body, headers=headers)
+                conn.request(method, target, body=body, headers={**self._headers, **headers})
                 resp = conn.getresponse()
                 got_response = True
-                if method != "GET" or resp.status != 200:
-                    resp.read(4096)  # a short error page; never an unbounded read
-                    keep = resp.isclosed() and not resp.will_close
-                    return resp.status, None
-                data = self._read_body(resp, size, url, limit)
-                keep = resp.isclosed() and not resp.will_close  # whole body read, server keeps the connection
-                return 200, data
+                found = {k.lower(): v for k, v in reversed(resp.getheaders())}  # the first of repeated names
+                if method == "GET" and resp.status == 200:
+                    data = self._read_body(resp, size, url, limit)
+                else:
+                    data = resp.read(_MAX_ERROR_BODY) if method != "HEAD" else b""  # never an unbounded read
+                keep = pooled and resp.isclosed() and not resp.will_close  # whole body read, server keeps it
+                return resp.status, found, data
             except (OSError, http.client.HTTPException) as exc:
-                raise (Transient if got_response else NoResponse)(describe_failure(exc)) from exc
+                raise (Transient if got_response else NoResponse)(_describe(exc)) from exc
         finally:
             if keep:
                 self._keep(conn)
@@ -392,7 +403,7 @@ class _DeadlineReader(io.RawIOBase):
         super().close()
 
 
-class DeadlineResponse(http.client.HTTPResponse):
+class _DeadlineResponse(http.client.HTTPResponse):
     def __init__(self, sock: socket.socket, *args: Any, remaining: Callable[[], float], read_timeout: float,
                  **kwargs: Any) -> None:
         super().__init__(sock, *args, **kwargs)
@@ -400,7 +411,7 @@ class DeadlineResponse(http.client.HTTPResponse):
         self.fp = io.BufferedReader(_DeadlineReader(sock, remaining, read_timeout), _CHUNK)
 
 
-def describe_failure(exc: BaseException) -> str:
+def _describe(exc: BaseException) -> str:
     if isinstance(exc, socket.timeout):
         return "timed out"
     if isinstance(exc, http.client.RemoteDisconnected):

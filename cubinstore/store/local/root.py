@@ -313,20 +313,28 @@ def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path | str
         os.close(fd)
 
 
-def read_at(dir_fd: int | None, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
-    """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd`` (None: a plain path); None if absent.
-
-    A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock)
-    when it is ``TOUCH_AFTER`` seconds old or more.
-    """
+def _open_file(dir_fd: int | None, name: str, path: Path | str) -> int | None:
+    """``name`` in ``dir_fd`` opened for reading without following a link; None if absent.
+    A symlink (or a path below a non-directory) raises ``NotRegularFile``, another failure ``StoreError``."""
     try:
-        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
+        return os.open(name, READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
             raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
         raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
+
+
+def read_at(dir_fd: int | None, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:
+    """At most ``limit + 1`` bytes of the regular file ``name`` in ``dir_fd`` (None: a plain path); None if absent.
+
+    A symlink or non-regular file raises ``NotRegularFile``; ``touch`` bumps mtime (gc's LRU clock)
+    when it is ``TOUCH_AFTER`` seconds old or more.
+    """
+    fd = _open_file(dir_fd, name, path)
+    if fd is None:
+        return None
     try:
         return read_fd(fd, limit, path=path, touch=touch)
     finally:
@@ -336,14 +344,9 @@ def read_at(dir_fd: int | None, name: str, limit: int, *, path: Path | str, touc
 def read_entry_at(dir_fd: int, name: str, limit: int, *, path: str) -> tuple[bytes, os.stat_result, bytes | None] | None:
     """``read_at`` of a CAS entry with ``touch``, plus the file's stat and its record (``record.py``),
     all from the one open file; None if absent."""
-    try:
-        fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
+    fd = _open_file(dir_fd, name, path)
+    if fd is None:
         return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
-            raise NotRegularFile(f"{path} is a symlink or below a non-directory") from exc
-        raise StoreError(f"cannot open {path}: {exc.strerror or exc}") from exc
     try:
         st = os.fstat(fd)
         data = read_fd(fd, limit, path=path, touch=True, st=st)

@@ -16,11 +16,9 @@ loop, never to plain HTTP off loopback, and never with the ``Authorization`` hea
 from __future__ import annotations
 
 import email.utils
-import functools
 import http.client
 import json
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +29,7 @@ from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore.errors import IntegrityError, RemoteUnavailableError
-from cubinstore.store.http import RETRY_STATUS, HttpStore, DeadlineResponse, describe_failure, NoResponse, Transient
+from cubinstore.store.http import RETRY_STATUS, HttpStore, NoResponse, Transient
 from cubinstore.store.oci.auth import Credentials, find_credentials, parse_challenge, realm_allowed
 from cubinstore.store.oci.reference import RegistryRef, is_loopback
 
@@ -41,7 +39,6 @@ _log = get_logger(__name__)
 
 MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_MAX_ERROR_BODY = 4096
 _MAX_TOKEN_RESPONSE = 64 * 1024
 _MAX_AUTH_ROUNDS = 2  # per request: a challenge, then one more if the token expired meanwhile
 
@@ -207,41 +204,11 @@ class RegistryClient(HttpStore):
     def _exchange_full(self, conn: http.client.HTTPConnection, method: str, target: str, headers: dict[str, str],
                        body: bytes | None, size: int | None, limit: int | None, url: str,
                        remaining: Callable[[], float], *, pooled: bool) -> Reply:
-        """``HttpStore._exchange`` with headers in and out; the connection goes back to the pool
-        only after a whole response from the registry itself."""
-        conn.response_class = functools.partial(DeadlineResponse, remaining=remaining, read_timeout=self.read_timeout)
-        got_response = keep = False
-        resp: http.client.HTTPResponse | None = None
-        try:
-            if conn.sock is None:
-                try:
-                    conn.connect()
-                except (OSError, http.client.HTTPException) as exc:
-                    raise NoResponse(f"cannot connect to {_short(url)}: {describe_failure(exc)}") from exc
-            sock = conn.sock
-            if not isinstance(sock, socket.socket):
-                raise Transient("connection has no socket after connect")
-            try:
-                sock.settimeout(min(self.read_timeout, remaining()))
-                conn.request(method, target, body=body, headers={**self._headers, **headers})
-                resp = conn.getresponse()
-                got_response = True
-                found = {k.lower(): v for k, v in reversed(resp.getheaders())}  # the first of repeated names
-                if method == "GET" and resp.status == 200:
-                    data = self._read_body(resp, size, url, limit)
-                else:
-                    data = resp.read(_MAX_ERROR_BODY) if method != "HEAD" else b""
-                keep = pooled and resp.isclosed() and not resp.will_close
-                return Reply(resp.status, found, data, url)
-            except (OSError, http.client.HTTPException) as exc:
-                raise (Transient if got_response else NoResponse)(describe_failure(exc)) from exc
-        finally:
-            if keep:
-                self._keep(conn)
-            else:
-                if resp is not None:
-                    resp.close()
-                conn.close()
+        """``HttpStore._request`` with its answer as a ``Reply``; the connection goes back to the pool
+        only after a whole response from the registry itself (``pooled``)."""
+        status, found, data = self._request(conn, method, target, headers, body, size, url, limit, remaining,
+                                            pooled=pooled)
+        return Reply(status, found, data, url)
 
     # -- authentication ------------------------------------------------------------------------
 
