@@ -5,6 +5,12 @@ from the exact in-memory bytes the store verified, after its ELF header is
 checked against the manifest's arch, and each entry's parameter layout is
 checked against the CUBIN's before it can be launched.
 
+Two branches kept apart from the hot path in helpers: a kernel whose manifest names the oldest
+driver that loads it is refused on an older driver before anything is fetched (`_check_driver`);
+and PTX (arch `compute_...`, selected only where no CUBIN runs) is checked as PTX text for its
+target and handed to the driver NUL-terminated, which JIT-compiles it once per process and
+device (`_load_ptx`, counted by `load_stats`).
+
 Every driver call goes through the driver of the `cubinstore._driver.device.Devices` in use,
 and the loaded modules are kept per `Devices`: a test's fake driver (`device.use`) loads into
 its own cache, and the real driver's is untouched.
@@ -25,13 +31,15 @@ from cubinstore._core.cubin import CubinImage
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._driver import device as _device
-from cubinstore.errors import IncompatibleArchError, ManifestError
+from cubinstore.errors import DriverVersionError, IncompatibleArchError, ManifestError
 from cubinstore.manifest import KernelSpec
+from cubinstore.manifest import ptx as _ptx
+from cubinstore.manifest.toolkit import describe_driver
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
 
-__all__ = ["is_loaded", "load", "check_function_layout", "loaded_module_count"]
+__all__ = ["LoadStats", "is_loaded", "load", "check_function_layout", "load_stats", "loaded_module_count"]
 
 logger = get_logger(__name__)
 
@@ -49,6 +57,8 @@ class _Function:
     lock: threading.Lock = field(default_factory=threading.Lock)
     dynamic_smem_limit: int = _DEFAULT_DYNAMIC_SMEM
     non_portable_cluster: bool = False
+    # PTX: the device's arch, whose layout rule the driver's JIT followed (the manifest's offsets are its target's).
+    layout_arch: Arch | None = None
     # (declared types, offsets) -> checked layout; one digest may be named by several manifests.
     layouts: dict[tuple[Any, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
     _static_smem: int | None = None
@@ -70,6 +80,7 @@ class _Module:
     code: tuple[int, bytes]  # the CUlibrary handle and the verified bytes it was loaded from; never unloaded
     functions: dict[str, _Function]
     load_seconds: float
+    ptx: bool = False  # PTX the driver JIT-compiled at load (no CUBIN of the point runs on the device)
 
 
 class _Loaded:
@@ -80,6 +91,7 @@ class _Loaded:
         self.modules: dict[tuple[str, int], _Module] = {}
         self.lock = threading.Lock()
         self.key_locks: dict[tuple[str, int], threading.Lock] = {}
+        self.ptx: list[tuple[str, float]] = []  # (kernel id, load seconds) of each PTX module, for load_stats
 
     def key_lock(self, key: tuple[str, int]) -> threading.Lock:
         lock = self.key_locks.get(key)  # one per (digest, device), made once
@@ -120,6 +132,24 @@ def loaded_module_count() -> int:
         return len(loaded.modules)
 
 
+@dataclass(frozen=True)
+class LoadStats:
+    """What this process loaded through the driver in use (``load_stats``)."""
+
+    modules: int  # (digest, device) modules loaded
+    ptx: tuple[str, ...]  # the ids of those that were PTX, JIT-compiled by the driver at load, in load order
+    ptx_seconds: float  # the time their loads took (the driver's JIT compile, mostly)
+
+
+def load_stats() -> LoadStats:
+    """Counts of the modules this process loaded through the driver in use, PTX ones apart."""
+    loaded = _loaded_for(_device.current())
+    with loaded.lock:
+        modules = list(loaded.modules.values())
+        ptx = list(loaded.ptx)
+    return LoadStats(len(modules), tuple(i for i, _ in ptx), sum(t for _, t in ptx))
+
+
 def is_loaded(digest: Digest | str, device: int) -> bool:
     """Whether the CUBIN `digest` is loaded on `device` in this process (through the driver in use)."""
     loaded = _loaded_for(_device.current())
@@ -145,20 +175,26 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
             return module
         # The one path to the driver's loader: refuse a CUBIN the device cannot run before
         # it is fetched or any byte reaches the driver, with an error naming both archs.
-        arch = Arch.parse(spec.arch)  # cached per arch string
+        ptx = spec.arch.startswith(_ptx.PTX_PREFIX)  # cubinstore.manifest.ptx.is_ptx, inlined
+        arch = _ptx.PtxArch.parse(spec.arch) if ptx else Arch.parse(spec.arch)  # cached per arch string
         if not arch.runs_on(cc):
             raise IncompatibleArchError(
                 f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
                 f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
             )
+        if spec.min_driver is not None:
+            _check_driver(spec, devices)
         started = time.perf_counter()
         data = store.get(spec.digest, spec.size, name=spec.id)
         fetched = time.perf_counter()
         what = f"kernel {spec.id!r} ({spec.digest})"  # every message below names the kernel so
         if len(data) != spec.size:
             raise ManifestError(f"{what}: expected {spec.size} bytes, the store returned {len(data)}")
-        _check_cubin_header(spec, data, what)
-        module = _load_module(devices.driver, spec, bytes(data), ordinal, what)
+        if ptx:
+            module = _load_ptx(devices.driver, spec, bytes(data), ordinal, cc, what)
+        else:
+            _check_cubin_header(spec, data, what)
+            module = _load_module(devices.driver, spec, bytes(data), ordinal, what)
         module.load_seconds = time.perf_counter() - fetched
         if logger.isEnabledFor(logging.DEBUG):  # its arguments cost more than the check
             logger.debug(
@@ -167,7 +203,40 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
             )
         with loaded.lock:
             loaded.modules[key] = module
+            if ptx:
+                loaded.ptx.append((spec.id, module.load_seconds))
         return module
+
+
+def _check_driver(spec: KernelSpec, devices: _device.Devices) -> None:
+    """Refuse ``spec`` when the host's driver is older than its manifest's ``min_driver`` says loads it
+    (the driver is asked its version once per process, ``Devices.driver_version``)."""
+    need, host = spec.min_driver, devices.driver_version()
+    if need is None or host is None or host >= need:
+        return
+    kind = "as PTX, which the driver compiles, it" if spec.arch.startswith(_ptx.PTX_PREFIX) else "it"
+    raise DriverVersionError(
+        f"kernel {spec.id!r} ({spec.digest}) was built by CUDA toolkit {spec.toolkit} and {kind} needs a driver "
+        f"of {describe_driver(need)}; this host's driver supports CUDA {host // 1000}.{host % 1000 // 10} "
+        f"(cuDriverGetVersion {host}): update the NVIDIA driver. Nothing was fetched or loaded"
+    )
+
+
+def _load_ptx(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int, cc: tuple[int, int], what: str) -> _Module:
+    """Load verified PTX: checked as PTX text for its target, NUL-terminated (``cuLibraryLoadData`` reads
+    PTX up to its NUL), JIT-compiled by the driver for device ``ordinal``; said in a log line."""
+    _ptx.check_text(data, spec.arch, what)
+    logger.warning(
+        "%s: no CUBIN of it runs on device %d (compute capability %d.%d); the driver JIT-compiles its PTX %s "
+        "once in this process (build the family for sm_%d%d to skip this)",
+        what, ordinal, cc[0], cc[1], spec.arch, cc[0], cc[1],
+    )
+    module = _load_module(cuda, spec, data + b"\0", ordinal, what)
+    device_arch = Arch(cc[0], cc[1], "")
+    for fn in module.functions.values():
+        fn.layout_arch = device_arch
+    module.ptx = True
+    return module
 
 
 def _check_cubin_header(spec: KernelSpec, data: bytes, what: str | None = None) -> None:
@@ -206,6 +275,9 @@ def check_function_layout(spec: KernelSpec, symbol: str, fn: _Function, ordinal:
         if layout is None:
             with fn.cuda.on_device(ordinal):
                 actual = fn.cuda.param_info(fn.handle, f"kernel {spec.id!r} entry {symbol!r}")
-            layout = check_layout(spec.id, entry.name, entry.types, actual, spec.arch, entry.offsets)
+            if fn.layout_arch is not None:  # PTX: laid out for the device by the driver's JIT, by the same rule
+                layout = check_layout(spec.id, entry.name, entry.types, actual, fn.layout_arch)
+            else:
+                layout = check_layout(spec.id, entry.name, entry.types, actual, spec.arch, entry.offsets)
             fn.layouts[key] = layout
         return layout

@@ -13,6 +13,7 @@ __all__ = [
     "CubinFormatError",
     "CudaError",
     "DemanglerError",
+    "DriverVersionError",
     "ExpiredReleaseError",
     "IncompatibleArchError",
     "IntegrityError",
@@ -80,11 +81,17 @@ class ParamLayoutError(ManifestError):
 
 
 class CubinFormatError(ManifestError):
-    """Bytes a manifest names as a CUBIN are not a well-formed CUDA ELF file."""
+    """Bytes a manifest names as a CUBIN are not a well-formed CUDA ELF file (or, for a PTX arch
+    ``compute_...``, not PTX text for that target)."""
 
 
 class CudaError(CubinstoreError):
     """The CUDA driver refused a call (or is missing); the message names the call and its subject."""
+
+
+class DriverVersionError(CudaError):
+    """The host's CUDA driver is older than the oldest one a kernel's manifest says loads it; the
+    message names both versions. Nothing was fetched or handed to the driver."""
 
 
 class UnsafeStoreError(StoreError):

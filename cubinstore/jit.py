@@ -103,12 +103,15 @@ class JitKernel:
                 # launch, not with `import cubinstore.jit`: a process that only compiles never pays for them.
                 from cubinstore.launch import Library
                 from cubinstore.manifest import EntrySpec, KernelSpec, Manifest
+                from cubinstore.manifest.toolkit import facts
 
                 spec = KernelSpec(
                     id=f"jit/{self.key.hex}/{self.arch}", family="jit", params={"key": self.key.hex},
                     arch=self.arch, digest=self.digest, size=self.size, entries=self.entries,
                     target=f"//jit:k{self.key.hex}",
                     entry_specs={s: EntrySpec(s, self.names[s], types, None) for s, types in self.entries.items()},
+                    # The local toolkit that compiled it (its key names the version): the loader checks the driver.
+                    **facts(self.key.parts.toolkit.get("version")),  # type: ignore[arg-type]
                 )
 
                 self._library = Library(Manifest.build([spec], source=f"JIT {self.key}"), self._store)

@@ -34,8 +34,8 @@ from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore._driver import device as _device
 from cubinstore._driver.device import Devices
-from cubinstore._loader import _Function, check_function_layout, is_loaded, load, loaded_module_count
-from cubinstore._release.refs import is_path, load_manifest
+from cubinstore._loader import LoadStats, _Function, check_function_layout, is_loaded, load, load_stats, loaded_module_count
+from cubinstore._release.refs import OCI_PREFIXES, is_path, load_manifest
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -46,7 +46,7 @@ from cubinstore.manifest import KernelSpec, Manifest
 if TYPE_CHECKING:
     from cubinstore.store import Store
 
-__all__ = ["Kernel", "Library", "PreparedLaunch", "is_loaded", "loaded_module_count", "open"]
+__all__ = ["Kernel", "Library", "LoadStats", "PreparedLaunch", "is_loaded", "load_stats", "loaded_module_count", "open"]
 
 logger = get_logger(__name__)
 
@@ -62,6 +62,10 @@ def open(manifest: str | os.PathLike[str] | Manifest | Digest, store: Store | No
     """
     if store is None and not isinstance(manifest, Manifest) and not is_path(manifest):
         store = _default_store()  # the one the digest is fetched through is the one the kernels are
+        if isinstance(manifest, str) and manifest.startswith(OCI_PREFIXES):
+            # The registry joins a Store of this Library's own (over the same layers), not the
+            # process's default that other callers share.
+            store = store.sharing_layers()
     return Library(load_manifest(manifest, store), store)
 
 
@@ -96,7 +100,10 @@ class Library:
 
         `device` is an ordinal, a `torch.device`, a `cuda.core.Device`, or None for the
         current device. The arch is chosen for that device's compute capability; a CUBIN
-        that cannot run there raises `IncompatibleArchError` before the driver sees it.
+        that cannot run there raises `IncompatibleArchError` before the driver sees it. Where
+        no CUBIN of the point runs but the family ships PTX that can, the PTX is chosen and the
+        driver JIT-compiles it once in the process (a warning says so; `load_stats` counts it).
+        A kernel whose manifest names a newer driver than the host's raises `DriverVersionError`.
 
         A point of a family that the manifest lacks is recorded in the store's warm set and,
         when the family carries a JIT template and run-time compilation is on (`jit`, default

@@ -17,7 +17,13 @@ the runtime imports too:
   (``cubinstore._core.mangled``): layout cannot tell `f32` from `i32` or `ptr` from `u64`, the
   mangled name can; an extern "C" symbol carries no types;
 - launch geometry is evaluated (integer arithmetic) and its grid rules checked, each `args[i]`
-  against the entry's parameters (it must exist and be declared an integer type).
+  against the entry's parameters (it must exist and be declared an integer type);
+- each kernel records the toolkit that built it, read from its bytes (a CUBIN's tool note, a PTX
+  file's header), and the oldest driver that loads it (``cubinstore.manifest.toolkit``'s rule);
+- a kernel whose arch is ``compute_<XY>`` is PTX text (``cubinstore.manifest.ptx``): checked as PTX
+  for that target, its entries resolved among its ``.entry`` kernels and each parameter's size
+  checked against the declared type's (the driver lays PTX out at load, where the runtime checks
+  the offsets against the device's rule).
 
 Usage: manifest_tool.py SPEC.json OUT.json
 SPEC.json: {"demangler": CMD, "demangle_timeout": SECONDS (optional, default 120),
@@ -32,6 +38,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Collection
 from typing import Any
 
 # Under Bazel the package's sources are inputs at their workspace paths below the working
@@ -49,6 +56,8 @@ from cubinstore._core.mangled import decode_params, type_problem  # noqa: E402
 from cubinstore._jit.demangle import DEMANGLE_TIMEOUT, demangle  # noqa: E402
 from cubinstore.errors import CubinstoreError  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
+from cubinstore.manifest import ptx as _ptx  # noqa: E402
+from cubinstore.manifest.toolkit import min_driver, toolkit_of  # noqa: E402
 
 # The demangler runs DEMANGLE_TIMEOUT seconds at most (cubinstore/_jit/demangle.py), unless the
 # spec says "demangle_timeout".
@@ -103,6 +112,25 @@ def check_layout(kernel: dict[str, Any], declared: str, symbol: str, types: list
             f"but declared '{parsed[i]}' is {size} bytes at offset {want} by the layout rule for {arch} "
             f"(cubinstore/_core/abi.py); the declaration does not match the kernel's signature")
     return list(expected)
+
+
+def check_ptx_sizes(kernel: dict[str, Any], declared: str, types: list[str], sizes: tuple[int, ...],
+                    arch: abi.Arch) -> list[int]:
+    """The rule's offsets of a PTX entry's parameters; fails unless the PTX declares as many
+    parameters as ``types``, each of the declared type's size."""
+    try:
+        parsed = [abi.param_type(t) for t in types]
+    except CubinstoreError as exc:
+        raise BuildError(f"{_where(kernel)}: entry '{declared}': {exc}") from None
+    if len(parsed) != len(sizes):
+        raise BuildError(f"{_where(kernel)}: entry '{declared}' takes {len(sizes)} parameters in the PTX, "
+                         f"declared {len(parsed)}: {types}")
+    for i, (param, size) in enumerate(zip(parsed, sizes)):
+        if param.size != size:
+            raise BuildError(f"{_where(kernel)}: entry '{declared}' parameter {i} is {size} bytes in the PTX, "
+                             f"but declared '{param}' is {param.size} bytes; the declaration does not match "
+                             "the kernel's signature")
+    return list(abi.param_layout(parsed, arch))
 
 
 def check_types(kernel: dict[str, Any], declared: str, symbol: str, types: list[str]) -> None:
@@ -172,21 +200,31 @@ def launch_geometry(kernel: dict[str, Any], declared: str, types: list[str]) -> 
 def manifest_entry(kernel: dict[str, Any], demangler: str, timeout: float = DEMANGLE_TIMEOUT) -> dict[str, Any]:
     with open(kernel["cubin"], "rb") as f:
         data = f.read()
-    arch = abi.Arch.parse(kernel["arch"])
+    ptx = _ptx.is_ptx(kernel["arch"])
     try:
-        cubin = CubinImage(data, _where(kernel))
-        readable = demangle(demangler, sorted(cubin.kernels), timeout=timeout)
-        resolved = resolve_entries(kernel["entries"], cubin.kernels, readable, where=_where(kernel))
+        arch = _ptx.layout_arch(kernel["arch"])
+        if ptx:
+            _ptx.check_text(data, kernel["arch"], _where(kernel))
+            ptx_entries = _ptx.entries(data.decode("ascii"))
+            kernels: Collection[str] = list(ptx_entries)  # local or not, an entry is a kernel
+        else:
+            cubin = CubinImage(data, _where(kernel))
+            kernels = cubin.kernels
+        toolkit = toolkit_of(data, _where(kernel))  # the bytes' own word: a CUBIN's tool note, PTX's header
+        readable = demangle(demangler, sorted(kernels), timeout=timeout)
+        resolved = resolve_entries(kernel["entries"], kernels, readable, where=_where(kernel))
         entries = {}
         for declared, types in kernel["entries"].items():
             symbol, name = resolved[declared]
-            entry = {"name": name, "params": types, "offsets": check_layout(kernel, declared, symbol, types, cubin, arch)}
+            offsets = (check_ptx_sizes(kernel, declared, types, ptx_entries[symbol][1], arch) if ptx
+                       else check_layout(kernel, declared, symbol, types, cubin, arch))
+            entry = {"name": name, "params": types, "offsets": offsets}
             check_types(kernel, declared, symbol, types)
             geometry = launch_geometry(kernel, declared, types)
             if geometry is not None:
                 entry["launch"] = geometry
             entries[symbol] = entry
-    except CubinstoreError as exc:  # a malformed CUBIN, an entry no kernel or two kernels match, the demangler
+    except CubinstoreError as exc:  # a malformed CUBIN or PTX, an entry no kernel or two kernels match, the demangler
         raise BuildError(str(exc)) from None
     unknown = sorted(set(kernel.get("launch", {})) - set(kernel["entries"]))
     if unknown:
@@ -200,6 +238,8 @@ def manifest_entry(kernel: dict[str, Any], demangler: str, timeout: float = DEMA
         "size": len(data),
         "entries": entries,
         "target": kernel["target"],
+        "toolkit": toolkit,
+        "min_driver": min_driver(toolkit, ptx=ptx),
     }
 
 

@@ -23,11 +23,12 @@ except BadArgumentError as exc:
 
 rm -rf .device
 mkdir -p .device/kernels
-# -L: bazel-bin holds links into the output base; the GPU host gets the bytes.
+# -L: bazel-bin holds links into the output base; the GPU host gets the bytes. The PTX of families
+# built with `ptx = [...]` too: the manifest names it, and the PTX tests load it.
 dest="$PWD/.device/kernels"  # bazel-bin is a link: a relative path from inside it leads elsewhere
-(cd bazel-bin/kernels && find -L . -type f \( -name '*.cubin' -o -name '*.json' \) -print0 |
+(cd bazel-bin/kernels && find -L . -type f \( -name '*.cubin' -o -name '*.ptx' -o -name '*.json' \) -print0 |
   while IFS= read -r -d '' f; do mkdir -p "$dest/$(dirname "$f")"; cp -L "$f" "$dest/$f"; done)
 cp -rL "$cutlass_include" .device/cutlass_include
-echo "staged $(find .device/kernels -name '*.cubin' | wc -l) CUBINs and CUTLASS headers in .device ($(du -sh .device | cut -f1))"
+echo "staged $(find .device/kernels -name '*.cubin' | wc -l) CUBINs, $(find .device/kernels -name '*.ptx' | wc -l) PTX files and CUTLASS headers in .device ($(du -sh .device | cut -f1))"
 # The kernel library fixture's kernels, compiled through cubinstore-nvcc (tests/nvcc/test_nvcc_gpu.py).
 .venv/bin/python tests/nvcc/stage_gpu.py .device/nvcc

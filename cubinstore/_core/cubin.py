@@ -121,6 +121,12 @@ class CubinImage:
                     found[name] = KernelSymbol(name, st_info >> 4 == _STB_LOCAL)
         return found
 
+    def section(self, name: str) -> bytes | None:
+        """The bytes of section ``name`` (bounds-checked), or None when the CUBIN has none."""
+        self._load_sections()
+        sec = self._by_name.get(name)
+        return None if sec is None or sec[1] == 8 else self._body(sec)  # 8: SHT_NOBITS holds no bytes
+
     def _attributes(self, symbol: str) -> list[tuple[int, bytes]]:
         """The (attribute, value) records of ``.nv.info.<symbol>``."""
         self._load_sections()

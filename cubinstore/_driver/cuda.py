@@ -215,6 +215,14 @@ def param_info(func: int, what: str) -> list[tuple[int, int]]:
     return out
 
 
+def driver_version() -> int:
+    """The CUDA version the driver supports, as `cuDriverGetVersion` reports it (13000 is CUDA 13.0).
+
+    `cubinstore._driver.device.Devices.driver_version` asks it once per process."""
+    drv = driver()
+    return int(check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+
+
 def versions() -> dict[str, str]:
     """Versions of the CUDA Python packages and the driver, for logs and benchmarks."""
     out: dict[str, str] = {}

@@ -44,6 +44,7 @@ class Devices:
         self._count: int | None = None
         self._attributes: dict[tuple[int, str], int] = {}
         self._capabilities: dict[int, tuple[int, int]] = {}
+        self._driver_version: tuple[int | None] | None = None
 
     def count(self) -> int:
         """How many devices the driver reports."""
@@ -85,6 +86,21 @@ class Devices:
                 cc = self._capabilities.setdefault(ordinal, cc)
         return cc
 
+    def driver_version(self) -> int | None:
+        """The CUDA version the driver supports (``cuDriverGetVersion``: 13000 is CUDA 13.0), asked once.
+
+        None for a driver object without ``driver_version`` (a test's fake that does not model it):
+        then no kernel's ``min_driver`` is checked against it."""
+        known = self._driver_version
+        if known is None:
+            ask = getattr(self.driver, "driver_version", None)
+            known = (None if ask is None else int(ask()),)
+            with self._lock:
+                if self._driver_version is None:
+                    self._driver_version = known
+                known = self._driver_version
+        return known[0]
+
     def sm_count(self, ordinal: int) -> int:
         """Multiprocessors of device ``ordinal``."""
         return self.attribute(ordinal, _SM_COUNT)
@@ -105,7 +121,8 @@ def use(devices: Devices) -> Devices:
     loads and launches through the fake. ``fake`` needs only what the code under test asks, by the
     names of ``cubinstore._driver.cuda``: ``device_count`` and ``device_attribute`` for facts;
     ``current_device`` for a kernel on the current device; ``on_device``, ``load_library`` and
-    ``library_function`` for a load; ``param_info`` for the layout check of a first launch; then
+    ``library_function`` for a load (``driver_version`` when it models the driver's version: see
+    ``Devices.driver_version``); ``param_info`` for the layout check of a first launch; then
     ``driver``, ``check``, ``pointer_device``, ``primary_context`` and ``function_attribute`` for
     launches. A fresh ``Devices`` has loaded nothing (the loader keeps its modules per ``Devices``),
     as a new process: ``use(Devices())`` over the real driver gives a fresh load. Returns the

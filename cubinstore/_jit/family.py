@@ -37,6 +37,7 @@ from cubinstore.errors import BadArgumentError, CubinstoreError, KernelNotFoundE
 from cubinstore.manifest import KernelSpec
 from cubinstore.manifest.family import EXTERNAL_ROOTS, TEMPLATE_SCHEMA, FamilyTemplate
 from cubinstore.manifest.flags import copt_problem, define_problem
+from cubinstore.manifest.toolkit import facts as toolkit_facts
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
@@ -308,8 +309,10 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
     rendered = [render_param(key, v) for key, v in ordered.items()]
     target = f"//{template.package}:{'_'.join([template.family, *rendered, str(parsed)])}" if template.package else \
         f"//jit:k{k.key.hex}"
+    # The local toolkit that compiled it (its key names the version), as a release's kernel records it.
     return KernelSpec(id=kernel_id(template.family, ordered, parsed), family=template.family, params=ordered,
-                      arch=str(parsed), digest=k.digest, size=k.size, entries=entries, target=target)
+                      arch=str(parsed), digest=k.digest, size=k.size, entries=entries, target=target,
+                      **toolkit_facts(k.key.parts.toolkit.get("version")))  # type: ignore[arg-type]
 
 
 def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], arch: str, *,

@@ -38,11 +38,14 @@ from cubinstore.manifest.schema import (
     LABEL_RE,
     MAX_READABLE_CHARS,
     SCHEMA,
+    TOOLKIT_FIELDS,
     TOP_KEYS,
     Checker,
     jit_templates,
 )
+from cubinstore.manifest.ptx import is_ptx, layout_arch
 from cubinstore.manifest.spec import EntrySpec, KernelSpec
+from cubinstore.manifest.toolkit import MIN_DRIVER_RANGE, TOOLKIT_RE
 
 __all__ = ["Slow", "check", "spec_from_obj"]
 
@@ -62,6 +65,7 @@ _chain = itertools.chain.from_iterable
 _DIGESTS_RE = re.compile(r"(?:sha256:[0-9a-f]{64}\n)+", re.ASCII)
 _IDENTS_RE = re.compile(rf"(?:{IDENT_RE.pattern}\n)+", re.ASCII)
 _LABELS_RE = re.compile(rf"(?:{LABEL_RE.pattern}\n)+", re.ASCII)
+_TOOLKITS_RE = re.compile(rf"(?:{TOOLKIT_RE.pattern}\n)+", re.ASCII)
 _LAUNCH_KEYS = frozenset({"block", "shared_mem", "cluster", "grid"})
 # A launch object's text, up to its first brace: a "}" closes it, a "{" is a nested object.
 _LAUNCH_TEXT_RE = re.compile(r'"launch":(\{[^{}]*\}?)', re.ASCII)
@@ -251,11 +255,15 @@ def check(text: str, *, launches_ok: Callable[[list[dict[str, Any]]], None] = _l
     if type(kernels) is not list or not kernels:
         raise Slow
     n = len(kernels)
-    if set(map(type, kernels)) != {dict} or set(map(len, kernels)) != {len(KERNEL_FIELDS)}:
+    # Every kernel with the toolkit facts or none with them (a mix goes to the full checker).
+    lengths = set(map(len, kernels))
+    if set(map(type, kernels)) != {dict} or lengths not in ({len(KERNEL_FIELDS)}, {len(KERNEL_KEYS)}):
         raise Slow
     try:  # as many keys as fields, and each field there: the kernel keys exactly
         ids, families, params, archs, digests, sizes, entries, targets = (
             list(map(operator.itemgetter(key), kernels)) for key in KERNEL_FIELDS)
+        toolkit_columns = [list(map(operator.itemgetter(key), kernels)) for key in TOOLKIT_FIELDS] \
+            if lengths == {len(KERNEL_KEYS)} else None
     except KeyError:
         raise Slow from None
 
@@ -279,9 +287,19 @@ def check(text: str, *, launches_ok: Callable[[list[dict[str, Any]]], None] = _l
     if not all(map(WORD_RE.fullmatch, set(families))):
         raise Slow
     try:
-        parsed_archs = {a: Arch.parse(a) for a in set(archs)}
+        parsed_archs = {a: layout_arch(a) for a in set(archs)}  # the SM arch of a PTX arch: its layout rule
     except BadArgumentError:
         raise Slow from None
+    if toolkit_columns is None:
+        if any(map(is_ptx, parsed_archs)):
+            raise Slow  # PTX must name its toolkit: the full checker says so
+    else:
+        toolkits, drivers = toolkit_columns
+        if set(map(type, toolkits)) != {str} or not _TOOLKITS_RE.fullmatch("\n".join(set(toolkits)) + "\n"):
+            raise Slow
+        if (set(map(type, drivers)) != {int} or min(drivers) < MIN_DRIVER_RANGE[0]
+                or max(drivers) > MIN_DRIVER_RANGE[1]):
+            raise Slow
     values = list(_chain(map(dict.values, params)))
     if not set(map(type, values)) <= {int, str}:  # no bool, float, list or null
         raise Slow
@@ -374,7 +392,7 @@ def check(text: str, *, launches_ok: Callable[[list[dict[str, Any]]], None] = _l
     # has keys and ':' in strings exactly when a key was repeated. Of the checked strings, ids,
     # families, params, archs and symbols hold no ':' and a digest one; one not counted here (in
     # a grid rule's comment) only sends the document to the full checker.
-    keys = (len(doc) + len(KERNEL_KEYS) * n + sum(map(len, params)) + len(bodies) + sum(map(len, bodies))
+    keys = (len(doc) + len(kernels[0]) * n + sum(map(len, params)) + len(bodies) + sum(map(len, bodies))
             + sum(map(len, geometries)))
     colons = n + labels.count(":") + readable.count(":") + "".join(_chain(types)).count(":")
     templates: dict[str, Any] = {}

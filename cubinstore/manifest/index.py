@@ -20,6 +20,7 @@ from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError, IncompatibleArchError, KernelNotFoundError
 from cubinstore.manifest.fast import spec_from_obj
+from cubinstore.manifest.ptx import PtxArch, is_ptx
 from cubinstore.manifest.spec import ComputeCapability, KernelSpec, ParamValue, checked_digests
 
 __all__ = ["AGE_AFTER_BYTES", "Index", "age_young_objects", "arch_compatible", "check_cc", "parse_arch"]
@@ -50,8 +51,13 @@ def arch_compatible(arch: str | Arch, cc: ComputeCapability) -> bool:
     """Whether a CUBIN built for ``arch`` loads on a GPU of compute capability ``cc``.
 
     ``sm_XYa`` runs only on X.Y exactly; ``sm_XYf`` and ``sm_XY`` on major X with minor >= Y.
-    CUBINs never cross a major version.
+    CUBINs never cross a major version. A PTX arch (``compute_90``) is no CUBIN: False (whether
+    the driver can compile it there is ``PtxArch.runs_on``; ``select`` falls back to it).
     """
+    if isinstance(arch, str) and is_ptx(arch):
+        PtxArch.parse(arch)  # a malformed one still raises
+        check_cc(cc)
+        return False
     parsed = arch if isinstance(arch, Arch) else Arch.parse(arch)
     return parsed.runs_on(check_cc(cc))
 
@@ -235,7 +241,12 @@ class Index:
                 f"families: {self._families()}"
             )
         parse = Arch.parse  # cached per arch string
-        compatible = [k for k in candidates if parse(k.arch).runs_on(cc)]
+        compatible = [k for k in candidates if not is_ptx(k.arch) and parse(k.arch).runs_on(cc)]
+        if not compatible:
+            # PTX only where no CUBIN runs: the driver compiles it at load (see _ptx_fallback).
+            compatible = [k for k in candidates if is_ptx(k.arch) and PtxArch.parse(k.arch).runs_on(cc)]
+            if compatible:
+                return self._ptx_fallback(family_or_id, compatible, cc, one_point)
         if not compatible:
             sm = f"sm_{cc[0]}{cc[1]}"
             raise IncompatibleArchError(
@@ -256,4 +267,17 @@ class Index:
             compatible, key=lambda k: (parse(k.arch).minor, parse(k.arch).preference))
         if _log.isEnabledFor(logging.DEBUG):  # the call costs more than the check
             _log.debug("selected %s (%s) for compute capability %d.%d", best.id, best.digest, cc[0], cc[1])
+        return best
+
+    def _ptx_fallback(self, asked: str, compatible: list[KernelSpec], cc: ComputeCapability,
+                      one_point: bool) -> KernelSpec:
+        """The PTX to load where no CUBIN of the candidates runs on ``cc``: one point's, the most specific
+        (``a``, then ``f``, then plain), then the newest target not above the GPU."""
+        if not one_point and len({tuple(sorted(k.params.items())) for k in compatible}) > 1:
+            raise BadArgumentError(f"select({asked!r}) is ambiguous: several parameter sets have PTX for "
+                                   f"compute capability {cc[0]}.{cc[1]}; pass all of the family's params")
+        best = max(compatible, key=lambda k: (PtxArch.parse(k.arch).sm.compute_capability,
+                                              PtxArch.parse(k.arch).sm.preference))
+        _log.debug("no CUBIN of %s runs on compute capability %d.%d: selected PTX %s (%s)",
+                   asked, cc[0], cc[1], best.id, best.digest)
         return best

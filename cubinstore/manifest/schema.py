@@ -32,7 +32,9 @@ from cubinstore._core.digest import Digest
 from cubinstore._core.geometry import LaunchGeometry
 from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError, ManifestError
+from cubinstore.manifest.ptx import PtxArch, is_ptx, layout_arch
 from cubinstore.manifest.spec import EntrySpec, KernelSpec, ParamValue
+from cubinstore.manifest.toolkit import MIN_DRIVER_RANGE, TOOLKIT_RE
 
 __all__ = ["PARAM_TYPES", "SCHEMA", "SCHEMA_V1", "Checker", "check", "jit_templates", "upgrade_v1_entries"]
 
@@ -46,7 +48,9 @@ TOP_KEYS = frozenset({"schema", "kernels"})
 # v2 only, optional: family -> {"jit": <cubinstore/jit-family/v1 template>} for points no release has.
 FAMILIES_KEY = "families"
 KERNEL_FIELDS = ("id", "family", "params", "arch", "digest", "size", "entries", "target")
-KERNEL_KEYS = frozenset(KERNEL_FIELDS)
+# v2 only, optional, both or neither (required of PTX): which toolkit built the kernel, which driver loads it.
+TOOLKIT_FIELDS = ("toolkit", "min_driver")
+KERNEL_KEYS = frozenset(KERNEL_FIELDS + TOOLKIT_FIELDS)
 ENTRY_KEYS = frozenset({"name", "params", "offsets", "launch"})
 LABEL_RE = re.compile(r"//[A-Za-z0-9_.+/-]*(?::[A-Za-z0-9_.+/=,@~-]+)?", re.ASCII)
 # A readable C++ name: printable ASCII, e.g. "ns::gemm<ns::bf16, 128, 256>".
@@ -71,10 +75,11 @@ class Checker:
         kid = obj.get("id")
         if isinstance(kid, str):
             where = f"kernels[{index}] (id {show(kid)})"
-        unknown = sorted(set(obj) - KERNEL_KEYS)
+        allowed = KERNEL_KEYS if self.schema == SCHEMA else frozenset(KERNEL_FIELDS)
+        unknown = sorted(set(obj) - allowed)
         if unknown:
-            raise self.fail(where, f"unknown key {show(unknown[0])}; allowed keys: {', '.join(sorted(KERNEL_KEYS))}")
-        missing = sorted(KERNEL_KEYS - set(obj))
+            raise self.fail(where, f"unknown key {show(unknown[0])}; allowed keys: {', '.join(sorted(allowed))}")
+        missing = sorted(set(KERNEL_FIELDS) - set(obj))
         if missing:
             raise self.fail(where, f"missing key {show(missing[0])}")
 
@@ -97,9 +102,10 @@ class Checker:
 
         arch = obj["arch"]
         try:
-            Arch.parse(arch)
+            PtxArch.parse(arch) if self.schema == SCHEMA and isinstance(arch, str) and is_ptx(arch) else Arch.parse(arch)
         except (BadArgumentError, TypeError):  # TypeError: an unhashable value (Arch.parse is cached)
-            raise self.fail(f"{where}.arch", f"expected 'sm_<digits>' with optional 'a' or 'f' (e.g. 'sm_90a'), got {show(arch)}") from None
+            raise self.fail(f"{where}.arch", "expected 'sm_<digits>' with optional 'a' or 'f' (e.g. 'sm_90a'), or "
+                            f"'compute_<digits>' likewise for PTX (v2), got {show(arch)}") from None
 
         if not isinstance(kid, str):
             raise self.fail(f"{where}.id", f"expected a string, got {show(kid)}")
@@ -122,7 +128,8 @@ class Checker:
         entries = obj["entries"]
         if not isinstance(entries, dict) or not entries:
             raise self.fail(f"{where}.entries", f"expected a non-empty object of entry name -> parameter types, got {show(entries)}")
-        parsed_arch = Arch.parse(arch)
+        toolkit, driver = self._toolkit(where, obj, arch)
+        parsed_arch = layout_arch(arch)
         specs: dict[str, EntrySpec] = {}
         names: dict[str, str] = {}
         for name, value in entries.items():
@@ -145,7 +152,28 @@ class Checker:
         return KernelSpec(
             id=kid, family=family, params=params, arch=arch, digest=digest, size=size,
             entries={n: e.types for n, e in specs.items()}, target=target, entry_specs=specs,
+            toolkit=toolkit, min_driver=driver,
         )
+
+    def _toolkit(self, where: str, obj: dict[str, Any], arch: str) -> tuple[str | None, int | None]:
+        """The kernel's (toolkit, min_driver): both or neither, and both for PTX, whose driver must
+        compile it. A kernel without them (a manifest from before they existed) is loaded unchecked."""
+        present = [k for k in TOOLKIT_FIELDS if k in obj]
+        if not present:
+            if is_ptx(arch):
+                raise self.fail(where, f"missing key 'toolkit': PTX ({arch}) must name the toolkit that wrote it")
+            return None, None
+        if len(present) == 1:
+            other = next(k for k in TOOLKIT_FIELDS if k not in obj)
+            raise self.fail(where, f"missing key {show(other)}: 'toolkit' and 'min_driver' come together")
+        toolkit, driver = obj["toolkit"], obj["min_driver"]
+        if not isinstance(toolkit, str) or not TOOLKIT_RE.fullmatch(toolkit):
+            raise self.fail(f"{where}.toolkit", f"expected a CUDA toolkit version like '13.0.88', got {show(toolkit)}")
+        low, high = MIN_DRIVER_RANGE
+        if isinstance(driver, bool) or not isinstance(driver, int) or not low <= driver <= high:
+            raise self.fail(f"{where}.min_driver", f"expected a driver version as cuDriverGetVersion reports it "
+                            f"(an integer in [{low}, {high}], e.g. 13000 for CUDA 13.0), got {show(driver)}")
+        return toolkit, driver
 
     def _entry(self, where: str, symbol: str, value: object, arch: Arch) -> EntrySpec:
         """One entry: a v1 list of types, or a v2 object with name, params, offsets, launch."""
@@ -246,7 +274,7 @@ def upgrade_v1_entries(obj: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(entries, dict) or not all(isinstance(v, list) for v in entries.values()):
         return obj
     try:
-        arch = Arch.parse(obj.get("arch"))
+        arch = layout_arch(obj.get("arch"))  # type: ignore[arg-type]  # a bad value raises BadArgumentError
         obj["entries"] = {
             name: {"name": name, "params": types,
                    "offsets": list(_abi.param_layout([_abi.param_type(t) for t in types], arch))}

@@ -16,10 +16,10 @@ from types import MappingProxyType
 from typing import Any
 
 from cubinstore._core import abi as _abi
-from cubinstore._core.abi import Arch
 from cubinstore._core.digest import Digest
 from cubinstore._core.geometry import LaunchGeometry
 from cubinstore.errors import KernelNotFoundError
+from cubinstore.manifest.ptx import is_ptx, layout_arch
 
 __all__ = ["ComputeCapability", "EntrySpec", "KernelSpec", "ParamValue", "checked_digests"]
 
@@ -72,6 +72,8 @@ class KernelSpec:
 
     ``entries`` maps each entry symbol to its parameter types; ``entry_specs`` has the rest
     (readable name, offsets, launch geometry); ``entry(name)`` resolves either name.
+    ``toolkit`` and ``min_driver`` (``cubinstore.manifest.toolkit``) are None for a kernel whose
+    manifest predates them. An arch ``compute_<XY>`` makes the blob PTX text (``is_ptx``).
     """
 
     id: str
@@ -83,6 +85,8 @@ class KernelSpec:
     entries: Mapping[str, tuple[str, ...]]
     target: str
     entry_specs: Mapping[str, EntrySpec] = field(default_factory=dict, compare=False)
+    toolkit: str | None = None  # the CUDA toolkit that built it, e.g. "13.0.88"
+    min_driver: int | None = None  # the oldest driver that loads it, as cuDriverGetVersion reports (13000)
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a spec shared between threads cannot change under a loader.
@@ -110,6 +114,7 @@ class KernelSpec:
             digest=_checked_digest(obj["digest"]), size=obj["size"],
             entries=MappingProxyType({s: e.types for s, e in specs.items()}), target=obj["target"],
             entry_specs=MappingProxyType(specs), _names=MappingProxyType(names),
+            toolkit=obj.get("toolkit"), min_driver=obj.get("min_driver"),
         )
         return spec
 
@@ -117,7 +122,8 @@ class KernelSpec:
     def _key(self) -> tuple[Any, ...]:
         # Computed on first comparison only: opening a manifest of many kernels never needs it.
         return (self.id, self.family, tuple(sorted(self.params.items())), self.arch, self.digest, self.size,
-                tuple(sorted((s, repr(e.to_json())) for s, e in self.entry_specs.items())), self.target)
+                tuple(sorted((s, repr(e.to_json())) for s, e in self.entry_specs.items())), self.target,
+                self.toolkit, self.min_driver)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KernelSpec) and self._key == other._key
@@ -127,7 +133,13 @@ class KernelSpec:
 
     @property
     def compute_capability(self) -> ComputeCapability:
-        return Arch.parse(self.arch).compute_capability
+        """The oldest GPU it is built for (PTX: the one its ``.target`` names)."""
+        return layout_arch(self.arch).compute_capability
+
+    @property
+    def is_ptx(self) -> bool:
+        """Whether the blob is PTX text (arch ``compute_...``), which the driver compiles at load."""
+        return is_ptx(self.arch)
 
     def entry(self, name: str) -> EntrySpec:
         """The entry whose symbol or readable name is ``name``."""
@@ -141,12 +153,12 @@ class KernelSpec:
         out = entry.to_json()
         if entry.offsets is None:  # read from a v1 manifest: v2 records the rule's offsets
             types = [_abi.param_type(t) for t in entry.types]
-            out["offsets"] = list(_abi.param_layout(types, Arch.parse(self.arch)))
+            out["offsets"] = list(_abi.param_layout(types, layout_arch(self.arch)))
         return out
 
     def to_json(self) -> dict[str, Any]:
         """The manifest (v2) JSON object of this kernel."""
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "family": self.family,
             "params": dict(self.params),
@@ -156,3 +168,8 @@ class KernelSpec:
             "entries": {s: self._entry_json(e) for s, e in self.entry_specs.items()},
             "target": self.target,
         }
+        if self.toolkit is not None:
+            out["toolkit"] = self.toolkit
+        if self.min_driver is not None:
+            out["min_driver"] = self.min_driver
+        return out

@@ -17,10 +17,10 @@ __all__ = ["BUILD_TREE_SUFFIXES", "DirectorySource", "DiskCacheStore"]
 
 _log = get_logger(__name__)
 
-#: What a release's closure is made of in a build tree: CUBINs (``cuda_cubin``) and the source
-#: bundles of family JIT templates (``cubin_jit_template`` writes ``<name>.sources.json``). An
-#: allow-list: nothing else in the tree is ever statted, read or hashed.
-BUILD_TREE_SUFFIXES: tuple[str, ...] = (".cubin", ".sources.json")
+#: What a release's closure is made of in a build tree: CUBINs (``cuda_cubin``), PTX (``cuda_ptx``)
+#: and the source bundles of family JIT templates (``cubin_jit_template`` writes
+#: ``<name>.sources.json``). An allow-list: nothing else in the tree is ever statted, read or hashed.
+BUILD_TREE_SUFFIXES: tuple[str, ...] = (".cubin", ".ptx", ".sources.json")
 
 
 class DiskCacheStore(Layer):

@@ -57,9 +57,22 @@ def _template() -> dict[str, Any]:
             "archs": ["sm_90"], "package": "kernels/axpy"}
 
 
+def _facts(kernel: dict[str, Any], toolkit: str = "13.0.88", driver: int = 13000) -> dict[str, Any]:
+    """``kernel`` with the toolkit that built it and the oldest driver that loads it (issue 31)."""
+    return dict(kernel, toolkit=toolkit, min_driver=driver)
+
+
+def _ptx(i: int, arch: str = "compute_90") -> dict[str, Any]:
+    """The PTX of gemm point ``i`` (a kernel of arch ``compute_...``, its toolkit facts required)."""
+    kernel = _facts(_gemm(i), driver=13000)
+    return dict(kernel, id=kernel["id"].rsplit("/", 1)[0] + "/" + arch, arch=arch, digest=_digest(200 + i),
+                target=f"//kernels/gemm:g{i}_{arch}")
+
+
 def _valid_docs() -> dict[str, dict[str, Any]]:
     """Valid v2 documents of several shapes: each is accepted by the checker, and canonical."""
     gemm = [_gemm(i) for i in range(6)] + [_gemm(i, "sm_80") for i in range(3)]  # several archs of one point
+    with_facts = [_facts(k) for k in gemm]
     twin = {"id": "t/x/y/sm_90a", "family": "t", "params": {"a": "x", "b": "y"}, "arch": "sm_90a",
             "digest": _digest(50), "size": 5, "target": "//k:t", "entries": {"k": {"name": "k", "params": [], "offsets": []}}}
     return {
@@ -69,6 +82,8 @@ def _valid_docs() -> dict[str, dict[str, Any]]:
         "a families section": {"schema": SCHEMA, "kernels": [*gemm, _axpy()], "families": {"axpy": {"jit": _template()}}},
         "one digest, two ids": {"schema": SCHEMA, "kernels": [_axpy(), dict(_axpy(), id="axpy/f64/sm_90",
                                                                             params={"dtype": "f64"})]},
+        "toolkit facts": {"schema": SCHEMA, "kernels": [*with_facts, _facts(_axpy(), "12.8", 12000)]},
+        "PTX beside CUBINs": {"schema": SCHEMA, "kernels": [*with_facts, *(_ptx(i) for i in range(4)), _ptx(5, "compute_90a")]},
     }
 
 
@@ -103,7 +118,7 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
 # Values a field may be set to: each wrong in some place, right in others.
 _VALUES: list[Any] = [True, None, 0, 1, -1, 1.0, 2**40, "", ":x", "x", "sm_90", "sm_80", "f32", [], [1], {},
                       {"a": 1}, "sha256:" + "0" * 64, _digest(3), "//k:t", "i32", "struct:12:4", [384, 1, 1],
-                      "min(1,2)", "gemm/bm64/bf16/stages0/sm_80", _DELETE]
+                      "min(1,2)", "gemm/bm64/bf16/stages0/sm_80", "13.0.88", 13000, "compute_90", _DELETE]
 
 # Text edits: duplicate keys, escapes, numbers no field holds, other spacing (valid or not).
 _EDITS: list[Callable[[str], str]] = [

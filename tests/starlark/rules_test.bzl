@@ -1,7 +1,7 @@
 """Analysis tests of cubinstore's public rules (Bazel 7, bazel_skylib's analysistest).
 
 What is checked, without building anything: the command line and environment of a
-CubinCompile action, the spec a cubin_manifest hands its tool, the target names and ids the
+CubinCompile action and of a PtxCompile one, the spec a cubin_manifest hands its tool, the target names and ids the
 cubin_instantiations macro makes, and the messages of the rules' fail() calls.
 """
 
@@ -36,6 +36,24 @@ def _compile_command_test_impl(ctx):
     return analysistest.end(env)
 
 compile_command_test = analysistest.make(_compile_command_test_impl)
+
+def _ptx_compile_command_test_impl(ctx):
+    env = analysistest.begin(ctx)
+    actions = analysistest.target_actions(env)
+    asserts.equals(env, [], [a for a in actions if a.mnemonic == "CubinCompile"], "no CUBIN compile")
+    ptx = [a for a in actions if a.mnemonic == "PtxCompile"]
+    asserts.equals(env, 1, len(ptx), "PtxCompile actions of the target")
+    argv = ptx[0].argv
+    for flag in ["-ptx", "-arch=compute_90", "-I.", "-DPROBE_VALUE=7", "--orig_src_path_name"]:
+        asserts.true(env, flag in argv, "'{}' is missing from {}".format(flag, argv))
+    asserts.false(env, "-cubin" in argv, "-cubin in a PTX compile: {}".format(argv))
+    outputs = ptx[0].outputs.to_list()
+    asserts.equals(env, ["probe_ptx_compile.ptx"], [f.basename for f in outputs])
+    asserts.equals(env, outputs[0].path, argv[argv.index("-o") + 1])
+    asserts.equals(env, {"LC_ALL": "C", "PATH": "/usr/bin:/bin"}, ptx[0].env)
+    return analysistest.end(env)
+
+ptx_compile_command_test = analysistest.make(_ptx_compile_command_test_impl)
 
 def _manifest_spec_test_impl(ctx):
     env = analysistest.begin(ctx)

@@ -3,11 +3,11 @@
 CubinInfo = provider(
     doc = "One compiled kernel instantiation.",
     fields = {
-        "cubin": "(File) the .cubin",
+        "cubin": "(File) the .cubin; for a PTX arch (`compute_90`), the .ptx",
         "id": "(str) manifest id: <family>/<param values in grid order>/<arch>",
         "family": "(str) kernel family",
         "params_json": "(str) the instantiation's parameters as a JSON object",
-        "arch": "(str) target architecture, e.g. 'sm_90a'",
+        "arch": "(str) target architecture, e.g. 'sm_90a', or 'compute_90' for PTX",
         "entries_json": "(str) JSON object: entry (symbol or C++ name) -> list of parameter types",
         "launch_json": "(str) JSON object: entry -> launch geometry, values filled in for the point",
         "target": "(str) the label of the cuda_cubin target",

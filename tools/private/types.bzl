@@ -83,6 +83,29 @@ def is_arch(arch):
         digits = digits[:-1]
     return len(digits) in (2, 3) and _is_digits(digits, True)
 
+def is_ptx_arch(arch):
+    """Whether `arch` is a PTX target, `compute_` and the digits and suffix of an SM arch.
+
+    Mirrors `PtxArch` in cubinstore/manifest/ptx.py: the SM grammar after `compute_`.
+
+    Args:
+      arch: the text to check.
+
+    Returns:
+      True or False.
+    """
+    return arch.startswith("compute_") and is_arch("sm_" + arch[len("compute_"):])
+
+def check_ptx_arch(label, arch):
+    """Fails unless `arch` is a PTX target (`compute_90`, `compute_90a`, `compute_100f`).
+
+    Args:
+      label: the target, or the macro, for the error message.
+      arch: the value.
+    """
+    if not is_ptx_arch(arch):
+        fail("{}: PTX arch must look like 'compute_80', 'compute_90a' or 'compute_100f', got '{}'".format(label, arch))
+
 def check_arch(label, arch):
     """Fails unless `arch` follows the arch grammar.
 

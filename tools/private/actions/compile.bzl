@@ -58,13 +58,15 @@ LIST_SLOTS = {
     "includes": "-I{}",
 }
 
-def cubin_compile_args(ctx, values, lists):
+def cubin_compile_args(ctx, values, lists, ptx = False):
     """An `Args` holding the command after nvcc itself (the executable is run separately).
 
     Args:
       ctx: the rule context.
       values: slot -> str or File, for the single-word slots other than `nvcc`.
       lists: slot -> list or depset of str, for the slots of `LIST_SLOTS`.
+      ptx: write PTX text (`-ptx`, with a `compute_` arch) instead of a CUBIN; every other word
+        is the table's, and a CUBIN's command is the table exactly.
 
     Returns:
       The `Args`.
@@ -82,6 +84,8 @@ def cubin_compile_args(ctx, values, lists):
             start = word.index("{")
             end = word.index("}")
             args.add(word[:start] + values[word[start + 1:end]] + word[end + 1:])
+        elif ptx and word == "-cubin":
+            args.add("-ptx")
         else:
             args.add(word)
     return args
@@ -98,8 +102,8 @@ def _toolkit_inputs(ctx):
         for name in wanted
     ]
 
-def cubin_compile(ctx, src, anchor, output, args, headers, progress_message):
-    """Runs nvcc once (mnemonic `CubinCompile`): `src` to `output`.
+def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mnemonic = "CubinCompile"):
+    """Runs nvcc once (mnemonic `CubinCompile`, or `PtxCompile` for PTX): `src` to `output`.
 
     Args:
       ctx: the context of a rule with `COMPILE_ATTRS`.
@@ -109,6 +113,7 @@ def cubin_compile(ctx, src, anchor, output, args, headers, progress_message):
       args: the command after nvcc, from `cubin_compile_args`.
       headers: a depset of the header Files the source may read, besides the toolkit's.
       progress_message: what Bazel shows while it runs.
+      mnemonic: `CubinCompile`, or `PtxCompile` for args made with `ptx = True`.
     """
     ctx.actions.run(
         executable = ctx.executable._nvcc,
@@ -119,6 +124,6 @@ def cubin_compile(ctx, src, anchor, output, args, headers, progress_message):
         ),
         outputs = [output],
         env = ACTION_ENV,
-        mnemonic = "CubinCompile",
+        mnemonic = mnemonic,
         progress_message = progress_message,
     )

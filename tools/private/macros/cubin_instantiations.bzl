@@ -1,9 +1,11 @@
 """cubin_instantiations: one cuda_cubin target per point of an instantiation matrix."""
 
+load("//tools/private:types.bzl", "check_ptx_arch")
 load("//tools/private/rules:cubin_family.bzl", "cubin_family")
 load("//tools/private/rules:cubin_jit_template.bzl", "cubin_jit_template")
 load("//tools/private/rules:cubin_tu.bzl", "cubin_tu")
 load("//tools/private/rules:cuda_cubin.bzl", "cuda_cubin")
+load("//tools/private/rules:cuda_ptx.bzl", "cuda_ptx")
 load(":warm_grid.bzl", "warm_grid")
 
 _GEOMETRY_KEYS = ["block", "shared_mem", "cluster", "grid"]
@@ -138,10 +140,11 @@ def cubin_instantiations(
         toolkit_headers = None,
         jit = False,
         warm_points = [],
+        ptx = [],
         visibility = None):
     """Expands an instantiation matrix into one cuda_cubin per (grid point, arch).
 
-    Target `<name>_<v1>_<v2>..._<arch>` is made for every point, where each value renders as
+    Target `<name>_<v1>_<v2>..._<arch>` is made for every point (and each `ptx` arch), where each value renders as
     itself (strings) or as `<key><value>` (ints): `axpy_f32_vec4_sm_90a`. Its manifest id is
     `<family>/<v1>/<v2>.../<arch>`. Target `<name>` (a cubin_family) groups them all. With
     `src_template`, target `<name>_<v1>_<v2>..._tu` renders each point's translation unit
@@ -181,6 +184,10 @@ def cubin_instantiations(
       warm_points: points met at run time that no release had, built besides the grid's (the
         family's export: `load(":warmset.bzl", "WARM_POINTS")`, written by `cubinstore warmset
         export --family <family>`). Each must have the grid's keys.
+      ptx: PTX targets to ship besides the CUBINs, e.g. ["compute_90"]: one `cuda_ptx` per point
+        and arch (mnemonic PtxCompile), in the manifest as a kernel of that arch. The runtime loads
+        PTX only where no CUBIN of the point runs on the device, and the driver compiles it then;
+        plain `compute_XY` runs on X.Y and every newer GPU, `compute_XYa` on X.Y alone.
       visibility: visibility of the family target.
     """
     if (src_template == None) == (not srcs):
@@ -192,6 +199,8 @@ def cubin_instantiations(
         keys,
     )
     family = family or name
+    for arch in ptx:
+        check_ptx_arch("cubin_instantiations '{}': attribute 'ptx'".format(name), arch)
     if warm_points:
         grid = warm_grid(grid, warm_points)
     instances = []
@@ -214,6 +223,24 @@ def cubin_instantiations(
         for arch in archs:
             target = point + "_" + arch
             cuda_cubin(
+                name = target,
+                srcs = point_srcs,
+                hdrs = [_fill(h, params) for h in hdrs],
+                deps = deps,
+                arch = arch,
+                family = family,
+                id = "/".join([family] + rendered + [arch]),
+                params_json = json.encode(params),
+                defines = [_fill(d, params) for d in defines],
+                copts = [_fill(c, params) for c in copts],
+                entries = point_entries,
+                launch_json = _launch_for(launch, entries, params),
+                **({} if toolkit_headers == None else {"toolkit_headers": toolkit_headers})
+            )
+            instances.append(":" + target)
+        for arch in ptx:
+            target = point + "_" + arch
+            cuda_ptx(
                 name = target,
                 srcs = point_srcs,
                 hdrs = [_fill(h, params) for h in hdrs],

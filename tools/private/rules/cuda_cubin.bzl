@@ -1,20 +1,35 @@
-"""cuda_cubin: one kernel instantiation compiled by nvcc to one .cubin."""
+"""cuda_cubin: one kernel instantiation compiled by nvcc to one .cubin.
+
+`compile_instance` and `CUDA_CUBIN_ATTRS` are shared with `cuda_ptx`, the same compile to PTX text.
+"""
 
 load("@local_cuda//:defs.bzl", "HOST_CC")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
-load("//tools/private:types.bzl", "check_arch", "check_entries", "merge_flags", "module_anchor")
+load("//tools/private:types.bzl", "check_arch", "check_entries", "check_ptx_arch", "merge_flags", "module_anchor")
 load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", _ACTION_ENV = "ACTION_ENV")
 
 # Re-exported: cubin_manifest and cubin_jit_template run their actions in the same environment.
 ACTION_ENV = _ACTION_ENV
 
-def _cuda_cubin_impl(ctx):
-    check_arch(ctx.label, ctx.attr.arch)
+def compile_instance(ctx, ptx):
+    """The providers of a cuda_cubin (ptx False) or cuda_ptx (ptx True) target: one compile of its point.
+
+    Args:
+      ctx: the rule context (attributes `CUDA_CUBIN_ATTRS`).
+      ptx: whether to write PTX text (a `compute_` arch) instead of a CUBIN.
+
+    Returns:
+      The target's providers.
+    """
+    if ptx:
+        check_ptx_arch(ctx.label, ctx.attr.arch)
+    else:
+        check_arch(ctx.label, ctx.attr.arch)
     check_entries(ctx.label, ctx.attr.entries)
     if len(ctx.files.srcs) != 1:
         fail("{}: attribute 'srcs' must hold exactly one .cu file, got {}".format(ctx.label, len(ctx.files.srcs)))
     src = ctx.files.srcs[0]
-    cubin = ctx.actions.declare_file(ctx.label.name + ".cubin")
+    cubin = ctx.actions.declare_file(ctx.label.name + (".ptx" if ptx else ".cubin"))
     headers = depset(ctx.files.hdrs, transitive = [d[CudaHeadersInfo].headers for d in ctx.attr.deps])
     includes = depset(transitive = [d[CudaHeadersInfo].includes for d in ctx.attr.deps])
 
@@ -41,6 +56,7 @@ def _cuda_cubin_impl(ctx):
             "flags": merge_flags(ctx.attr.copts),
             "includes": includes,
         },
+        ptx = ptx,
     )
 
     cubin_compile(
@@ -50,7 +66,8 @@ def _cuda_cubin_impl(ctx):
         output = cubin,
         args = args,
         headers = headers,
-        progress_message = "Compiling CUBIN {} ({})".format(ctx.attr.id, ctx.attr.arch),
+        progress_message = "Compiling {} {} ({})".format("PTX" if ptx else "CUBIN", ctx.attr.id, ctx.attr.arch),
+        mnemonic = "PtxCompile" if ptx else "CubinCompile",
     )
     return [
         DefaultInfo(files = depset([cubin])),
@@ -66,20 +83,25 @@ def _cuda_cubin_impl(ctx):
         ),
     ]
 
+def _cuda_cubin_impl(ctx):
+    return compile_instance(ctx, ptx = False)
+
+CUDA_CUBIN_ATTRS = dict(COMPILE_ATTRS, **{
+    "srcs": attr.label_list(allow_files = [".cu"], mandatory = True, doc = "The one .cu file (or a cubin_tu target)."),
+    "hdrs": attr.label_list(allow_files = True, doc = "Headers the source includes."),
+    "deps": attr.label_list(providers = [CudaHeadersInfo], doc = "cuda_headers targets, e.g. @cutlass//:cute."),
+    "defines": attr.string_list(doc = "Preprocessor defines, without -D."),
+    "copts": attr.string_list(doc = "Extra nvcc flags, spelled relative to the workspace; one that sets a default option (-std=, -O) replaces the default."),
+    "arch": attr.string(mandatory = True, doc = "Target architecture, e.g. 'sm_90a' (cuda_ptx: 'compute_90')."),
+    "entries": attr.string_list_dict(mandatory = True, doc = "Entry (symbol or C++ name) -> parameter types (i8 ... tensormap, struct:<size>:<align>)."),
+    "launch_json": attr.string(default = "{}", doc = "JSON object: entry -> launch geometry (block, shared_mem, cluster, grid)."),
+    "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
+    "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
+    "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
+})
+
 cuda_cubin = rule(
     implementation = _cuda_cubin_impl,
     doc = "Compiles one .cu translation unit to one CUBIN for one architecture (mnemonic CubinCompile).",
-    attrs = dict(COMPILE_ATTRS, **{
-        "srcs": attr.label_list(allow_files = [".cu"], mandatory = True, doc = "The one .cu file (or a cubin_tu target)."),
-        "hdrs": attr.label_list(allow_files = True, doc = "Headers the source includes."),
-        "deps": attr.label_list(providers = [CudaHeadersInfo], doc = "cuda_headers targets, e.g. @cutlass//:cute."),
-        "defines": attr.string_list(doc = "Preprocessor defines, without -D."),
-        "copts": attr.string_list(doc = "Extra nvcc flags, spelled relative to the workspace; one that sets a default option (-std=, -O) replaces the default."),
-        "arch": attr.string(mandatory = True, doc = "Target architecture, e.g. 'sm_90a'."),
-        "entries": attr.string_list_dict(mandatory = True, doc = "Entry (symbol or C++ name) -> parameter types (i8 ... tensormap, struct:<size>:<align>)."),
-        "launch_json": attr.string(default = "{}", doc = "JSON object: entry -> launch geometry (block, shared_mem, cluster, grid)."),
-        "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
-        "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
-        "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
-    }),
+    attrs = CUDA_CUBIN_ATTRS,
 )
