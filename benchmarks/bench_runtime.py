@@ -225,7 +225,8 @@ def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tu
     if not gpu:
         attributes = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": cc[0],
                       "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": cc[1]}
-        stubs.update(device_count=lambda: 1, device_attribute=lambda ordinal, name: attributes[name])
+        stubs.update(device_count=lambda: 1, device_attribute=lambda ordinal, name: attributes[name],
+                     driver_version=lambda: 13000)  # CUDA 13.0's: every kernel of this release loads
     stubbed = driver_with(**stubs)
     before = device.current()
     rows = []

@@ -22,16 +22,16 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._args import ParamSlot, check_layout
 from cubinstore._core.abi import Arch
-from cubinstore._core.cubin import CubinImage
+from cubinstore._core.cubin import header_problem, header_sm
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._driver import device as _device
-from cubinstore.errors import DriverVersionError, IncompatibleArchError, ManifestError
+from cubinstore.errors import CubinFormatError, DriverVersionError, IncompatibleArchError, ManifestError
 from cubinstore.manifest import KernelSpec
 from cubinstore.manifest import ptx as _ptx
 from cubinstore.manifest.toolkit import describe_driver
@@ -47,21 +47,35 @@ logger = get_logger(__name__)
 _DEFAULT_DYNAMIC_SMEM: Final = 48 * 1024
 
 
-@dataclass
 class _Function:
-    """One entry of a loaded module on one device."""
+    """One entry of a loaded module on one device. (A slotted class, not a dataclass: every first
+    load makes one per entry, and a dataclass's field factories cost more than the rest of it.)"""
 
-    handle: int  # CUfunction in the device's primary context
-    what: str  # "kernel <id> (<digest>) entry <symbol> on device <n>", for errors
-    cuda: Any  # the driver it was loaded through (`cubinstore._driver.cuda`, or a test's fake)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    dynamic_smem_limit: int = _DEFAULT_DYNAMIC_SMEM
-    non_portable_cluster: bool = False
-    # PTX: the device's arch, whose layout rule the driver's JIT followed (the manifest's offsets are its target's).
-    layout_arch: Arch | None = None
-    # (declared types, offsets) -> checked layout; one digest may be named by several manifests.
-    layouts: dict[tuple[Any, ...], tuple[ParamSlot, ...]] = field(default_factory=dict)
-    _static_smem: int | None = None
+    __slots__ = ("handle", "_what", "cuda", "lock", "dynamic_smem_limit", "non_portable_cluster", "layout_arch",
+                 "layouts", "_static_smem")
+
+    def __init__(self, handle: int, what: str | tuple[KernelSpec, str, int], cuda: Any) -> None:
+        self.handle = handle  # CUfunction in the device's primary context
+        # "kernel <id> (<digest>) entry <symbol> on device <n>", for errors: built when first needed
+        # from (the spec, the symbol, the ordinal)
+        self._what = what
+        self.cuda = cuda  # the driver it was loaded through (`cubinstore._driver.cuda`, or a test's fake)
+        self.lock = threading.Lock()
+        self.dynamic_smem_limit = _DEFAULT_DYNAMIC_SMEM
+        self.non_portable_cluster = False
+        # PTX: the device's arch, whose layout rule the driver's JIT followed (the manifest's offsets are its target's).
+        self.layout_arch: Arch | None = None
+        # (declared types, offsets) -> checked layout; one digest may be named by several manifests.
+        self.layouts: dict[tuple[Any, ...], tuple[ParamSlot, ...]] = {}
+        self._static_smem: int | None = None
+
+    @property
+    def what(self) -> str:
+        what = self._what
+        if not isinstance(what, str):
+            spec, symbol, ordinal = what
+            self._what = what = f"{_what(spec)} entry {symbol!r} on device {ordinal}"
+        return what
 
     @property
     def static_smem(self) -> int:
@@ -71,16 +85,19 @@ class _Function:
         return self._static_smem
 
 
-@dataclass
 class _Module:
     """A CUBIN loaded on one device: its CUlibrary and its entries' functions."""
 
-    digest: Digest
-    device: int
-    code: tuple[int, bytes]  # the CUlibrary handle and the verified bytes it was loaded from; never unloaded
-    functions: dict[str, _Function]
-    load_seconds: float
-    ptx: bool = False  # PTX the driver JIT-compiled at load (no CUBIN of the point runs on the device)
+    __slots__ = ("digest", "device", "code", "functions", "load_seconds", "ptx")
+
+    def __init__(self, digest: Digest, device: int, code: tuple[int, bytes], functions: dict[str, _Function],
+                 load_seconds: float, ptx: bool = False) -> None:
+        self.digest = digest
+        self.device = device
+        self.code = code  # the CUlibrary handle and the verified bytes it was loaded from; never unloaded
+        self.functions = functions
+        self.load_seconds = load_seconds
+        self.ptx = ptx  # PTX the driver JIT-compiled at load (no CUBIN of the point runs on the device)
 
 
 class _Loaded:
@@ -182,21 +199,25 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
                 f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
                 f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
             )
-        if spec.min_driver is not None:
-            _check_driver(spec, devices)
-        started = time.perf_counter()
+        need = spec.min_driver
+        if need is not None:
+            host = devices.driver_version()  # asked once per process
+            if host is not None and host < need:
+                _refuse_driver(spec, host)
+        debug = logger.isEnabledFor(logging.DEBUG)
+        started = time.perf_counter() if debug else 0.0
         data = store.get(spec.digest, spec.size, name=spec.id)
         fetched = time.perf_counter()
-        what = f"kernel {spec.id!r} ({spec.digest})"  # every message below names the kernel so
+        # Every message below names the kernel (_what): built only for an error, not per load.
         if len(data) != spec.size:
-            raise ManifestError(f"{what}: expected {spec.size} bytes, the store returned {len(data)}")
+            raise ManifestError(f"{_what(spec)}: expected {spec.size} bytes, the store returned {len(data)}")
         if ptx:
-            module = _load_ptx(devices.driver, spec, bytes(data), ordinal, cc, what)
+            module = _load_ptx(devices.driver, spec, bytes(data), ordinal, cc)
         else:
-            _check_cubin_header(spec, data, what)
-            module = _load_module(devices.driver, spec, bytes(data), ordinal, what)
+            _check_cubin_header(spec, data)
+            module = _load_module(devices.driver, spec, bytes(data), ordinal)
         module.load_seconds = time.perf_counter() - fetched
-        if logger.isEnabledFor(logging.DEBUG):  # its arguments cost more than the check
+        if debug:
             logger.debug(
                 "loaded %s (%s) on device %d: fetch+verify %.3f ms, load %.3f ms",
                 spec.id, spec.digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
@@ -208,12 +229,16 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
         return module
 
 
-def _check_driver(spec: KernelSpec, devices: _device.Devices) -> None:
-    """Refuse ``spec`` when the host's driver is older than its manifest's ``min_driver`` says loads it
-    (the driver is asked its version once per process, ``Devices.driver_version``)."""
-    need, host = spec.min_driver, devices.driver_version()
-    if need is None or host is None or host >= need:
-        return
+def _what(spec: KernelSpec) -> str:
+    """How every load error names the kernel."""
+    return f"kernel {spec.id!r} ({spec.digest})"
+
+
+def _refuse_driver(spec: KernelSpec, host: int) -> None:
+    """Refuse ``spec``: the host's driver (``host``, as ``cuDriverGetVersion`` says) is older than its
+    manifest's ``min_driver`` says loads it."""
+    need = spec.min_driver
+    assert need is not None
     kind = "as PTX, which the driver compiles, it" if spec.arch.startswith(_ptx.PTX_PREFIX) else "it"
     raise DriverVersionError(
         f"kernel {spec.id!r} ({spec.digest}) was built by CUDA toolkit {spec.toolkit} and {kind} needs a driver "
@@ -222,16 +247,17 @@ def _check_driver(spec: KernelSpec, devices: _device.Devices) -> None:
     )
 
 
-def _load_ptx(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int, cc: tuple[int, int], what: str) -> _Module:
+def _load_ptx(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int, cc: tuple[int, int]) -> _Module:
     """Load verified PTX: checked as PTX text for its target, NUL-terminated (``cuLibraryLoadData`` reads
     PTX up to its NUL), JIT-compiled by the driver for device ``ordinal``; said in a log line."""
+    what = _what(spec)
     _ptx.check_text(data, spec.arch, what)
     logger.warning(
         "%s: no CUBIN of it runs on device %d (compute capability %d.%d); the driver JIT-compiles its PTX %s "
         "once in this process (build the family for sm_%d%d to skip this)",
         what, ordinal, cc[0], cc[1], spec.arch, cc[0], cc[1],
     )
-    module = _load_module(cuda, spec, data + b"\0", ordinal, what)
+    module = _load_module(cuda, spec, data + b"\0", ordinal)
     device_arch = Arch(cc[0], cc[1], "")
     for fn in module.functions.values():
         fn.layout_arch = device_arch
@@ -239,29 +265,30 @@ def _load_ptx(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int, cc: tuple[
     return module
 
 
-def _check_cubin_header(spec: KernelSpec, data: bytes, what: str | None = None) -> None:
-    """The bytes must be a CUDA ELF built for the SM the manifest names; ``what`` names the kernel."""
-    what = what or f"kernel {spec.id!r} ({spec.digest})"
-    sm = CubinImage(data, what).sm
+def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
+    """The bytes must be a CUDA ELF built for the SM the manifest names."""
+    problem = header_problem(data)
+    if problem is not None:
+        raise CubinFormatError(f"{_what(spec)}: {problem}")
+    sm = header_sm(data)
     arch = Arch.parse(spec.arch)  # cached per arch string
     if sm is not None and sm != arch.major * 10 + arch.minor:
-        raise ManifestError(f"{what}: manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}")
+        raise ManifestError(f"{_what(spec)}: manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}")
 
 
-def _load_module(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int, what: str) -> _Module:
-    """Load ``data`` on ``ordinal`` through the driver ``cuda`` and get each entry's function;
-    ``what`` names the kernel in errors."""
+def _load_module(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
+    """Load ``data`` on ``ordinal`` through the driver ``cuda`` and get each entry's function."""
     started = time.perf_counter()
     functions: dict[str, _Function] = {}
-    on = f" on device {ordinal}"
+    where = f"kernel {spec.id!r} ({spec.digest}) on device {ordinal}"  # the driver's messages add the entry
     with cuda.on_device(ordinal):
-        library = cuda.load_library(data, what + on)
+        library = cuda.load_library(data, where)
         for entry in spec.entries:
-            where = f"{what} entry {entry!r}{on}"
             func = cuda.library_function(library, entry, where)
             if func is None:
-                raise ManifestError(f"{where}: the manifest declares it, the CUBIN has no such function")
-            functions[entry] = _Function(handle=func, what=where, cuda=cuda)
+                raise ManifestError(f"{_what(spec)} entry {entry!r} on device {ordinal}: the manifest declares it, "
+                                    "the CUBIN has no such function")
+            functions[entry] = _Function(func, (spec, entry, ordinal), cuda)
     return _Module(spec.digest, ordinal, (library, data), functions, time.perf_counter() - started)
 
 

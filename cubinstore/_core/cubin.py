@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from cubinstore.errors import CubinFormatError
 
-__all__ = ["CubinImage", "KernelSymbol"]
+__all__ = ["CubinImage", "KernelSymbol", "header_problem", "header_sm"]
 
 _ELF_MAGIC: Final = b"\x7fELF"
 _ELFCLASS64: Final = 2
@@ -40,6 +40,29 @@ class KernelSymbol:
     local: bool  # STB_LOCAL (e.g. `__global__ static`, CUTLASS_GLOBAL) rather than STB_GLOBAL
 
 
+def header_problem(data: bytes) -> str | None:
+    """What makes ``data``'s ELF header not a CUDA ELF's (the start of a ``CubinFormatError``), or None.
+
+    The loader's check of every first load: three compares and one unpack, no object."""
+    if len(data) < 64 or data[:4] != _ELF_MAGIC:
+        return "not an ELF file (bad magic), so not a CUBIN"
+    if data[4] != _ELFCLASS64 or data[5] != _ELFDATA2LSB:
+        return f"expected a 64-bit little-endian ELF, got class {data[4]}, data {data[5]}"
+    (machine,) = struct.unpack_from("<H", data, 0x12)
+    if machine != _EM_CUDA:
+        return f"expected ELF machine {_EM_CUDA} (CUDA), got {machine}"
+    return None
+
+
+def header_sm(data: bytes) -> int | None:
+    """The SM number in the flags of a CUDA ELF header (``header_problem`` passed); None for an
+    unknown ELF ABI version."""
+    if data[8] != _CUDA_ELF_ABI_V8:
+        return None
+    (flags,) = struct.unpack_from("<I", data, 0x30)
+    return (flags >> 8) & 0xFF
+
+
 class CubinImage:
     """The facts of a CUBIN that cubinstore checks, read from untrusted bytes.
 
@@ -50,23 +73,16 @@ class CubinImage:
     def __init__(self, data: bytes, what: str) -> None:
         self._data = bytes(data) if not isinstance(data, bytes) else data
         self._what = what
-        if len(data) < 64 or data[:4] != _ELF_MAGIC:
-            raise CubinFormatError(f"{what}: not an ELF file (bad magic), so not a CUBIN")
-        if data[4] != _ELFCLASS64 or data[5] != _ELFDATA2LSB:
-            raise CubinFormatError(f"{what}: expected a 64-bit little-endian ELF, got class {data[4]}, data {data[5]}")
-        (machine,) = struct.unpack_from("<H", data, 0x12)
-        if machine != _EM_CUDA:
-            raise CubinFormatError(f"{what}: expected ELF machine {_EM_CUDA} (CUDA), got {machine}")
+        problem = header_problem(self._data)
+        if problem is not None:
+            raise CubinFormatError(f"{what}: {problem}")
         self._sections: list[tuple[int, ...]] | None = None
         self._by_name: dict[str, tuple[int, ...]] = {}
 
     @property
     def sm(self) -> int | None:
         """The SM number from the ELF header flags; None for an unknown ELF ABI version."""
-        if self._data[8] != _CUDA_ELF_ABI_V8:
-            return None
-        (flags,) = struct.unpack_from("<I", self._data, 0x30)
-        return (flags >> 8) & 0xFF
+        return header_sm(self._data)
 
     def _fail(self, why: str) -> CubinFormatError:
         return CubinFormatError(f"{self._what}: malformed CUBIN: {why}")

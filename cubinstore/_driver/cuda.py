@@ -27,11 +27,12 @@ _lock = threading.Lock()
 _driver: ModuleType | None = None
 _init_error: str | None = None
 _primary: dict[int, int] = {}  # device ordinal -> retained primary context handle
+_success: Any = None  # CUresult.CUDA_SUCCESS once the driver is initialised: the hot paths compare with it
 
 
 def driver() -> ModuleType:
     """`cuda.bindings.driver`, with `cuInit` done exactly once (thread-safe)."""
-    global _driver, _init_error
+    global _driver, _init_error, _success
     if _driver is not None:
         return _driver
     with _lock:
@@ -52,6 +53,7 @@ def driver() -> ModuleType:
         if err != drv.CUresult.CUDA_SUCCESS:
             _init_error = f"cuInit failed: {_describe(drv, err)}"
             raise CudaError(_init_error)
+        _success = drv.CUresult.CUDA_SUCCESS
         _driver = drv
         logger.debug("CUDA driver initialised")
         return drv
@@ -151,7 +153,9 @@ class on_device:  # noqa: N801 -- used as `with on_device(n):`, as the function 
     def __enter__(self) -> None:
         drv = driver()
         want = primary_context(self._ordinal)
-        before = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        err, before = drv.cuCtxGetCurrent()
+        if err != _success:
+            check((err,), "cuCtxGetCurrent")
         before_handle = 0 if before is None else int(before)
         if before_handle != want:
             check(drv.cuCtxSetCurrent(drv.CUcontext(want)), f"cuCtxSetCurrent to device {self._ordinal}")
@@ -181,18 +185,25 @@ def load_library(data: bytes, what: str) -> int:
     referenced for as long as the library lives.
     """
     drv = driver()
-    library = check(drv.cuLibraryLoadData(data, None, None, 0, None, None, 0), f"cuLibraryLoadData for {what}")
+    err, library = drv.cuLibraryLoadData(data, None, None, 0, None, None, 0)
+    if err != _success:
+        check((err,), f"cuLibraryLoadData for {what}")
     return int(library)
 
 
 def library_function(library: int, entry: str, what: str) -> int | None:
-    """The CUfunction of `entry` in the current context, or None when the CUBIN has no such kernel."""
+    """The CUfunction of `entry` in the current context, or None when the CUBIN has no such kernel;
+    `what` names the library (errors add the entry)."""
     drv = driver()
     err, kernel = drv.cuLibraryGetKernel(drv.CUlibrary(library), entry.encode("ascii"))
-    if err == drv.CUresult.CUDA_ERROR_NOT_FOUND:
-        return None
-    check((err,), f"cuLibraryGetKernel for {what}")
-    return int(check(drv.cuKernelGetFunction(kernel), f"cuKernelGetFunction for {what}"))
+    if err != _success:
+        if err == drv.CUresult.CUDA_ERROR_NOT_FOUND:
+            return None
+        check((err,), f"cuLibraryGetKernel({entry!r}) for {what}")
+    err, func = drv.cuKernelGetFunction(kernel)
+    if err != _success:
+        check((err,), f"cuKernelGetFunction({entry!r}) for {what}")
+    return int(func)
 
 
 def function_attribute(func: int, name: str, what: str) -> int:

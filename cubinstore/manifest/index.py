@@ -219,6 +219,14 @@ class Index:
                params: Mapping[str, ParamValue]) -> KernelSpec:
         """The kernel to load on a GPU of ``compute_capability`` (``Manifest.select`` says how it is chosen)."""
         cc = check_cc(compute_capability)
+        if not params:  # a full id whose CUBIN runs here: the one candidate, nothing to rank (first loads)
+            i = self.by_id.get(family_or_id)
+            if i is not None:
+                spec = self.spec(i)
+                if not is_ptx(spec.arch) and Arch.parse(spec.arch).runs_on(cc):
+                    if _log.isEnabledFor(logging.DEBUG):
+                        _log.debug("selected %s (%s) for compute capability %d.%d", spec.id, spec.digest, cc[0], cc[1])
+                    return spec
         candidates = self.point(family_or_id, params) if params else None
         one_point = bool(candidates)  # a family and all of its params: one dict lookup
         if one_point:
