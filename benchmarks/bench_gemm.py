@@ -10,7 +10,8 @@
 `run` prints, for the tuning shapes and for the held-out shapes of `gemm_shapes.py` in
 separate tables, the TFLOP/s of `ops.gemm` (with its selection) and of `torch.mm` and their
 ratio, the geometric means (held-out also for M >= 128 alone) against the issue's goals;
-then the host time per call of both (2,000 back-to-back calls at 1x4096x4096 and
+then what the layouts ops.gemm copies cost (LAYOUTS: K off 8, transposed or offset views,
+each beside the same values in a layout read in place and beside torch.mm); then the host time per call of both (2,000 back-to-back calls at 1x4096x4096 and
 128x4096x4096, the GPU kept ahead so no call waits on it) and the device time per call of
 both replayed from a CUDA graph. Timing: CUDA events around each call, the median of a
 round's calls, and of `--rounds` rounds (3; ours and torch's taking turns); the GPU is kept
@@ -164,13 +165,26 @@ def op_specs(manifest: Any) -> list[Any]:
 
 
 class Operands:
-    """`sets` independent (A, B, D) triples of fresh random data for one shape, together over `min_bytes`."""
+    """`sets` independent (A, B, D) triples of fresh random data for one shape, together over `min_bytes`.
 
-    def __init__(self, torch: Any, m: int, n: int, k: int, min_bytes: int) -> None:
+    With K off 8, `contiguous` False gives A and B as views of rows K rounded up to 8 apart: the
+    layout ops.gemm's copy makes (cubinstore/ops/_gemm_staging.py), which a gemm tile reads in
+    place, so a timing is of the kernel alone (what tune_gemm.py fits the model to). True gives
+    plain contiguous tensors, as a user passes them: what `run` compares with torch.mm, the copies
+    included. With K a multiple of 8 both are the same contiguous tensors.
+    """
+
+    def __init__(self, torch: Any, m: int, n: int, k: int, min_bytes: int, *, contiguous: bool = False) -> None:
         per_set = 2 * (m * k + n * k + m * n)
         self.sets = max(2, math.ceil(min_bytes / per_set))
-        self.a = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(self.sets)]
-        self.b = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(self.sets)]
+        rows_of = k if contiguous else -(-k // 8) * 8
+
+        def operand(rows: int) -> Any:
+            x = torch.randn(rows, rows_of, device="cuda").to(torch.bfloat16)
+            return x if rows_of == k else x[:, :k]
+
+        self.a = [operand(m) for _ in range(self.sets)]
+        self.b = [operand(n) for _ in range(self.sets)]
         self.d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(self.sets)]
 
     def reference(self, i: int) -> Any:
@@ -280,7 +294,7 @@ def _reps(torch: Any, fn: Callable[[int], None], args: argparse.Namespace) -> in
 
 def bench_shape(torch: Any, library: Any, shape: Any, l2: int, args: argparse.Namespace) -> Row:
     m, n, k = shape.mnk
-    data = Operands(torch, m, n, k, ROTATE_L2 * l2)
+    data = Operands(torch, m, n, k, ROTATE_L2 * l2, contiguous=True)  # as a user passes them: copies counted
     ours, theirs = ours_mm(data), torch_mm(torch, data)
     error = checked_error(torch, ours, data, data.reference(0))
     reps = _reps(torch, theirs, args)
@@ -406,6 +420,96 @@ def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> lis
     return goals
 
 
+# Layouts ops.gemm copies (cubinstore/ops/_gemm_staging.py), each beside the same problem with no
+# copy and beside torch.mm on the same tensors: (what, M x N x K, layout of A, of B, of D). "padded":
+# rows 64 elements (128 bytes) apart, as docs/gemm.md advises storing weights; "transposed":
+# column-major; "2 bytes in": a view one element into its buffer.
+LAYOUTS = (
+    ("K off 8, contiguous", (777, 3333, 1111), "contiguous", "contiguous", "contiguous"),
+    ("K off 8, B padded", (777, 3333, 1111), "contiguous", "padded", "contiguous"),
+    ("K off 8, both padded", (777, 3333, 1111), "padded", "padded", "contiguous"),
+    ("M = 1, K off 8, contiguous", (1, 4096, 4095), "contiguous", "contiguous", "contiguous"),
+    ("M = 1, K off 8, B padded", (1, 4096, 4095), "contiguous", "padded", "contiguous"),
+    ("deep K off 8, contiguous", (16, 8192, 28671), "contiguous", "contiguous", "contiguous"),
+    ("deep K off 8, B padded", (16, 8192, 28671), "contiguous", "padded", "contiguous"),
+    ("K off 8, large, contiguous", (4096, 4096, 4095), "contiguous", "contiguous", "contiguous"),
+    ("B transposed", (4096, 4096, 4096), "contiguous", "transposed", "contiguous"),
+    ("A transposed", (128, 4096, 4096), "transposed", "contiguous", "contiguous"),
+    ("A 2 bytes in", (128, 4096, 4096), "2 bytes in", "contiguous", "contiguous"),
+    ("D transposed", (4096, 4096, 4096), "contiguous", "contiguous", "transposed"),
+    ("D 2 bytes in", (128, 4096, 4096), "contiguous", "contiguous", "2 bytes in"),
+)
+
+
+def in_layout(torch: Any, x: Any, layout: str) -> Any:
+    """`x` (rows x cols) as a view with the same values in `layout` (see LAYOUTS)."""
+    rows, cols = x.shape
+    if layout == "contiguous":
+        return x
+    if layout == "transposed":
+        return x.T.contiguous().T
+    if layout == "padded":
+        view = torch.empty(rows, -(-cols // 64) * 64, dtype=x.dtype, device=x.device)[:, :cols]
+    elif layout == "2 bytes in":
+        view = torch.empty(rows * cols + 1, dtype=x.dtype, device=x.device)[1:].view(rows, cols)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    view.copy_(x)
+    return view
+
+
+def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) -> list[str]:
+    """Time each of LAYOUTS: ops.gemm as given (with its copies), ops.gemm on the same values in layouts it
+    reads in place (rows K rounded up to 8 apart, D contiguous), and torch.mm as given. Returns wrong cases."""
+    import cubinstore.ops as ops
+    from cubinstore.ops import _gemm_staging
+
+    print("\n== layouts ops.gemm copies (ratio = torch.mm / ops.gemm as given; copy = as given - in place)")
+    print(f"{'case':28s} {'M x N x K':>16s} {'copies':>8s} {'ours us':>8s} {'in place':>9s} {'copy us':>8s} "
+          f"{'torch us':>9s} {'ratio':>7s} {'rel err':>8s}")
+    wrong = []
+    g = gemm_module()
+    for what, (m, n, k), layout_a, layout_b, layout_d in LAYOUTS:
+        plain = Operands(torch, m, n, k, ROTATE_L2 * l2)  # in place: rows of K rounded up to 8
+        given_a = [in_layout(torch, a.contiguous(), layout_a) for a in plain.a]
+        given_b = [in_layout(torch, b.contiguous(), layout_b) for b in plain.b]
+        given_d = [d if layout_d == "contiguous" else in_layout(torch, d, layout_d) for d in plain.d]
+
+        def given(i: int) -> None:
+            ops.gemm(given_a[i], given_b[i], out=given_d[i])
+
+        def in_place(i: int) -> None:
+            ops.gemm(plain.a[i], plain.b[i], out=plain.d[i])
+
+        def theirs(i: int) -> None:
+            torch.mm(given_a[i], given_b[i].T, out=given_d[i])
+
+        given_d[0].fill_(float("nan"))
+        given(0)
+        torch.cuda.synchronize()
+        d = given_d[0].float()
+        ref = plain.reference(0)
+        error = math.inf if bool(torch.isnan(d).any()) else float((d - ref).norm() / ref.norm())
+        if not error < MAX_REL_ERROR:
+            wrong.append(f"{what} {m}x{n}x{k}")
+        kernel_id, _ = g.select(library, 0, m, n, k)
+        decided = _gemm_staging.staging(
+            g._describe("a", given_a[0]), g._describe("b", given_b[0]), g._describe("out", given_d[0]),
+            skinny=kernel_id.startswith(g.SKINNY_FAMILY + "/"))
+        copies = "+".join(name for name, on in (("A", decided.a.copy), ("B", decided.b.copy),
+                                                ("D", decided.copy_out)) if on) or "none"
+        reps = _reps(torch, theirs, args)
+        ours_t, place_t, torch_t = [], [], []
+        for _ in range(args.rounds):
+            ours_t.append(time_ms(torch, given, plain.sets, reps, args.warmup))
+            place_t.append(time_ms(torch, in_place, plain.sets, reps, args.warmup))
+            torch_t.append(time_ms(torch, theirs, plain.sets, reps, args.warmup))
+        ours, place, their = (1e3 * statistics.median(t) for t in (ours_t, place_t, torch_t))
+        print(f"{what:28s} {f'{m}x{n}x{k}':>16s} {copies:>8s} {ours:8.1f} {place:9.1f} {ours - place:8.1f} "
+              f"{their:9.1f} {their / ours:7.1%} {error:8.1e}{'' if error < MAX_REL_ERROR else '  WRONG'}", flush=True)
+    return wrong
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -460,12 +564,13 @@ def run(args: argparse.Namespace) -> int:
     aligned = [r for r in large if r.shape.n % 8 == 0 and r.shape.k % 8 == 0]
     info.append(f"{'held-out, M >= ' + str(lm) + ', N and K multiples of 8 (' + str(len(aligned)) + ')':58s} "
                 f"{geomean([r.ratio for r in aligned]):7.3f}")
+    wrong_layouts = layout_costs(torch, library, l2, args)
     goals += overheads(torch, args, cycles_per_us)
     print("\n== against the issue's goals (ratio = torch.mm time / ops.gemm time)")
     print("\n".join(goals[:4] + info + goals[4:]))
-    wrong = [r for r in tuning + held if not r.right]
+    wrong = [r.shape.label for r in tuning + held if not r.right] + wrong_layouts
     if wrong:
-        print(f"WRONG results at {', '.join(r.shape.label for r in wrong)}")
+        print(f"WRONG results at {', '.join(wrong)}")
         return 1
     return 0
 

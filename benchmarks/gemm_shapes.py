@@ -2,10 +2,14 @@
 
 `TUNING` is what `tune_gemm.py --calibrate` measures and fits the selection model to
 (the 33 shapes of the 2026-11-29 tuning table plus a few that exercise tails and partial
-waves); `HELD_OUT` is what the model is judged on and the calibration never sees: square,
-Llama-3 8B/70B projections other than the tuning set's, MoE-like tall-skinny shapes and odd
-sizes with tails in M, N and K. The two sets are disjoint (tests/ops/test_gemm_model.py checks).
-Each shape is (M, N, K) for D = A @ B.T with A M x K and B N x K; K is a multiple of 8.
+waves, and since issue 32 M, N or K off 8 and few rows with deep K); `HELD_OUT` is what the
+model is judged on and the calibration never sees: square, Llama-3 8B/70B projections other
+than the tuning set's, MoE-like tall-skinny shapes, odd sizes with tails in M, N and K (issue
+32's 777x3333x1111 among them) and more few-row deep-K shapes. The two sets are disjoint
+(tests/ops/test_gemm_model.py checks). Each shape is (M, N, K) for D = A @ B.T with A M x K and
+B N x K. With K off 8, bench_gemm.py passes contiguous operands (ops.gemm copies them: its
+timing counts the copies, as a user's would) and tune_gemm.py passes rows K rounded up to 8
+apart (the copies' layout: its timings are of the kernels alone, what the model predicts).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ class Shape:
     m: int
     n: int
     k: int
-    group: str  # "square", "llm", "moe", "tail", "partial-wave"
+    group: str  # "square", "llm", "moe", "tail", "partial-wave", "deep-k"
     name: str
 
     @property
@@ -63,6 +67,13 @@ TUNING: Final[tuple[Shape, ...]] = tuple(
         Shape(1280, 3584, 4096, "partial-wave", "140 tiles of 128x256"),
         Shape(96, 8192, 2048, "moe", "small M"),
         Shape(6000, 512, 3000, "moe", "large M, small N"),
+        # Issue 32: M, N or K off 8 (K off 8: through ops.gemm's copies), few rows with deep K.
+        Shape(1000, 2000, 1001, "tail", "K off 8"),
+        Shape(2048, 1001, 4096, "tail", "N off 8"),
+        Shape(999, 4096, 2048, "tail", "M off 8"),
+        Shape(16, 4096, 28672, "deep-k", "few rows, deep K"),
+        Shape(32, 8192, 28672, "deep-k", "few rows, deep K"),
+        Shape(64, 2048, 28672, "deep-k", "few rows, deep K"),
     ]
 )
 
@@ -83,5 +94,12 @@ HELD_OUT: Final[tuple[Shape, ...]] = tuple(
         Shape(2049, 2047, 1000, "tail", "odd K"),
         Shape(129, 12289, 4104, "tail", "one row past a tile"),
         Shape(1, 5000, 3000, "tail", "M = 1, odd N"),
+        # Issue 32: its shape (K off 8), every dimension off 8, M = 1 with K off 8, few rows with deep K.
+        Shape(777, 3333, 1111, "tail", "issue 32: K off 8"),
+        Shape(2047, 4095, 4095, "tail", "M, N and K off 8"),
+        Shape(1, 4096, 4095, "tail", "M = 1, K off 8"),
+        Shape(8, 8192, 28672, "deep-k", "few rows, deep K"),
+        Shape(32, 4096, 28672, "deep-k", "few rows, deep K"),
+        Shape(16, 8192, 28671, "deep-k", "few rows, deep K off 8"),
     ]
 )

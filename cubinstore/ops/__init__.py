@@ -15,7 +15,8 @@ see `_gemm_op.py`), which is what `torch.compile` puts in its graphs.
 (for the tuning script and tests, which run every instantiation).
 
 Modules, bottom up: `_library` (the library), `_gemm_config` (instantiations, plans, operand
-checks), `_gemm_calibration` and `_gemm_model` (the selection), `_gemm` (the eager launch and
+checks), `_gemm_staging` (which operands a launch copies: any layout torch.mm takes is taken),
+`_gemm_calibration` and `_gemm_model` (the selection), `_gemm` (the eager launch and
 its caches), `_gemm_op` (`gemm`: the eager call or the torch op), `_gemm_tuning` (the measured
 table, kept for comparison), `_timing`.
 """

@@ -1,10 +1,14 @@
 """The eager launch of ``ops.gemm``: D = A @ B.T in bf16 on Hopper through the ``gemm`` and ``skinny`` families.
 
-A is M x K and B is N x K, both bf16 and K-major (each row contiguous), on one
-CUDA device of compute capability 9.0; D is M x N, bf16, row-major, computed
-with fp32 accumulation. The instantiation (a ``gemm`` tile, pipeline depth and cluster
-size with its K-split, or a ``skinny`` point for few rows of A) comes from the selection
-model in ``_gemm_model.py``, once per shape.
+A is M x K and B is N x K, bf16, on one CUDA device of compute capability 9.0,
+in any layout torch.mm takes (strides, offsets, any K); D is M x N, bf16, computed
+with fp32 accumulation. Operands the kernels cannot read where they lie (rows not
+contiguous, row strides off 16 bytes, starts off 16 bytes, or, for a ``skinny``
+point, K off 8) are copied inside the launch, and a D they cannot store into is
+computed apart and copied in (``_gemm_staging.py`` decides; docs/gemm.md measures).
+The instantiation (a ``gemm`` tile, pipeline depth and cluster size with its K-split, or
+a ``skinny`` point for few rows of A) comes from the selection model in ``_gemm_model.py``,
+once per shape.
 
 The kernels come from the library set with ``cubinstore.ops.set_library``
 (see ``cubinstore/ops/_library.py``). The launch contracts (grid, block,
@@ -47,6 +51,7 @@ from cubinstore.ops._gemm_config import (
     plan,
     stores_by_tma,
 )
+from cubinstore.ops._gemm_staging import Feed, Staging, staging
 from cubinstore.ops._library import get_library
 
 if TYPE_CHECKING:
@@ -107,10 +112,11 @@ def _describe(name: str, tensor: Any) -> Operand:
 # -- launch -----------------------------------------------------------------------------------------
 # Everything that does not change between calls of one problem signature is computed once:
 # the operand checks that depend only on dtype, shape, strides and device (the signature is
-# the cache key, so a hit has passed them), the selection, the plan, the kernel, its prepared
+# the cache key, so a hit has passed them), which operands a launch copies (the key holds the
+# alignment classes of the addresses too), the selection, the plan, the kernel, its prepared
 # launch (config, function attributes, packed scalars) and the tensor-map encoders; maps are
-# cached per address. A call then checks alignment, allocates D (and the split-K workspace),
-# packs five arguments and launches.
+# cached per address. A call then allocates D (and the split-K workspace), packs six
+# arguments and launches.
 
 _lock = threading.Lock()
 _kernels: dict[tuple[Library, str, int], Kernel] = {}  # the library itself: an id() may be reused
@@ -263,10 +269,11 @@ class _Call:
     plan: Plan
     # gemm: called as (stream, tma_a, tma_b, tma_d, d, workspace, counters); skinny: (stream, a, b, d)
     launch: PreparedLaunch
-    maps_a: _TensorMaps | None  # None: a skinny kernel, which takes pointers
+    maps_a: _TensorMaps | None  # None: a skinny kernel, which takes pointers; else of A as read (copied or not)
     maps_b: _TensorMaps | None
     maps_d: _TensorMaps | None  # None: N not a multiple of 8; the kernel stores D itself (pairs, or swapped elements)
     swap: bool = False  # the kernel takes B's map first (GemmConfig.swap)
+    staging: Staging | None = None  # the copies a launch makes (_gemm_staging); None: every operand in place
 
 
 def _counter_buffer(torch: Any, device: int, stream: int, count: int) -> Any:
@@ -296,31 +303,39 @@ def _stream_of(torch: Any) -> Any:
 def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> Any:
     """The eager implementation of `ops.gemm_with` on real tensors (the torch op's too)."""
     try:
+        address_a, address_b = a.data_ptr(), b.data_ptr()
         key: tuple[Any, ...] | None = (
             a.dtype, a.device, a.shape, a.stride(), b.dtype, b.device, b.shape, b.stride(),
             None if out is None else (out.dtype, out.device, out.shape, out.stride()), kernel_id, splits,
+            # Which operands a launch copies depends on these too (_gemm_staging): A and B start on
+            # 16 bytes, D on 4 (it is stored as words when N is even).
+            address_a & 15 == 0, address_b & 15 == 0, out is None or out.data_ptr() & 3 == 0,
         )
         call = _calls.get(key)  # type: ignore[arg-type]
-        address_a, address_b = (a.data_ptr(), b.data_ptr()) if call is not None else (0, 0)
-        # D's pairs of bf16 are stored as 4-byte words when N is even (see check_operands).
-        misaligned_d = call is not None and out is not None and out.data_ptr() & 3 and not call.shape[1] & 1
     except (AttributeError, TypeError):  # not tensors, or unhashable: the full checks word the error
-        key, call, address_a, address_b, misaligned_d = None, None, 0, 0, False
-    if (call is None or (address_a | address_b) & 15 or misaligned_d
-            or call.library is not get_library()):
+        key, call, address_a, address_b = None, None, 0, 0
+    if call is None or call.library is not get_library():
         call = _prepare(key, a, b, out, kernel_id, splits)  # checks every operand
         if call is None:  # an empty problem: done
             return out if out is not None else _empty_result(a, b)
         address_a, address_b = a.data_ptr(), b.data_ptr()
     torch = sys.modules["torch"]  # the operands are torch tensors
+    if call.staging is not None:
+        return _run_staged(torch, call, call.staging, a, b, out)
     if out is None:
         out = torch.empty(call.shape, dtype=torch.bfloat16, device=call.torch_device)
+    _launch(torch, call, address_a, address_b, out)
+    return out
+
+
+def _launch(torch: Any, call: _Call, address_a: int, address_b: int, out: Any) -> None:
+    """Launch `call`'s kernel on A and B at these addresses (as the kernel reads them), into `out`."""
     stream = _stream_of(torch)(call.device)
     if call.maps_a is None:  # a skinny kernel: plain pointers, no workspace
         call.launch(stream, address_a, address_b, out.data_ptr())
-        return out
+        return
     tma_a = call.maps_a.get(address_a)
-    tma_b = call.maps_b.get(address_b)
+    tma_b = call.maps_b.get(address_b)  # type: ignore[union-attr]
     if call.swap:
         tma_a, tma_b = tma_b, tma_a
     address_d, n_d = out.data_ptr(), call.shape[1]
@@ -332,6 +347,41 @@ def run(a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> 
         call.launch(stream, tma_a, tma_b, tma_d, address_d, workspace.data_ptr(), counters.data_ptr())
     else:
         call.launch(stream, tma_a, tma_b, tma_d, address_d, 0, 0)
+
+
+# -- layouts the kernels cannot read in place (_gemm_staging decides; docs/gemm.md measures) ----------
+# Every copy is a torch op on the current stream into memory from torch's caching allocator: no host
+# sync, so a CUDA graph captures it with the launch, and the allocator's stream order keeps a buffer
+# from being reused before the kernel has read it.
+
+
+def _copy_in(torch: Any, src: Any, feed: Feed, device: Any) -> Any:
+    """`src` (rows x K) copied into fresh rows `feed.row_stride` apart; zeros past K where the kernel reads them."""
+    rows, k = src.shape
+    buf = torch.empty((rows, feed.row_stride), dtype=torch.bfloat16, device=device)
+    if feed.row_stride == k:
+        buf.copy_(src)
+        return buf
+    if feed.cols > k:
+        buf[:, k:feed.cols].zero_()
+    buf[:, :k].copy_(src)
+    return buf
+
+
+def _run_staged(torch: Any, call: _Call, staging: Staging, a: Any, b: Any, out: Any) -> Any:
+    """A launch with copies: A or B into rows the kernel reads, D through a fresh tensor into `out`."""
+    if staging.a.copy:
+        a = _copy_in(torch, a, staging.a, call.torch_device)
+    if staging.b.copy:
+        b = _copy_in(torch, b, staging.b, call.torch_device)
+    d = out
+    if out is None or staging.copy_out:
+        d = torch.empty(call.shape, dtype=torch.bfloat16, device=call.torch_device)
+    _launch(torch, call, a.data_ptr(), b.data_ptr(), d)
+    if out is None:
+        return d
+    if staging.copy_out:
+        out.copy_(d)
     return out
 
 
@@ -345,7 +395,7 @@ def _empty_result(a: Any, b: Any) -> Any:
 def _prepare(
     key: tuple[Any, ...] | None, a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None
 ) -> _Call | None:
-    """Check the operands in full and build (or find) their signature's `_Call`; None for an empty problem."""
+    """Check the operands in full and build their signature's `_Call`; None for an empty problem."""
     from cubinstore.tensormap import encoder_2d_bf16
 
     a_op, b_op = _describe("a", a), _describe("b", b)
@@ -356,32 +406,30 @@ def _prepare(
             out.zero_()
         return None
     library = get_library()
-    if key is not None:
-        cached = _calls.get(key)
-        if cached is not None and cached.library is library:  # only the alignment check sent us here
-            return cached
     torch = sys.modules["torch"]
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     if kernel_id is None:
         kernel_id, chosen_splits = select(library, device, m, n, k)
         splits = chosen_splits if splits is None else splits
     splits = 1 if splits is None else splits
-    launch = plan(m, n, k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
+    config = config_of(kernel_id)  # a bad id is a BadArgumentError before anything is loaded
+    stage = staging(a_op, b_op, out_op, skinny=isinstance(config, SkinnyConfig))
+    launch = plan(m, n, stage.k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
     kernel = _kernel(library, kernel_id, device)
     co_resident = _co_resident(library, kernel, kernel_id, device)
     if co_resident is not None and launch.grid > co_resident * launch.config.cluster:
-        launch = plan(m, n, k, sm_count(device), kernel_id, splits, max_clusters=co_resident)
+        launch = plan(m, n, stage.k, sm_count(device), kernel_id, splits, max_clusters=co_resident)
     cfg = launch.config
-    logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d", m, n, k, kernel_id, launch.splits, launch.grid)
-    # A 1-row operand's stride is never used to step; give the kernel (or the map) a dense one.
-    stride_a = a_op.strides[0] if m > 1 else k
-    stride_b = b_op.strides[0] if n > 1 else k
+    logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d%s", m, n, k, kernel_id, launch.splits, launch.grid,
+                 f", copies {stage}" if stage.copies else "")
+    copies = stage if stage.copies else None
     if isinstance(cfg, SkinnyConfig):
         prepared = kernel.prepare(
             SKINNY_ENTRY, grid=(launch.grid, 1, 1), block=(cfg.threads, 1, 1), shared_mem=0,
-            args=(None, None, None, m, n, k, stride_a, stride_b),
+            args=(None, None, None, m, n, stage.k, stage.a.row_stride, stage.b.row_stride),
         )
-        call = _Call(library, device, torch.device("cuda", device), (m, n), launch, prepared, None, None, None)
+        call = _Call(library, device, torch.device("cuda", device), (m, n), launch, prepared, None, None, None,
+                     staging=copies)
         return _remember(key, call)
     kernel_m, kernel_n = cfg.kernel_dims(m, n)
     prepared = kernel.prepare(
@@ -390,18 +438,22 @@ def _prepare(
         block=(cfg.threads, 1, 1),
         # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
         shared_mem=cfg.smem_bytes,
-        args=(None, None, None, None, kernel_m, kernel_n, k, None, None, launch.splits),
+        args=(None, None, None, None, kernel_m, kernel_n, stage.k, None, None, launch.splits),
     )
     # Swapped, the kernel's A is the caller's B (and its B the caller's A): each gets the other's box.
     box_a, box_b = (cfg.box_b, cfg.box_a) if cfg.swap else (cfg.box_a, cfg.box_b)
+    # Addresses come with each call (the operand's, or its copy's); 16, an aligned stand-in, lets
+    # the encoders check the rest now.
     call = _Call(
         library, device, torch.device("cuda", device), (m, n), launch, prepared,
-        _TensorMaps(encoder_2d_bf16(a_op.address, m, k, stride_a, *box_a, swizzle=_SWIZZLE_BYTES, device=device)),
-        _TensorMaps(encoder_2d_bf16(b_op.address, n, k, stride_b, *box_b, swizzle=_SWIZZLE_BYTES, device=device)),
-        # D's address comes with each call; 16, an aligned stand-in, lets the encoder check the rest.
+        _TensorMaps(encoder_2d_bf16(16, m, stage.a.cols, stage.a.row_stride, *box_a, swizzle=_SWIZZLE_BYTES,
+                                    device=device)),
+        _TensorMaps(encoder_2d_bf16(16, n, stage.b.cols, stage.b.row_stride, *box_b, swizzle=_SWIZZLE_BYTES,
+                                    device=device)),
         _TensorMaps(encoder_2d_bf16(16, m, n, n, *cfg.d_box, swizzle=_SWIZZLE_BYTES, device=device))
         if stores_by_tma(n, 16) else None,
         bool(cfg.swap),
+        copies,
     )
     return _remember(key, call)
 

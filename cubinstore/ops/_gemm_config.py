@@ -398,26 +398,12 @@ def _check_matrix(op: Operand) -> None:
         raise BadArgumentError(f"gemm {op.name}: expected a 2-D tensor, got {len(op.shape)}-D shape {op.shape}")
 
 
-def _check_layout(op: Operand, rows: int, cols: int) -> None:
-    """K-major (rows contiguous), row stride a multiple of 8 elements, 16-byte aligned: what TMA needs."""
-    row_stride, col_stride = op.strides
-    if col_stride != 1 and cols > 1:
-        raise BadArgumentError(
-            f"gemm {op.name}: expected contiguous rows (stride 1 along dim 1), got strides {op.strides}"
-        )
-    if rows > 1 and (row_stride < cols or row_stride % 8):
-        raise BadArgumentError(
-            f"gemm {op.name}: expected a row stride >= {cols} and a multiple of 8 elements (16 bytes), "
-            f"got strides {op.strides}"
-        )
-    if op.address % 16:
-        raise BadArgumentError(f"gemm {op.name}: expected a 16-byte aligned data pointer, got 0x{op.address:x}")
-
-
 def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, int, int]:
     """Validate A (M x K), B (N x K) and an optional D (M x N); return (M, N, K).
 
-    Raises `BadArgumentError` naming the operand and what was expected.
+    Raises `BadArgumentError` naming the operand and what was expected: dtypes, ranks, shapes,
+    sizes and devices. Strides, offsets and K take no part: any layout torch.mm takes is valid,
+    and `_gemm_staging` decides which operands a launch copies.
     """
     _check_matrix(a)
     _check_matrix(b)
@@ -427,8 +413,6 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
         raise BadArgumentError(
             f"gemm: a is {m}x{k} and b is {n}x{kb}: expected the same K (b is N x K, D = a @ b.T)"
         )
-    if k % 8:
-        raise BadArgumentError(f"gemm: K = {k}: expected a multiple of 8 (16-byte rows for TMA)")
     for name, value in (("M", m), ("N", n), ("K", k)):
         if value > _I32_MAX:
             raise BadArgumentError(f"gemm: {name} = {value}: expected at most {_I32_MAX}")
@@ -436,17 +420,6 @@ def check_operands(a: Operand, b: Operand, out: Operand | None) -> tuple[int, in
         _check_matrix(out)
         if out.shape != (m, n):
             raise BadArgumentError(f"gemm out: expected shape ({m}, {n}), got {out.shape}")
-        if (n > 1 and out.strides[1] != 1) or (m > 1 and out.strides[0] != n):
-            raise BadArgumentError(f"gemm out: expected a contiguous row-major tensor, got strides {out.strides}")
-        # With N even the kernel stores D two elements (4 bytes) at a time; a view that starts
-        # mid-word would fault on the GPU and poison the context, so refuse it here.
-        if n % 2 == 0 and out.address % 4:
-            raise BadArgumentError(
-                f"gemm out: expected a 4-byte aligned data pointer when N ({n}) is even, got 0x{out.address:x}"
-            )
-    if m and n and k:
-        _check_layout(a, m, k)
-        _check_layout(b, n, k)
     for op in (a, b, out):
         if op is None:
             continue

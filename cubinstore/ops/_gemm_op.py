@@ -29,15 +29,20 @@ _PLAIN: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter, once torch is se
 
 
 def gemm(a: Any, b: Any, *, out: Any = None) -> Any:
-    """D = a @ b.T: `a` (M x K) and `b` (N x K) bf16 CUDA tensors, K-major; returns D (M x N, bf16).
+    """D = a @ b.T: `a` (M x K) and `b` (N x K) bf16 CUDA tensors; returns D (M x N, bf16, contiguous).
 
-    `out`, when given, must be a contiguous bf16 M x N tensor on the same device;
-    it is written and returned. Runs on the current torch stream of that device,
-    with the instantiation and K-split chosen for (M, N, K) (once per shape).
-    Raises `BadArgumentError` for bad dtypes, shapes, strides or devices, before
-    any launch. Rows of `a` and `b` that start on 128-byte lines (a row stride that
-    is a multiple of 64 elements, e.g. a weight stored padded: ``torch.empty(n,
-    k_pad)[:, :k]``) load up to 1.5x faster than rows off them (docs/gemm.md).
+    Any layout `torch.mm(a, b.T)` takes is taken: any M, N, K, strides and offsets. `out`,
+    when given, is a bf16 M x N tensor on the same device, of any strides; it is written and
+    returned. Runs on the current torch stream of that device, with the instantiation and
+    K-split chosen for (M, N, K) (once per shape). Raises `BadArgumentError` for bad dtypes,
+    ranks, shapes or devices, before any launch. The kernels read `a` and `b` in place when
+    their rows are contiguous, a multiple of 8 elements (16 bytes) apart and start 16-byte
+    aligned; otherwise the launch copies them first (K off 8, a transposed or sliced view, an
+    odd offset; docs/gemm.md, "Layouts that copy", says what that costs), and a D that is not
+    row-major (or, N even, not 4-byte aligned) is computed apart and copied into `out`. Rows
+    that start on 128-byte lines (a row stride a multiple of 64 elements, e.g. a weight stored
+    padded: ``torch.empty(n, k_pad)[:, :k]``) load up to 1.5x faster than rows off them, and a
+    padded weight is never copied.
     Under `torch.compile` (and on fake or other tensor subclasses) the
     call is the custom op `torch.ops.cubinstore.gemm` (`gemm_out` with `out`), which
     dynamo puts in the graph; eager calls on plain tensors skip torch's dispatcher.
@@ -112,7 +117,8 @@ def _define() -> None:
 
 
 def _check_fake(a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
-    """`check_operands` on what a fake tensor knows; its address is unknown, so alignment waits for the launch."""
+    """`check_operands` on what a fake tensor knows. Layouts and addresses decide only what the launch
+    copies (`_gemm_staging`), never D's shape, dtype or strides, so the fake result is the real one's."""
 
     def describe(name: str, t: Any) -> Any:
         # Sizes stay as torch gives them (SymInts under dynamic shapes): the checks then guard on them.

@@ -1,4 +1,5 @@
-"""The Hopper bf16 GEMM family on a GPU: every instantiation against a float32 reference.
+"""The Hopper bf16 GEMM family on a GPU: every instantiation, and every shape and layout torch.mm takes,
+against a float32 reference.
 
 Needs a compute capability 9.0 GPU, torch, and a manifest holding the `gemm`
 kernels (`CUBINSTORE_TEST_MANIFEST`, default `bazel-bin/kernels/manifest.json`);
@@ -18,6 +19,7 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore import launch
 from cubinstore.ops import _gemm as G
+from cubinstore.ops._gemm_staging import padded
 from helpers.gpu import check_gemm, family_ids, family_library, gemm_operands
 
 
@@ -163,3 +165,132 @@ def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, tor
     ops.gemm(a, b, out=d)
     check_gemm(torch, d, a, b, "out view 8 bytes in")
     assert bool(torch.isnan(storage[:4]).all() and torch.isnan(storage[4 + m * n :]).all())
+
+
+# -- every shape and layout torch.mm takes (K off 8, views, offsets: copied where the kernels cannot
+# read in place; cubinstore/ops/_gemm_staging.py) --------------------------------------------------
+
+ODD = (1, 7, 9, 15, 127, 1111)
+# The issue's shape, small M with deep K off 8, M = 1 with K off 8 (A read in place, B copied), and
+# one past the tiles everywhere.
+ODD_MORE = [(777, 3333, 1111), (16, 8192, 28671), (1, 4096, 4095), (4097, 4095, 4095), (128, 1, 1)]
+LAYOUTS = ("contiguous", "transposed", "2 bytes in", "8 bytes in", "padded rows", "odd row stride",
+           "every other row", "expanded")
+NAN = float("nan")
+
+
+def in_layout(torch: Any, x: Any, layout: str) -> Any:
+    """`x` (rows x cols, bf16) as a view in `layout`, every element around it NaN (the kernels must not read it).
+
+    "expanded" repeats x's first row (stride 0): the reference is taken from the view, so any values do.
+    """
+    rows, cols = x.shape
+    if layout == "contiguous":
+        return x
+    if layout == "transposed":  # column-major: K is not the contiguous dimension
+        return x.T.contiguous().T
+    if layout == "expanded":
+        return x[:1].expand(rows, cols)
+    if layout in ("2 bytes in", "8 bytes in"):
+        offset = 1 if layout == "2 bytes in" else 4
+        flat = torch.full((rows * cols + offset,), NAN, dtype=torch.bfloat16, device=x.device)
+        view = flat[offset:].view(rows, cols)
+    elif layout == "padded rows":  # rows 16-byte multiples apart: the gemm tiles read them in place
+        view = torch.full((rows, padded(cols) + 64), NAN, dtype=torch.bfloat16, device=x.device)[:, :cols]
+    elif layout == "odd row stride":
+        view = torch.full((rows, cols + 1), NAN, dtype=torch.bfloat16, device=x.device)[:, :cols]
+    elif layout == "every other row":
+        view = torch.full((2 * rows, cols), NAN, dtype=torch.bfloat16, device=x.device)[::2]
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(m, n, k) for m in ODD for n in ODD for k in ODD] + ODD_MORE, ids=str)
+def test_every_odd_shape_matches_float32_reference(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
+    a, b = gemm_operands(torch, m, n, k)
+    d = torch.full((m, n), NAN, dtype=torch.bfloat16, device="cuda:0")
+    what = f"ops.gemm (selected: {G.select(lib, 0, m, n, k)}) at {m}x{n}x{k}"
+    assert ops.gemm(a, b, out=d) is d
+    check_gemm(torch, d, a, b, what + " into out")
+    check_gemm(torch, ops.gemm(a, b), a, b, what)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(127, 1111, 1111), (300, 512, 1000), (9, 15, 7), (1, 4096, 4095),
+                                           (16, 1000, 4096)], ids=str)
+@pytest.mark.parametrize("layout_a", LAYOUTS)
+@pytest.mark.parametrize("layout_b", LAYOUTS)
+def test_every_layout_matches_float32_reference_and_leaves_the_operands_alone(
+    lib: launch.Library, torch: Any, m: int, n: int, k: int, layout_a: str, layout_b: str
+) -> None:
+    a0, b0 = gemm_operands(torch, m, n, k)
+    a, b = in_layout(torch, a0, layout_a), in_layout(torch, b0, layout_b)
+    before_a, before_b = a.clone(), b.clone()
+    d = ops.gemm(a, b)
+    check_gemm(torch, d, a, b, f"A {layout_a}, B {layout_b} at {m}x{n}x{k} (selected: {G.select(lib, 0, m, n, k)})")
+    assert torch.equal(a, before_a) and torch.equal(b, before_b), "an operand was written"
+
+
+def _out_in_layout(torch: Any, m: int, n: int, layout: str) -> tuple[Any, Any, Any]:
+    """(storage, D view, mask of the storage D covers): the storage all NaN, D an M x N view in `layout`."""
+    strides, offset, size = {
+        "contiguous": ((n, 1), 0, m * n),
+        "transposed": ((1, m), 0, m * n),
+        "2 bytes in": ((n, 1), 1, m * n + 1),
+        "8 bytes in": ((n, 1), 4, m * n + 4),
+        "column slice": ((n + 5, 1), 3, m * (n + 5) + 3),
+    }[layout]
+    storage = torch.full((size,), NAN, dtype=torch.bfloat16, device="cuda:0")
+    covered = torch.zeros(size, dtype=torch.bool, device="cuda:0")
+    covered.as_strided((m, n), strides, offset).fill_(True)
+    return storage, storage.as_strided((m, n), strides, offset), covered
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(300, 512, 1000), (129, 257, 72), (7, 9, 15), (1, 4096, 4095),
+                                           (64, 1, 64)], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "2 bytes in", "8 bytes in", "column slice"])
+def test_every_out_layout_is_written_and_nothing_around_it(
+    lib: launch.Library, torch: Any, m: int, n: int, k: int, layout: str
+) -> None:
+    a, b = gemm_operands(torch, m, n, k)
+    storage, d, covered = _out_in_layout(torch, m, n, layout)
+    assert ops.gemm(a, b, out=d) is d
+    check_gemm(torch, d, a, b, f"out {layout} at {m}x{n}x{k}")
+    assert bool(torch.isnan(storage[~covered]).all()), f"out {layout}: a store wrote outside D"
+
+
+@pytest.mark.parametrize("kernel_id", family_ids(G.FAMILY) + family_ids(G.SKINNY_FAMILY))
+@pytest.mark.parametrize(("m", "n", "k"), [(129, 257, 1111), (7, 13, 9), (16, 1000, 4095), (1, 1, 1)], ids=str)
+def test_every_instantiation_takes_k_off_8_and_never_reads_past_k(
+    lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, k: int
+) -> None:
+    # A's rows are NaN past K and 16-byte multiples apart: a gemm tile reads them in place and must
+    # stop at K (its maps end there); a skinny point copies them with zeros past K. B is contiguous
+    # (rows off 16 bytes): copied for both.
+    if kernel_id.startswith("<"):
+        pytest.skip(kernel_id)
+    a0, b = gemm_operands(torch, m, n, k)
+    a = in_layout(torch, a0, "padded rows")
+    skinny = kernel_id.startswith(G.SKINNY_FAMILY + "/")
+    for splits in [1] if skinny else [1, 3, G.STREAM_K]:
+        d = torch.full((m, n), NAN, dtype=torch.bfloat16, device="cuda:0")
+        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
+        check_gemm(torch, d, a, b, f"{kernel_id} splits={splits} at {m}x{n}x{k}, A in padded rows")
+
+
+def test_repeat_calls_that_copy_reuse_the_prepared_launch_and_the_maps(lib: launch.Library, torch: Any) -> None:
+    # The copies come from torch's caching allocator, which hands the same addresses back call after
+    # call: their maps are encoded once, and the signature is prepared once.
+    a, b = gemm_operands(torch, 777, 3333, 1111)
+    for _ in range(2):
+        ops.gemm(a, b)
+    before = G.cache_misses()
+    for _ in range(20):
+        d = ops.gemm(a, b)
+    after = G.cache_misses()
+    assert (after["prepared"], after["selection"]) == (before["prepared"], before["selection"])
+    assert after["tensor_map"] - before["tensor_map"] <= 4, "the copies' maps were encoded again and again"
+    check_gemm(torch, d, a, b, "repeated, through copies")
+    calls = [c for key, c in G._calls.items() if key[2] == a.shape and key[6] == b.shape and key[8] is None]
+    assert calls and all(c.staging is not None and c.staging.a.copy and c.staging.b.copy for c in calls)

@@ -1,0 +1,127 @@
+"""Which operands an ``ops.gemm`` launch copies, without a GPU: `_gemm_staging`'s decisions.
+
+Each case is a layout torch.mm takes; the decision says whether A and B are read in place or
+through a copy (and with which row stride and K), and whether D goes through a copy. The GPU
+tests (test_gemm_gpu.py) run the same layouts against a float32 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cubinstore.ops._gemm_config import Operand, check_operands
+from cubinstore.ops._gemm_staging import Feed, Staging, padded, reads_in_place, staging, writes_in_place
+
+BASE = 0x7F0000000000  # 512-byte aligned, as torch's caching allocator hands out
+
+
+def op(name: str, shape: tuple[int, int], strides: tuple[int, int] | None = None, *, offset: int = 0) -> Operand:
+    """A bf16 CUDA operand; `offset` in elements from an aligned start (a view's storage offset)."""
+    return Operand(name, "bfloat16", shape, strides or (shape[1], 1), "cuda:0", BASE + 2 * offset)
+
+
+def decide(a: Operand, b: Operand, out: Operand | None = None, *, skinny: bool = False) -> Staging:
+    check_operands(a, b, out)  # every case is a valid problem first
+    return staging(a, b, out, skinny=skinny)
+
+
+IN_PLACE_1000 = Feed(False, 1000, 1000)
+
+
+def test_padded_rounds_up_to_16_bytes() -> None:
+    assert [padded(k) for k in (1, 7, 8, 9, 1111, 1112, 28671)] == [8, 8, 8, 16, 1112, 1112, 28672]
+
+
+def test_contiguous_aligned_operands_copy_nothing() -> None:
+    s = decide(op("a", (300, 1000)), op("b", (500, 1000)), op("out", (300, 500)))
+    assert s == Staging(IN_PLACE_1000, IN_PLACE_1000, False, 1000) and not s.copies
+    assert not decide(op("a", (300, 1000)), op("b", (500, 1000)), skinny=True).copies
+
+
+def test_k_off_8_copies_both_into_rows_of_k_rounded_up_and_the_gemm_kernel_runs_k() -> None:
+    # The issue's shape: TMA reads K = 1111 columns of rows 1112 apart, and fills zeros past K itself.
+    s = decide(op("a", (777, 1111)), op("b", (3333, 1111)))
+    assert s == Staging(Feed(True, 1112, 1111), Feed(True, 1112, 1111), False, 1111)
+
+
+def test_k_off_8_on_a_skinny_point_zero_pads_both_and_runs_k_rounded_up() -> None:
+    # skinny reads K in groups of 8: both operands need zeros in 1111..1119, even one in padded rows.
+    s = decide(op("a", (16, 1111)), op("b", (4096, 1111), (1152, 1)), skinny=True)
+    assert s == Staging(Feed(True, 1112, 1112), Feed(True, 1112, 1112), False, 1112)
+
+
+def test_a_weight_stored_in_padded_rows_is_read_in_place_with_k_off_8() -> None:
+    # torch.empty(n, 1152)[:, :1111]: rows 16-byte apart already; only the activations are copied.
+    s = decide(op("a", (777, 1111)), op("b", (3333, 1111), (1152, 1)))
+    assert (s.a, s.b, s.k) == (Feed(True, 1112, 1111), Feed(False, 1152, 1111), 1111)
+
+
+def test_one_row_is_read_in_place_at_any_k_with_a_16_byte_stride_for_the_map() -> None:
+    s = decide(op("a", (1, 1111), (1, 1)), op("b", (4096, 1111), (1112, 1)))
+    assert s.a == Feed(False, 1112, 1111) and s.b == Feed(False, 1112, 1111) and not s.copies
+
+
+@pytest.mark.parametrize(("a", "why"), [
+    (op("a", (64, 1000), (1, 64)), "a transposed view: K not contiguous"),
+    (op("a", (64, 1000), (1004, 1)), "rows 2008 bytes apart: off 16"),
+    (op("a", (64, 1000), (0, 1)), "an expanded row: rows overlap"),
+    (op("a", (64, 1000), (500, 1)), "rows closer than K"),
+    (op("a", (64, 1000), offset=4), "a view 8 bytes in"),
+    (op("a", (64, 1000), offset=1), "a view 2 bytes in"),
+    (op("a", (64, 1000), (2**31, 1)), "a row stride past int32"),
+])
+def test_layouts_the_kernels_cannot_read_are_copied_into_contiguous_rows(a: Operand, why: str) -> None:
+    assert not reads_in_place(a, 64, 1000), why
+    for skinny in (False, True):
+        s = decide(a, op("b", (64, 1000)), skinny=skinny)
+        assert s.a == Feed(True, 1000, 1000) and s.b == IN_PLACE_1000 and s.k == 1000, why
+
+
+@pytest.mark.parametrize(("a", "why"), [
+    (op("a", (64, 1000), (1064, 1)), "padded rows, 16-byte multiple"),
+    (op("a", (64, 1000), (1000, 1), offset=8), "a view 16 bytes in"),
+    (op("a", (64, 1), (8, 7)), "one column: its stride is never stepped"),
+    (op("a", (1, 1000), (3, 1)), "one row: its stride is never stepped"),
+])
+def test_layouts_the_kernels_read_as_they_are(a: Operand, why: str) -> None:
+    assert reads_in_place(a, *a.shape), why
+
+
+def test_k_of_one_column_copies_rows_of_8() -> None:
+    s = decide(op("a", (7, 1)), op("b", (9, 1)))
+    assert s == Staging(Feed(True, 8, 1), Feed(True, 8, 1), False, 1)
+    assert decide(op("a", (7, 1)), op("b", (9, 1)), skinny=True).k == 8
+
+
+@pytest.mark.parametrize(("out", "copied"), [
+    (op("out", (64, 32)), False),
+    (op("out", (64, 32), (1, 64)), True),  # a transposed D
+    (op("out", (64, 32), (40, 1)), True),  # a column slice of a wider D
+    (op("out", (64, 32), offset=1), True),  # N even: pairs are stored as 4-byte words
+    (op("out", (64, 32), offset=2), False),  # 4 bytes in: words still aligned (TMA is skipped, not the kernel)
+    (op("out", (64, 33), offset=1), False),  # N odd: stored one element at a time
+    (op("out", (1, 32), (7, 1)), False),  # one row: its stride is never stepped
+    (op("out", (64, 1), (5, 9)), True),  # one column, rows 5 apart
+])
+def test_d_is_copied_only_where_the_kernel_cannot_store_it(out: Operand, copied: bool) -> None:
+    m, n = out.shape
+    assert writes_in_place(out, m, n) is not copied
+    assert decide(op("a", (m, 64)), op("b", (n, 64)), out).copy_out is copied
+
+
+def test_without_out_d_is_never_copied() -> None:
+    assert not decide(op("a", (3, 5), (1, 3)), op("b", (7, 5), offset=1)).copy_out
+
+
+@pytest.mark.parametrize("m", [1, 7, 9, 15, 127, 1111])
+@pytest.mark.parametrize("n", [1, 7, 9, 15, 127, 1111])
+@pytest.mark.parametrize("k", [1, 7, 8, 9, 15, 127, 1111, 28671])
+def test_every_odd_shape_gets_rows_the_kernels_can_read(m: int, n: int, k: int) -> None:
+    # Over contiguous operands: whatever is decided, what the kernel reads meets its contract.
+    for skinny in (False, True):
+        s = decide(op("a", (m, k)), op("b", (n, k)), skinny=skinny)
+        for feed, rows in ((s.a, m), (s.b, n)):
+            assert feed.row_stride % 8 == 0 and feed.row_stride >= feed.cols >= k
+            assert feed.copy == (k % 8 != 0 and (rows > 1 or skinny))
+            assert feed.cols == (padded(k) if skinny else k)
+        assert s.k == s.a.cols == s.b.cols
