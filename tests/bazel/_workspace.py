@@ -31,6 +31,7 @@ ALL_TARGETS = ("//kernels:all",)
 MATRIX_TARGETS = ("//kernels/axpy:all", "//kernels/transpose:all")
 
 COMPILE = "CubinCompile"
+PTX_COMPILE = "PtxCompile"  # a family's `ptx = [...]`: kernels of arch compute_...
 MANIFEST = "CubinManifest"
 
 # The PATH the rules give actions; the Bazel client gets the same (plus node for bazelisk).
@@ -481,3 +482,16 @@ def replace_with_copy(path: Path, change: Callable[[str], str]) -> None:
     text = path.read_text(encoding="utf-8")
     path.unlink()
     path.write_text(change(text), encoding="utf-8")
+
+
+def compiled_targets(manifest: dict, mnemonic: str = COMPILE) -> set[str]:
+    """The targets of the manifest's kernels that ``mnemonic`` builds: CUBINs (``CubinCompile``), or
+    PTX (``PtxCompile``: the kernels whose arch is ``compute_...``)."""
+    ptx = mnemonic == PTX_COMPILE
+    return {k["target"] for k in manifest["kernels"] if k["arch"].startswith("compute_") == ptx}
+
+
+def output_path(root: Path, kernel: dict) -> Path:
+    """Where the build put a manifest kernel's bytes below the workspace ``root``: its .cubin or .ptx."""
+    package, name = kernel["target"][2:].split(":")
+    return root / "bazel-bin" / package / (name + (".ptx" if kernel["arch"].startswith("compute_") else ".cubin"))

@@ -23,9 +23,11 @@ from ._workspace import (
     ALL_TARGETS,
     COMPILE,
     MANIFEST,
+    PTX_COMPILE,
     BuildResult,
     Workspace,
     append,
+    compiled_targets,
     find_bgd,
     find_nginx,
     replace_once,
@@ -45,8 +47,9 @@ def seed(checkouts7: Checkouts7) -> BuildResult:
 
 def test_bazel7_builds_every_kernel_through_module_bazel_alone(checkouts7: Checkouts7, seed: BuildResult) -> None:
     assert not (checkouts7.shallow.root / "WORKSPACE").exists()
-    instantiations = {k["target"] for k in seed.manifest_json()["kernels"]}
+    instantiations = compiled_targets(seed.manifest_json())
     assert instantiations and set(seed.by_label()) == instantiations
+    assert set(seed.by_label(PTX_COMPILE)) == compiled_targets(seed.manifest_json(), PTX_COMPILE)
     assert seed.hits() == set(), f"the seed must be cold (log: {seed.log})"
     # nvcc comes from the repository MODULE.bazel's use_repo_rule made, not from WORKSPACE.
     nvcc = {s.arguments[0] for s in seed.spawns if s.mnemonic == COMPILE}

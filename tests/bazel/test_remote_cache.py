@@ -19,7 +19,9 @@ import pytest
 import cubinstore
 
 from ._servers import BuildGridCache, NginxCache
-from ._workspace import ALL_TARGETS, MANIFEST, BuildResult, Workspace, find_bgd, find_nginx
+from ._workspace import (
+    ALL_TARGETS, MANIFEST, PTX_COMPILE, BuildResult, Workspace, compiled_targets, find_bgd, find_nginx,
+)
 from .conftest import Checkouts, unavailable
 
 pytestmark = pytest.mark.bazel
@@ -45,9 +47,11 @@ def _assert_cold(ci: BuildResult) -> None:
 
 
 def _assert_all_remote_hits(production: BuildResult, ci: BuildResult) -> None:
-    instantiations = {k["target"] for k in ci.manifest_json()["kernels"]}
+    instantiations = compiled_targets(ci.manifest_json())
     assert set(production.by_label()) == instantiations
     assert production.misses() == set(), f"production recompiled (log: {production.log})"
+    assert set(production.by_label(PTX_COMPILE)) == compiled_targets(ci.manifest_json(), PTX_COMPILE)
+    assert production.misses(PTX_COMPILE) == set()
     assert production.by_label(MANIFEST) == {"//kernels:manifest": True}
     assert production.manifest == ci.manifest
 

@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 
 from ._servers import BuildboxWorker, BuildGridExecution, PostgreSQL, find_postgres, in_worker_root
-from ._workspace import ALL_TARGETS, COMPILE, MANIFEST, REPO_ROOT, BuildResult, Workspace, copy_workspace, find_bgd
+from ._workspace import (
+    ALL_TARGETS, COMPILE, MANIFEST, PTX_COMPILE, REPO_ROOT, BuildResult, Workspace, compiled_targets, copy_workspace,
+    find_bgd,
+)
 from .conftest import Bazel7Tools, Checkouts7, Tools, unavailable
 
 pytestmark = pytest.mark.bazel
@@ -84,8 +87,8 @@ def remote(cluster: Cluster, checkouts7: Checkouts7) -> BuildResult:
 
 
 def test_rbe_executes_every_cubin_compile_remotely(remote: BuildResult, checkouts7: Checkouts7) -> None:
-    compiles = [s for s in remote.spawns if s.mnemonic == COMPILE]
-    instantiations = {k["target"] for k in remote.manifest_json()["kernels"]}
+    compiles = [s for s in remote.spawns if s.mnemonic in (COMPILE, PTX_COMPILE)]
+    instantiations = compiled_targets(remote.manifest_json()) | compiled_targets(remote.manifest_json(), PTX_COMPILE)
     assert {s.label for s in compiles} == instantiations
     assert {(s.runner, s.cache_hit) for s in compiles} == {("remote", False)}, f"log: {remote.log}"
     manifest = [s for s in remote.spawns if s.mnemonic == MANIFEST]

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ._workspace import ALL_TARGETS, BuildResult, Workspace, replace_once
+from ._workspace import ALL_TARGETS, BuildResult, Workspace, output_path, replace_once
 from .conftest import Tools
 
 pytestmark = pytest.mark.bazel
@@ -85,8 +85,7 @@ def test_two_cold_builds_give_identical_cubins_and_manifests(cold_builds: list[t
     kernels = first.manifest_json()["kernels"]
     for ws in (first_ws, second_ws):
         for kernel in kernels:
-            package, name = kernel["target"][2:].split(":")
-            data = (ws.root / "bazel-bin" / package / f"{name}.cubin").read_bytes()
+            data = output_path(ws.root, kernel).read_bytes()
             assert "sha256:" + hashlib.sha256(data).hexdigest() == kernel["digest"], f"{kernel['id']} in {ws.root}"
 
 
