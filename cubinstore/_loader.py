@@ -226,6 +226,10 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
             loaded.modules[key] = module
             if ptx:
                 loaded.ptx.append((spec.id, module.load_seconds))
+        if ptx:  # `cubinstore stats` shows it too, across processes
+            local = getattr(store, "local", None)
+            if local is not None:
+                local.add_stats({"ptx_loads": 1})
         return module
 
 

@@ -186,3 +186,14 @@ def test_ptx_for_a_newer_gpu_is_refused_before_the_driver_sees_it() -> None:
                                                         r"for compute_100a, device 0 has compute capability 9\.0"):
             _loader.load(spec, 0, (9, 0), blobs)  # type: ignore[arg-type]  # and so does the loader, the one path to the driver
         assert fake.loaded == [] and blobs.gets == 0
+
+
+def test_a_ptx_load_is_counted_in_the_stores_stats(clean_env) -> None:  # noqa: ANN001 - the fixture's path
+    from cubinstore.store import LocalStore, Store
+
+    local = LocalStore(clean_env)
+    local.write(Digest.of(PTX), PTX)
+    with using(FakeDriver((10, 0), version=13000)):
+        manifest = Manifest.from_bytes(dumps_canonical({"schema": SCHEMA, "kernels": [_kernel("compute_90", PTX, **FACTS)]}))
+        launch.Library(manifest, store=Store([local])).kernel("axpy", dtype="f32")
+    assert local.read_stats()["ptx_loads"] == 1  # what `cubinstore stats` prints, across processes

@@ -28,7 +28,8 @@ __all__ = ["FLUSH_EVENTS", "FLUSH_SECONDS", "STAT_KEYS", "Counters"]
 
 _log = get_logger(__name__)
 
-STAT_KEYS = ("hits", "misses", "bytes_fetched", "verification_failures")
+# ptx_loads: kernels loaded as PTX (the driver JIT-compiled them: no CUBIN of their point ran on the device).
+STAT_KEYS = ("hits", "misses", "bytes_fetched", "verification_failures", "ptx_loads")
 FLUSH_EVENTS = 1024
 FLUSH_SECONDS = 10.0
 
