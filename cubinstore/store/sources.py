@@ -65,7 +65,8 @@ class DirectorySource(Layer):
         self.root = Path(root).expanduser()
         self.suffix = suffix
         self._by_size: dict[int, list[Path]] | None = None
-        self._found: dict[Digest, Path] = {}
+        self._found: dict[Digest, Path] = {}  # what each file hashed to (the first file of each digest)
+        self._hashed: set[Path] = set()
         self._lock = threading.Lock()
 
     @property
@@ -96,17 +97,33 @@ class DirectorySource(Layer):
     def read(self, digest: Digest, size: int | None) -> bytes | None:
         limit = limit_for(size)
         known = self._found.get(digest)
-        candidates = [known] if known else []
-        index = self._index()
-        for file_size in sorted(index):
-            if file_size == size or (size is None and file_size <= limit):
-                candidates.extend(index[file_size])
-        for path in candidates:
-            try:
-                data = read_regular(path, limit)
-            except NotRegularFile:
-                continue
+        if known is not None:
+            data = self._read(known, limit)
             if data is not None and hashlib.sha256(data).hexdigest() == digest.hex:
-                self._found[digest] = path
+                return data
+        index = self._index()
+        if size is not None:
+            candidates = index.get(size, ())
+        else:
+            candidates = [path for file_size in sorted(index) if file_size <= limit for path in index[file_size]]
+        # Each file is hashed at most once, and what it hashed to remembered: a release of many
+        # same-size blobs costs one hash a file, not one a file per blob asked for.
+        for path in candidates:
+            if path in self._hashed:
+                continue
+            data = self._read(path, limit)
+            self._hashed.add(path)
+            if data is None:
+                continue
+            hex_ = hashlib.sha256(data).hexdigest()
+            self._found.setdefault(Digest(hex_), path)
+            if hex_ == digest.hex:
                 return data
         return None
+
+    @staticmethod
+    def _read(path: Path, limit: int) -> bytes | None:
+        try:
+            return read_regular(path, limit)
+        except NotRegularFile:
+            return None

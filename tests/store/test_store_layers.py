@@ -154,3 +154,21 @@ def test_get_returns_the_verified_object_even_if_the_file_changes_later(tmp_path
     got = Store([local]).get(digest, len(data))
     local.path_for(digest).write_bytes(bytes(len(data)))  # swapped after verification
     assert got == data and isinstance(got, bytes)
+
+
+def test_a_build_tree_of_same_size_blobs_hashes_each_file_once(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # A family's CUBINs often share a size: finding each of n blobs must not hash n files each time.
+    import hashlib as _hashlib
+
+    from cubinstore.store import DirectorySource
+
+    blobs = [random_blob(4096, seed=i) for i in range(60)]
+    for i, (_, data) in enumerate(blobs):
+        (tmp_path / f"k{i}.cubin").write_bytes(data)
+    hashed: list[int] = []
+    real = _hashlib.sha256
+    monkeypatch.setattr(_hashlib, "sha256", lambda b=b"": hashed.append(len(b)) or real(b))
+    source = DirectorySource(tmp_path)
+    for digest, data in reversed(blobs):  # the worst order for a scan in directory order
+        assert source.read(digest, len(data)) == data
+    assert len(hashed) <= 2 * len(blobs)  # each file hashed once, a remembered one checked once more
