@@ -180,3 +180,20 @@ def test_cubinstore_open_of_a_pinned_artifact_builds_a_library(registry, make_re
     assert not any(isinstance(layer, OciStore) for layer in default_store().layers)
     spec = next(iter(library.manifest))
     assert library.store.get(spec.digest, spec.size) == release.blobs[spec.digest.hex]
+
+
+def test_publish_from_one_registry_to_another_with_an_empty_local_store(
+        registry, make_release, cli, cli_env, clean_env: Path, tmp_path: Path) -> None:
+    # A promotion: staging's repository to production's, through a host that holds nothing.
+    release = make_release(n=3)
+    fill_local(clean_env, release.blobs)
+    staging, production = registry.repo("staging"), registry.repo("production")
+    publish(cli, cli_env, str(release.path), staging)
+    env = dict(cli_env, CUBINSTORE_HOME=str(tmp_path / "empty"))
+    out = cli(["publish", str(release.path), "--from", staging, "--to", production], env)
+    assert out.returncode == 0, out.stderr
+    pinned = out.stdout.strip().splitlines()[-1]
+    assert pinned.startswith(f"{production}@sha256:")
+    store = Store([LocalStore(tmp_path / "check"), OciStore(production)])
+    for hex_, data in release.blobs.items():
+        assert store.get(Digest(hex_), len(data)) == data  # every blob there, read back and verified
