@@ -68,6 +68,7 @@ class DirectorySource(Layer):
         self._found: dict[Digest, Path] = {}  # what each file hashed to (the first file of each digest)
         self._hashed: set[Path] = set()
         self._lock = threading.Lock()
+        self._scan_lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -96,30 +97,42 @@ class DirectorySource(Layer):
 
     def read(self, digest: Digest, size: int | None) -> bytes | None:
         limit = limit_for(size)
-        known = self._found.get(digest)
-        if known is not None:
-            data = self._read(known, limit)
-            if data is not None and hashlib.sha256(data).hexdigest() == digest.hex:
-                return data
+        data = self._known(digest, limit)
+        if data is not None:
+            return data
         index = self._index()
         if size is not None:
             candidates = index.get(size, ())
         else:
             candidates = [path for file_size in sorted(index) if file_size <= limit for path in index[file_size]]
         # Each file is hashed at most once, and what it hashed to remembered: a release of many
-        # same-size blobs costs one hash a file, not one a file per blob asked for.
-        for path in candidates:
-            if path in self._hashed:
-                continue
-            data = self._read(path, limit)
-            self._hashed.add(path)
-            if data is None:
-                continue
-            hex_ = hashlib.sha256(data).hexdigest()
-            self._found.setdefault(Digest(hex_), path)
-            if hex_ == digest.hex:
+        # same-size blobs costs one hash a file, not one a file per blob asked for. One scan at a
+        # time (publish and prefetch read from many threads): a file another thread is hashing
+        # would otherwise be skipped here before its digest is remembered.
+        with self._scan_lock:
+            data = self._known(digest, limit)  # found by another thread's scan meanwhile
+            if data is not None:
                 return data
+            for path in candidates:
+                if path in self._hashed:
+                    continue
+                data = self._read(path, limit)
+                self._hashed.add(path)
+                if data is None:
+                    continue
+                hex_ = hashlib.sha256(data).hexdigest()
+                self._found.setdefault(Digest(hex_), path)
+                if hex_ == digest.hex:
+                    return data
         return None
+
+    def _known(self, digest: Digest, limit: int) -> bytes | None:
+        """The bytes of the file a scan found ``digest`` in, if it still hashes to it."""
+        path = self._found.get(digest)
+        if path is None:
+            return None
+        data = self._read(path, limit)
+        return data if data is not None and hashlib.sha256(data).hexdigest() == digest.hex else None
 
     @staticmethod
     def _read(path: Path, limit: int) -> bytes | None:

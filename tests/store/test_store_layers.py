@@ -172,3 +172,18 @@ def test_a_build_tree_of_same_size_blobs_hashes_each_file_once(tmp_path, monkeyp
     for digest, data in reversed(blobs):  # the worst order for a scan in directory order
         assert source.read(digest, len(data)) == data
     assert len(hashed) <= 2 * len(blobs)  # each file hashed once, a remembered one checked once more
+
+
+def test_a_build_tree_read_from_many_threads_finds_every_blob(tmp_path) -> None:  # noqa: ANN001
+    # publish and prefetch read the tree from many threads: none may miss a blob another is hashing.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cubinstore.store import DirectorySource
+
+    blobs = [random_blob(4096, seed=i) for i in range(200)]
+    for i, (_, data) in enumerate(blobs):
+        (tmp_path / f"k{i}.cubin").write_bytes(data)
+    source = DirectorySource(tmp_path)
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda blob: source.read(blob[0], len(blob[1])), blobs))
+    assert got == [data for _, data in blobs]
