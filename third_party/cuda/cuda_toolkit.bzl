@@ -2,7 +2,11 @@
 
 The toolkit is looked for, in this order:
   1. `$CUDA_PATH`, 2. `$CUDA_HOME`, 3. `/usr/local/cuda`, 4. the toolkit of `nvcc` on `$PATH`.
-The first candidate holding both `bin/nvcc` and `nvvm/bin/cicc` wins. What nvcc -cubin runs
+The first candidate holding both `bin/nvcc` and `nvvm/bin/cicc` wins. Under bzlmod a module can
+declare it instead (`cuda.toolkit` of tools/extensions.bzl, read from `choice`): a `path` is
+the only candidate; a `version` (MAJOR.MINOR, read from `include/cuda.h`) keeps the search,
+adds `/usr/local/cuda-<version>` before `/usr/local/cuda`, and passes over a toolkit of
+another version. Nothing declared: the search above, unchanged. What nvcc -cubin runs
 (header_sets.bzl's COMPILER_FILES) and the include tree are symlinked into the repository and
 declared as inputs, so Bazel keys actions on the files' content: the toolkit's install path
 never reaches an action. Which headers a compile declares is header_sets.bzl's business.
@@ -19,6 +23,7 @@ binutils' `c++filt`, a command name on the actions' PATH), whose identity is wri
 """
 
 load("//third_party/cuda:header_sets.bzl", "COMPILER_DIRS", "COMPILER_FILES")
+load("//third_party/cuda:toolkit_choice.bzl", "CHOICE_SCHEMA", "check_choice")
 
 ACTION_PATH = "/usr/bin:/bin"
 
@@ -40,12 +45,34 @@ def _is_toolkit(rctx, root):
 def _realpath(rctx, path):
     return _run(rctx, ["realpath", "-e", path]).strip()
 
-def _detect_toolkit(rctx):
-    """Finds the toolkit root. Returns struct(root, source, tried)."""
-    tried = []
+def _read_choice(rctx):
+    """What a module declared (`cuda.toolkit`): struct(declared_by, path, version); all "" if none."""
+    if rctx.attr.choice == None:  # WORKSPACE: no module extension
+        return struct(declared_by = "", path = "", version = "")
+    data = json.decode(rctx.read(rctx.attr.choice))
+    if type(data) != "dict" or data.get("schema") != CHOICE_SCHEMA:
+        fail("cuda_toolkit: {} is not a toolkit choice of schema {}".format(rctx.attr.choice, CHOICE_SCHEMA))
+    choice = struct(declared_by = data["module"], path = data["path"], version = data["version"])
+    if choice.declared_by:
+        check_choice("cuda.toolkit in module '{}'".format(choice.declared_by), choice.path, choice.version)
+    return choice
 
-    # (root, source); root None: nothing to look at, `source` says why. Kept in search
-    # order so the error lists the candidates in the order they were tried.
+def _toolkit_version(rctx, root):
+    """MAJOR.MINOR from the toolkit's `include/cuda.h` (`#define CUDA_VERSION 13050` -> 13.5), or None."""
+    header = rctx.path(root + "/include/cuda.h")
+    if not header.exists:
+        return None
+    for line in rctx.read(header).split("\n"):
+        words = [w for w in line.replace("\t", " ").split(" ") if w]
+        if len(words) >= 3 and words[0] == "#define" and words[1] == "CUDA_VERSION" and words[2].isdigit():
+            number = int(words[2])
+            return "{}.{}".format(number // 1000, (number % 1000) // 10)
+    return None
+
+def _candidates(rctx, choice):
+    """(root, source) pairs in search order; root None: nothing to look at, `source` says why."""
+    if choice.path:
+        return [(choice.path, "cuda.toolkit(path) in module '{}'".format(choice.declared_by))]
     candidates = []
     for var in ["CUDA_PATH", "CUDA_HOME"]:
         value = rctx.os.environ.get(var, "")
@@ -53,6 +80,8 @@ def _detect_toolkit(rctx):
             candidates.append((value, "$" + var))
         else:
             candidates.append((None, "${} (unset)".format(var)))
+    if choice.version:
+        candidates.append(("/usr/local/cuda-" + choice.version, "default location of CUDA " + choice.version))
     candidates.append(("/usr/local/cuda", "default location"))
     nvcc = rctx.which("nvcc")
     if nvcc:
@@ -60,15 +89,42 @@ def _detect_toolkit(rctx):
         candidates.append((str(rctx.path(_realpath(rctx, str(nvcc))).dirname.dirname), "nvcc on $PATH"))
     else:
         candidates.append((None, "nvcc on $PATH (not found)"))
-    for root, source in candidates:
+    return candidates
+
+def _detect_toolkit(rctx, choice):
+    """Finds the toolkit root. Returns struct(root, source, tried)."""
+    tried = []
+
+    # Kept in search order so the error lists the candidates in the order they were tried.
+    for root, source in _candidates(rctx, choice):
         if root == None:
             tried.append(source)
             continue
-        if _is_toolkit(rctx, root):
-            return struct(root = _realpath(rctx, root), source = source, tried = tried)
-        tried.append("{} from {} (no bin/nvcc and nvvm/bin/cicc)".format(root, source))
-    fail("cuda_toolkit: no CUDA toolkit found. Tried, in order: {}. Set CUDA_PATH to the toolkit's root.".format(
+        if not _is_toolkit(rctx, root):
+            tried.append("{} from {} (no bin/nvcc and nvvm/bin/cicc)".format(root, source))
+            continue
+        if choice.version:
+            found = _toolkit_version(rctx, root)
+            if found != choice.version:
+                tried.append("{} from {} (CUDA {}, not {})".format(
+                    root,
+                    source,
+                    found or "of unknown version: no CUDA_VERSION in include/cuda.h",
+                    choice.version,
+                ))
+                continue
+        return struct(root = _realpath(rctx, root), source = source, tried = tried)
+    if not choice.declared_by:
+        fail("cuda_toolkit: no CUDA toolkit found. Tried, in order: {}. Set CUDA_PATH to the toolkit's root.".format(
+            "; ".join(tried),
+        ))
+    wanted = "of version {} ".format(choice.version) if choice.version else ""
+    fix = "Set CUDA_PATH to a CUDA {} toolkit's root, or change".format(choice.version) if not choice.path else "Change"
+    fail("cuda_toolkit: no CUDA toolkit {}found for cuda.toolkit in module '{}'. Tried, in order: {}. {} cuda.toolkit in that module's MODULE.bazel.".format(
+        wanted,
+        choice.declared_by,
         "; ".join(tried),
+        fix,
     ))
 
 def _detect_host_compiler(rctx):
@@ -126,7 +182,7 @@ def _detect_demangler(rctx, toolkit):
     ))
 
 def _cuda_toolkit_impl(rctx):
-    toolkit = _detect_toolkit(rctx)
+    toolkit = _detect_toolkit(rctx, _read_choice(rctx))
     host = _detect_host_compiler(rctx)
     demangler = _detect_demangler(rctx, toolkit)
     for f in COMPILER_FILES + COMPILER_DIRS:
@@ -145,6 +201,10 @@ cuda_toolkit = repository_rule(
     environ = ["CUDA_PATH", "CUDA_HOME", "PATH", "CUBINSTORE_HOST_CC", "CUBINSTORE_CXXFILT"],
     local = True,
     attrs = {
+        "choice": attr.label(
+            doc = "The `choice.json` of `@cuda_toolkit_choice` (the `cuda` module extension); " +
+                  "None (WORKSPACE) or nothing declared: the search order alone.",
+        ),
         "_build_template": attr.label(default = Label("//third_party/cuda:toolkit.BUILD")),
     },
 )

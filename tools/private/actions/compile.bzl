@@ -58,7 +58,7 @@ LIST_SLOTS = {
     "includes": "-I{}",
 }
 
-def cubin_compile_args(ctx, values, lists, ptx = False):
+def cubin_compile_args(ctx, values, lists, ptx = False, root = "."):
     """An `Args` holding the command after nvcc itself (the executable is run separately).
 
     Args:
@@ -67,6 +67,7 @@ def cubin_compile_args(ctx, values, lists, ptx = False):
       lists: slot -> list or depset of str, for the slots of `LIST_SLOTS`.
       ptx: write PTX text (`-ptx`, with a `compute_` arch) instead of a CUBIN; every other word
         is the table's, and a CUBIN's command is the table exactly.
+      root: the include root `-I.` names; a header closure's tree (`header_closure`) instead.
 
     Returns:
       The `Args`.
@@ -86,6 +87,8 @@ def cubin_compile_args(ctx, values, lists, ptx = False):
             args.add(word[:start] + values[word[start + 1:end]] + word[end + 1:])
         elif ptx and word == "-cubin":
             args.add("-ptx")
+        elif word == "-I." and root != ".":
+            args.add("-I" + root)
         else:
             args.add(word)
     return args
@@ -102,6 +105,26 @@ def _toolkit_inputs(ctx):
         for name in wanted
     ]
 
+def header_hint(ctx):
+    """Where a compile's headers come from, said in its progress message.
+
+    Bazel prints an action's progress message in front of its failure, so a header the
+    sandbox lacks (nvcc's bare `No such file or directory`) is reported beside the attributes
+    that declare headers. The progress message is no part of the action key: no key changes.
+
+    Args:
+      ctx: the context of a rule with `COMPILE_ATTRS`.
+
+    Returns:
+      E.g. `[headers only from hdrs, deps and toolkit_headers: core + libcudacxx]`.
+    """
+    attrs = [a for a in ("hdrs", "deps", "system_deps") if hasattr(ctx.attr, a)]
+    if ALL in ctx.attr.toolkit_headers:
+        sets = ALL
+    else:
+        sets = " + ".join(["core"] + resolve_header_sets(ctx.label, ctx.attr.toolkit_headers))
+    return "[headers only from {} and toolkit_headers: {}]".format(", ".join(attrs), sets)
+
 def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mnemonic = "CubinCompile"):
     """Runs nvcc once (mnemonic `CubinCompile`, or `PtxCompile` for PTX): `src` to `output`.
 
@@ -112,7 +135,7 @@ def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mne
       output: the .cubin File to write.
       args: the command after nvcc, from `cubin_compile_args`.
       headers: a depset of the header Files the source may read, besides the toolkit's.
-      progress_message: what Bazel shows while it runs.
+      progress_message: what Bazel shows while it runs; `header_hint` is appended.
       mnemonic: `CubinCompile`, or `PtxCompile` for args made with `ptx = True`.
     """
     ctx.actions.run(
@@ -125,5 +148,5 @@ def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mne
         outputs = [output],
         env = ACTION_ENV,
         mnemonic = mnemonic,
-        progress_message = progress_message,
+        progress_message = progress_message + " " + header_hint(ctx),
     )

@@ -124,6 +124,10 @@ def _launch_for(launch, entries, params):
         out[_fill(entry, params)] = {k: _fill_value(v, params) for k, v in geometry.items()}
     return json.encode(out)
 
+def _optional(**attrs):
+    """The attributes given a value, so a target left at the default has the same attributes as before."""
+    return {k: v for k, v in attrs.items() if v != None and v != False}
+
 def cubin_instantiations(
         name,
         grid,
@@ -138,6 +142,7 @@ def cubin_instantiations(
         launch = {},
         family = None,
         toolkit_headers = None,
+        header_closure = False,
         jit = False,
         warm_points = [],
         ptx = [],
@@ -178,6 +183,8 @@ def cubin_instantiations(
       toolkit_headers: the toolkit's optional header sets the sources include (cuda_cubin's
         attribute: 'libcudacxx', 'cub', 'thrust', or [] for the core headers alone); None
         (default): the whole include tree.
+      header_closure: compile each point from the headers its source includes (cuda_cubin's
+        attribute), so a header a point never includes re-keys none of its targets.
       jit: also write the family's JIT template (target `<name>_jit`, a cubin_jit_template of
         the same sources, defines, copts and entries), which the manifest embeds, so the
         runtime can compile points the grid lacks. Entries must then be symbols.
@@ -235,7 +242,7 @@ def cubin_instantiations(
                 copts = [_fill(c, params) for c in copts],
                 entries = point_entries,
                 launch_json = _launch_for(launch, entries, params),
-                **({} if toolkit_headers == None else {"toolkit_headers": toolkit_headers})
+                **_optional(toolkit_headers = toolkit_headers, header_closure = header_closure)
             )
             instances.append(":" + target)
         for arch in ptx:
@@ -253,7 +260,7 @@ def cubin_instantiations(
                 copts = [_fill(c, params) for c in copts],
                 entries = point_entries,
                 launch_json = _launch_for(launch, entries, params),
-                **({} if toolkit_headers == None else {"toolkit_headers": toolkit_headers})
+                **_optional(toolkit_headers = toolkit_headers, header_closure = header_closure)
             )
             instances.append(":" + target)
     jit_template = None

@@ -4,9 +4,10 @@
 """
 
 load("@local_cuda//:defs.bzl", "HOST_CC")
-load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo")
+load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo", "PyToolInfo")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "check_ptx_arch", "merge_flags", "module_anchor")
 load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", _ACTION_ENV = "ACTION_ENV")
+load("//tools/private/actions:scan.bzl", "closure_compile", "scan_header_closure")
 
 # Re-exported: cubin_manifest and cubin_jit_template run their actions in the same environment.
 ACTION_ENV = _ACTION_ENV
@@ -39,6 +40,15 @@ def compile_instance(ctx, ptx):
     anchor = ctx.actions.declare_file(ctx.label.name + ".anchor.h")
     ctx.actions.write(anchor, module_anchor(source_path))
 
+    # header_closure: the compile reads the headers its TU includes, copied into a tree by a
+    # CubinScan action, instead of every declared header (tools/private/actions/scan.bzl).
+    root, source, flags = ".", src, merge_flags(ctx.attr.copts)
+    if ctx.attr.header_closure:
+        tree = scan_header_closure(ctx, src, headers, includes, ctx.attr.id)
+        closure = closure_compile(tree, src, includes, flags)
+        root, source, flags, includes = closure.root, closure.source, closure.flags, closure.includes
+        headers = depset([tree])
+
     # The command's shape is one table, shared with the JIT (tools/private/actions/compile.bzl).
     args = cubin_compile_args(
         ctx,
@@ -47,16 +57,17 @@ def compile_instance(ctx, ptx):
             "arch": ctx.attr.arch,
             "host_cc": HOST_CC,
             "output": cubin,
-            "source": src,
+            "source": source,
             "source_name": source_path,
         },
         lists = {
             "defines": ctx.attr.defines,
             "extra": [],
-            "flags": merge_flags(ctx.attr.copts),
+            "flags": flags,
             "includes": includes,
         },
         ptx = ptx,
+        root = root,
     )
 
     cubin_compile(
@@ -98,6 +109,13 @@ CUDA_CUBIN_ATTRS = dict(COMPILE_ATTRS, **{
     "family": attr.string(mandatory = True, doc = "Kernel family, e.g. 'axpy'."),
     "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
     "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
+    "header_closure": attr.bool(
+        default = False,
+        doc = "Compile from the headers the source includes (a CubinScan action copies them into a tree artifact) " +
+              "instead of every header of hdrs and deps, so a header it never includes re-keys nothing. " +
+              "The command line differs from the default's (every key once); the CUBIN's bytes do not.",
+    ),
+    "_scan_tool": attr.label(default = "//tools/private:header_closure_tool", executable = True, cfg = "exec", providers = [PyToolInfo]),
 })
 
 cuda_cubin = rule(

@@ -1,0 +1,116 @@
+"""`header_closure = True` (docs/header-closure.md): a CubinScan action copies the headers a TU
+includes into a tree artifact and the compile reads that tree, so a declared header the TU never
+includes is no input of its compile: changing it re-keys that compile's neighbours, not it.
+Without the attribute every declared header stays an input (the control)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ._workspace import Workspace, append
+from .conftest import Tools
+
+pytestmark = pytest.mark.bazel
+
+PACKAGE = "closure_probe"
+BUILD = """\
+load("//tools:defs.bzl", "cuda_cubin")
+
+[
+    cuda_cubin(
+        name = name,
+        srcs = [src],
+        hdrs = ["a.cuh", "b.cuh", "common.cuh"],
+        arch = "sm_80",
+        entries = {"probe": ["ptr"]},
+        family = "probe",
+        header_closure = closure,
+        id = "probe/" + name,
+        toolkit_headers = ["libcudacxx"],
+        deps = ["//third_party/cutlass:cute"],
+    )
+    for name, src, closure in [
+        ("a_closure", "a.cu", True),
+        ("b_closure", "b.cu", True),
+        ("a_default", "a.cu", False),
+        ("b_default", "b.cu", False),
+    ]
+]
+"""
+FILES = {
+    # a: its own header, the common one, and CuTe (whose includes are partly computed:
+    # `#include CUDA_STD_HEADER(tuple)`).
+    "a.cu": '#include "a.cuh"\n#include <cute/tensor.hpp>\n'
+            'extern "C" __global__ void probe(int* p) { p[0] = A_VALUE + cute::size(cute::make_shape(cute::Int<4>{}, 2)); }\n',
+    "a.cuh": '#pragma once\n#include "common.cuh"\n#define A_VALUE (COMMON + 1)\n',
+    # b: by its workspace path (an -I. name), not beside the source.
+    "b.cu": f'#include "{PACKAGE}/b.cuh"\nextern "C" __global__ void probe(int* p) {{ p[0] = B_VALUE; }}\n',
+    "b.cuh": f'#pragma once\n#include "{PACKAGE}/common.cuh"\n#define B_VALUE (COMMON + 2)\n',
+    "common.cuh": "#pragma once\n#define COMMON 1\n",
+}
+TARGETS = [f"//{PACKAGE}:all"]
+
+
+@pytest.fixture(scope="module")
+def workspace(bazel_tools: Tools, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
+    base = tmp_path_factory.mktemp("header_closure")
+    ws = Workspace.create(base / "cubinstore", base / "output_base", bazel_tools.bazel, bazel_tools.venv)
+    (ws.root / PACKAGE).mkdir()
+    (ws.root / PACKAGE / "BUILD.bazel").write_text(BUILD)
+    for name, text in FILES.items():
+        (ws.root / PACKAGE / name).write_text(text)
+    try:
+        yield ws
+    finally:
+        ws.shutdown()
+
+
+@pytest.fixture(scope="module")
+def disk_cache(workspace: Workspace) -> Path:
+    """A disk cache holding one cold build of the probe."""
+    path = workspace.output_base.parent / "disk_cache"
+    path.mkdir()
+    first = workspace.build(TARGETS, disk_cache=path)
+    assert first.misses() == {f"//{PACKAGE}:{n}" for n in ("a_closure", "b_closure", "a_default", "b_default")}
+    assert first.misses("CubinScan") == {f"//{PACKAGE}:a_closure", f"//{PACKAGE}:b_closure"}
+    return path
+
+
+def _tree(ws: Workspace, target: str) -> set[str]:
+    tree = ws.root / "bazel-bin" / PACKAGE / f"{target}.hdrs"
+    return {str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file()}
+
+
+def test_the_tree_holds_the_source_and_the_headers_it_includes(workspace: Workspace, disk_cache: Path) -> None:
+    workspace.build(TARGETS, disk_cache=disk_cache)
+    assert _tree(workspace, "b_closure") == {f"{PACKAGE}/b.cu", f"{PACKAGE}/b.cuh", f"{PACKAGE}/common.cuh"}
+    a = _tree(workspace, "a_closure")
+    assert {f"{PACKAGE}/a.cu", f"{PACKAGE}/a.cuh", f"{PACKAGE}/common.cuh"} <= a and f"{PACKAGE}/b.cuh" not in a
+    cute = {p for p in a if "/include/cute/" in p}
+    # CuTe's tensor.hpp and what it includes, a part of the 800 declared files of CUTLASS.
+    assert any(p.endswith("/include/cute/tensor.hpp") for p in cute) and 20 < len(a) < 400, len(a)
+
+
+def test_the_closure_compiles_to_the_same_bytes(workspace: Workspace, disk_cache: Path) -> None:
+    workspace.build(TARGETS, disk_cache=disk_cache)
+    out = workspace.root / "bazel-bin" / PACKAGE
+    for name in ("a", "b"):
+        assert (out / f"{name}_closure.cubin").read_bytes() == (out / f"{name}_default.cubin").read_bytes(), name
+
+
+def test_a_header_the_tu_never_includes_re_keys_no_closure_compile(workspace: Workspace, disk_cache: Path) -> None:
+    with workspace.edit(f"{PACKAGE}/b.cuh", append("#define B_EXTRA 1")):
+        result = workspace.build(TARGETS, disk_cache=disk_cache)
+    assert result.hits() == {f"//{PACKAGE}:a_closure"}, result.log
+    # b reads it; both defaults declare it.
+    assert result.misses() == {f"//{PACKAGE}:{n}" for n in ("b_closure", "a_default", "b_default")}, result.log
+
+
+def test_a_header_both_include_re_keys_both(workspace: Workspace, disk_cache: Path) -> None:
+    with workspace.edit(f"{PACKAGE}/common.cuh", append("#define COMMON_EXTRA 1")):
+        result = workspace.build(TARGETS, disk_cache=disk_cache)
+    assert result.hits() == set(), result.log
+
