@@ -25,6 +25,20 @@ from cubinstore.store.local import record
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
+
+@pytest.fixture(autouse=True)
+def _user_xattrs(tmp_path: Path) -> None:
+    """Records live in user xattrs: a filesystem without them keeps none (every load uses sha256,
+    which the other store tests cover), so there is nothing here to test."""
+    probe = tmp_path / "xattr-probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.cubinstore.probe", b"1")
+    except OSError as exc:
+        pytest.skip(f"{tmp_path} has no user xattrs ({exc.strerror})")
+    finally:
+        probe.unlink()
+
 REPO = Path(__file__).resolve().parents[2]
 RECORD = record.NAME
 
