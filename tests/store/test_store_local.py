@@ -352,7 +352,7 @@ def test_stats_are_counted_and_persisted(tmp_path: Path) -> None:
     store2.get(digest, len(data))  # local hit in a "new process"
     assert store.stats.hits == 1 and store.stats.misses == 1 and store.stats.bytes_fetched == len(data)
     persisted = local.read_stats()
-    assert persisted == {"hits": 1, "misses": 1, "bytes_fetched": len(data), "verification_failures": 0}
+    assert persisted == {"hits": 1, "misses": 1, "bytes_fetched": len(data), "verification_failures": 0, "ptx_loads": 0}
 
 
 # -- the per-digest fill lock: a byte of one lock file per shard --------------------------------
