@@ -227,42 +227,27 @@ def cubin_instantiations(
             _fill(entry, params): [_fill(t, params) for t in types]
             for entry, types in entries.items()
         }
-        for arch in archs:
-            target = point + "_" + arch
-            cuda_cubin(
-                name = target,
-                srcs = point_srcs,
-                hdrs = [_fill(h, params) for h in hdrs],
-                deps = deps,
-                arch = arch,
-                family = family,
-                id = "/".join([family] + rendered + [arch]),
-                params_json = json.encode(params),
-                defines = [_fill(d, params) for d in defines],
-                copts = [_fill(c, params) for c in copts],
-                entries = point_entries,
-                launch_json = _launch_for(launch, entries, params),
-                **_optional(toolkit_headers = toolkit_headers, header_closure = header_closure)
-            )
-            instances.append(":" + target)
-        for arch in ptx:
-            target = point + "_" + arch
-            cuda_ptx(
-                name = target,
-                srcs = point_srcs,
-                hdrs = [_fill(h, params) for h in hdrs],
-                deps = deps,
-                arch = arch,
-                family = family,
-                id = "/".join([family] + rendered + [arch]),
-                params_json = json.encode(params),
-                defines = [_fill(d, params) for d in defines],
-                copts = [_fill(c, params) for c in copts],
-                entries = point_entries,
-                launch_json = _launch_for(launch, entries, params),
-                **_optional(toolkit_headers = toolkit_headers, header_closure = header_closure)
-            )
-            instances.append(":" + target)
+
+        # A CUBIN per arch, then a PTX per `ptx` arch: the same attributes, another rule.
+        for rule, rule_archs in ((cuda_cubin, archs), (cuda_ptx, ptx)):
+            for arch in rule_archs:
+                target = point + "_" + arch
+                rule(
+                    name = target,
+                    srcs = point_srcs,
+                    hdrs = [_fill(h, params) for h in hdrs],
+                    deps = deps,
+                    arch = arch,
+                    family = family,
+                    id = "/".join([family] + rendered + [arch]),
+                    params_json = json.encode(params),
+                    defines = [_fill(d, params) for d in defines],
+                    copts = [_fill(c, params) for c in copts],
+                    entries = point_entries,
+                    launch_json = _launch_for(launch, entries, params),
+                    **_optional(toolkit_headers = toolkit_headers, header_closure = header_closure)
+                )
+                instances.append(":" + target)
     jit_template = None
     if jit:
         if any(["{" in h for h in hdrs]):
