@@ -155,14 +155,21 @@ def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] |
         targets: list[tuple[Digest, int | None]] = [(e.digest, None) for e in entries]
     else:
         targets = list(blobs)
+    with local.session():  # each shard directory opened once for the whole walk
+        _verify_each(local, targets, report)
+    return report
+
+
+def _verify_each(local: LocalStore, targets: list[tuple[Digest, int | None]], report: VerifyReport) -> None:
     for digest, size in targets:
         report.checked += 1
         path = local.path_for(digest)
         try:
-            data = local.read_entry(digest, size if size is not None else MAX_BLOB_SIZE)
-            if data is None:
+            got = local.read_entry_and_record(digest, size if size is not None else MAX_BLOB_SIZE)
+            if got is None:
                 report.missing.append(digest)
                 continue
+            data, st, record = got
             verify(data, digest, size, where=str(path))
         except (IntegrityError, NotRegularFile) as exc:
             moved = local.quarantine(digest)
@@ -170,5 +177,4 @@ def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] |
             _log.info("corrupt %s: %s; quarantined to %s", digest, exc, moved)  # the caller reports it
             continue
         report.ok += 1
-        report.records[local.check_record(digest, data)] += 1
-    return report
+        report.records[local.check_record(digest, data, st, record)] += 1

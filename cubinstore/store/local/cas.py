@@ -347,31 +347,34 @@ class LocalStore(Counters, Layer):
         finally:
             os.close(fd)
 
-    def check_record(self, digest: Digest, data: bytes) -> str:
-        """For ``verify``, once ``data`` (the entry's bytes) verified by sha256: ``"ok"`` (its record
-        matches), ``"recorded"`` / ``"re-recorded"`` (a missing / stale record written now), or
-        ``"none"`` (no record can be kept: a store that fails the ownership rule, no xattrs, no xxhash)."""
+    def read_entry_and_record(self, digest: Digest, limit: int) -> tuple[bytes, os.stat_result, bytes | None] | None:
+        """For ``verify``: at most ``limit + 1`` bytes of the entry (unverified, gc's clock untouched),
+        its stat and its record, from one open; None if absent. Links: ``NotRegularFile``."""
         hex_ = digest.hex
-        try:
-            with self._fs.dir("v1", "cas", hex_[:2]) as shard:
-                if shard is None:
-                    return "none"
-                fd = os.open(hex_, READ_FLAGS, dir_fd=shard)
-                try:
-                    st = os.fstat(fd)
-                    record = _record.read(fd)
-                    if record is not None and _record.matches(record, hex_, data):
-                        return "ok"
-                    if st.st_size != len(data) or not (self.trusts_records() and owned_entry(st)) or \
-                            not _record.write(fd, _record.make(hex_, data)):
-                        return "none"
-                    return "recorded" if record is None else "re-recorded"
-                finally:
-                    os.close(fd)
-        except (OSError, StoreError, NotRegularFile):
-            return "none"
+        path = f"{self._cas_text}/{hex_[:2]}/{hex_}"
+        if self._fs.in_session:  # verify's walk: each shard opened once
+            shard = self._fs.session_read_dir("v1", "cas", hex_[:2])
+            return None if shard is None else read_entry_at(shard, hex_, limit, path=path, touch=False)
+        with self._fs.dir("v1", "cas", hex_[:2]) as held:
+            return None if held is None else read_entry_at(held, hex_, limit, path=path, touch=False)
 
-    def _record(self, name: str, hex_: str, st: os.stat_result, data: bytes, *, stale: bool) -> None:
+    def check_record(self, digest: Digest, data: bytes, st: os.stat_result, record: bytes | None) -> str:
+        """For ``verify``, once ``data`` (the entry's bytes, read with ``st`` and ``record`` by
+        ``read_entry_and_record``) verified by sha256: ``"ok"`` (its record matches), ``"recorded"`` /
+        ``"re-recorded"`` (a missing / stale record written now), or ``"none"`` (no record can be kept:
+        a store that fails the ownership rule, no xattrs, no xxhash)."""
+        hex_ = digest.hex
+        if record is not None and _record.matches(record, hex_, data):
+            return "ok"
+        if not (self.trusts_records() and owned_entry(st)):
+            return "none"
+        before = self.checks["recorded"] + self.checks["stale records"]
+        self._record(hex_[:2], hex_, st, data, stale=record is not None, quiet=True)
+        if self.checks["recorded"] + self.checks["stale records"] == before:
+            return "none"
+        return "recorded" if record is None else "re-recorded"
+
+    def _record(self, name: str, hex_: str, st: os.stat_result, data: bytes, *, stale: bool, quiet: bool = False) -> None:
         """Attach the record of ``data`` (just verified by sha256) to the entry it was read from, if
         that file is still the one read (same inode): best effort, the next load just hashes again."""
         value = _record.make(hex_, data)
@@ -385,7 +388,7 @@ class LocalStore(Counters, Layer):
                     if (now.st_ino, now.st_dev, now.st_size) == (st.st_ino, st.st_dev, st.st_size) and \
                             _record.write(fd, value):
                         self.checks["stale records" if stale else "recorded"] += 1
-                        if stale:
+                        if stale and not quiet:
                             _log.warning("%s/%s/%s: its record did not match its bytes, which verify by sha256; "
                                          "recorded again", self._cas_text, name, hex_)
                 finally:

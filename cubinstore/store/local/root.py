@@ -341,15 +341,16 @@ def read_at(dir_fd: int | None, name: str, limit: int, *, path: Path | str, touc
         os.close(fd)
 
 
-def read_entry_at(dir_fd: int, name: str, limit: int, *, path: str) -> tuple[bytes, os.stat_result, bytes | None] | None:
-    """``read_at`` of a CAS entry with ``touch``, plus the file's stat and its record (``record.py``),
-    all from the one open file; None if absent."""
+def read_entry_at(dir_fd: int, name: str, limit: int, *, path: str,
+                  touch: bool = True) -> tuple[bytes, os.stat_result, bytes | None] | None:
+    """``read_at`` of a CAS entry (with ``touch``, gc's clock, unless told), plus the file's stat and
+    its record (``record.py``), all from the one open file; None if absent."""
     fd = _open_file(dir_fd, name, path)
     if fd is None:
         return None
     try:
         st = os.fstat(fd)
-        data = read_fd(fd, limit, path=path, touch=True, st=st)
+        data = read_fd(fd, limit, path=path, touch=touch, st=st)
         try:
             record = _record.read(fd)
         except OSError:
