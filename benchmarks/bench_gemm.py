@@ -531,6 +531,8 @@ def run(args: argparse.Namespace) -> int:
           f"torch.mm a shape, at least {args.min_reps}), then the median of {args.rounds} such rounds, ours and "
           f"torch's taking turns; inputs rotated over {ROTATE_L2}x the L2; every result "
           f"NaN-poisoned and checked against float32 (relative error < {MAX_REL_ERROR})")
+    if args.layouts_only:  # the "Layouts that copy" table of docs/gemm.md alone: about a minute
+        return 1 if layout_costs(torch, library, l2, args) else 0
     # What ops.gemm will run on each shape, first: a selection that fails costs no GPU time.
     choices = {s.mnk: selection(library, *s.mnk) for s in gemm_shapes.TUNING + gemm_shapes.HELD_OUT}
     log.info("%d selections", len(choices))
@@ -614,6 +616,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--rounds", type=int, default=3, help="rounds of timings a shape, ours and torch's taking turns")
     r.add_argument("--host-calls", type=int, default=2000)
+    r.add_argument("--layouts-only", action="store_true",
+                   help="only the table of the layouts ops.gemm copies (docs/gemm.md, 'Layouts that copy')")
     r.add_argument("--instantiations", action="store_true",
                    help="also time every instantiation at 4096^3 with its load time from the local store")
     argv = list(sys.argv[1:] if argv is None else argv)
