@@ -170,7 +170,8 @@ def _fetch_candidate(store: Store, pointer: Digest, origin: str) -> Candidate:
     return Candidate(ReleaseRecord.from_bytes(record_raw, source=f"{signature.record} ({origin})"), signature, origin)
 
 
-def _pointer_at(remote: HttpStore, channel: str) -> Digest | None:
+def _pointer_at(remote: HttpStore, channel: str) -> tuple[Digest, str] | None:
+    """The signature an HTTP remote's ``channels/NAME`` names, and where it was read."""
     where = f"channel pointer {remote.url}/channels/{channel}"
     too_long = ""
     try:
@@ -182,7 +183,7 @@ def _pointer_at(remote: HttpStore, channel: str) -> Digest | None:
     if raw is None:
         return None
     try:
-        return Digest.parse(raw.decode("ascii").strip())
+        return Digest.parse(raw.decode("ascii").strip()), f"{remote.url}/channels/{channel}"
     except (UnicodeDecodeError, BadArgumentError) as exc:
         raise TrustError(f"{where} is malformed: {exc}") from None
 
@@ -261,22 +262,17 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
     pointers: list[tuple[Digest, str]] = []
     problems: list[CubinstoreError] = []
     for layer in store.layers:
-        if isinstance(layer, HttpStore):
-            try:
-                pointer = _pointer_at(layer, channel)
-            except CubinstoreError as exc:
-                problems.append(exc)
-                continue
-            if pointer is not None:
-                pointers.append((pointer, f"{layer.url}/channels/{channel}"))
-        elif isinstance(layer, OciStore):
-            try:
-                offered = _registry_pointer(layer, channel)
-            except CubinstoreError as exc:
-                problems.append(exc)
-                continue
-            if offered is not None:
-                pointers.append(offered)
+        # Each kind of remote keeps a channel's pointer its own way: a file, or a registry's tag.
+        read = _pointer_at if isinstance(layer, HttpStore) else _registry_pointer if isinstance(layer, OciStore) else None
+        if read is None:
+            continue
+        try:
+            offered = read(layer, channel)  # type: ignore[arg-type]
+        except CubinstoreError as exc:
+            problems.append(exc)
+            continue
+        if offered is not None:
+            pointers.append(offered)
     state = read_state(local, channel) if local is not None else None
     floor = state.floor(policy) if state is not None else None
     if state is not None and (ignored := state.ignored(policy)):
