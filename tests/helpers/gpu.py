@@ -34,17 +34,23 @@ def family_ids(family: str) -> list[str]:
     return [k.id for k in Manifest.from_path(path) if k.family == family] or [f"<no {family} kernels in the manifest>"]
 
 
-def family_library(family: str, tmp_path_factory: pytest.TempPathFactory) -> launch.Library:
-    """A library over the manifest under test, on a Hopper GPU 0; skips with the reason otherwise."""
+def hopper_manifest(what: str) -> tuple[Manifest, Path]:
+    """The manifest under test and its path, on a Hopper GPU 0 (``what`` names the sm_90a kernels the
+    caller needs); skips with the reason otherwise."""
     ok, why = _cuda.available()
     if not ok:
         pytest.skip(f"no CUDA device: {why}")
     if device.compute_capability(0) != (9, 0):
-        pytest.skip(f"the {family} kernels are sm_90a; device 0 is {device.compute_capability(0)}")
+        pytest.skip(f"the {what} are sm_90a; device 0 is {device.compute_capability(0)}")
     path = manifest_path()
     if not path.is_file():
         pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
-    manifest = Manifest.from_path(path)
+    return Manifest.from_path(path), path
+
+
+def family_library(family: str, tmp_path_factory: pytest.TempPathFactory) -> launch.Library:
+    """A library over the manifest under test, on a Hopper GPU 0; skips with the reason otherwise."""
+    manifest, path = hopper_manifest(f"{family} kernels")
     if not manifest.find(family):
         pytest.skip(f"manifest {path} has no {family} kernels")
     # The local store CUBINSTORE_HOME names (e.g. filled by `cubinstore unpack`), else a fresh one,

@@ -13,43 +13,27 @@ Stage: ``tools/stage_device.sh`` copies the ``.ptx`` files beside the CUBINs int
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.gpu import hopper_manifest, manifest_path
 
 from cubinstore import launch
-from cubinstore._driver import cuda as _cuda
 from cubinstore._driver import device
 from cubinstore.errors import DriverVersionError
 from cubinstore.manifest import Manifest
 from cubinstore.store import DirectorySource, LocalStore, Store
 
-ROOT = Path(__file__).resolve().parents[2]
 POINTS = [("f32", 1), ("f32", 4), ("f64", 1), ("f64", 4)]
 
 pytestmark = pytest.mark.gpu
 
 
-def _manifest_path() -> Path:
-    path = Path(os.environ.get("CUBINSTORE_TEST_MANIFEST", "bazel-bin/kernels/manifest.json"))
-    return path if path.is_absolute() else ROOT / path
-
-
 @pytest.fixture(scope="module")
 def release() -> Manifest:
-    ok, why = _cuda.available()
-    if not ok:
-        pytest.skip(f"no CUDA device: {why}")
-    if device.compute_capability(0) != (9, 0):
-        pytest.skip(f"the withheld CUBINs are sm_90a; device 0 is {device.compute_capability(0)}")
-    path = _manifest_path()
-    if not path.is_file():
-        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all` or set CUBINSTORE_TEST_MANIFEST")
-    manifest = Manifest.from_path(path)
+    manifest, path = hopper_manifest("withheld CUBINs")
     if not any(k.family == "axpy" and k.arch == "compute_90" for k in manifest):
         pytest.fail(f"manifest {path} has no axpy PTX (compute_90): kernels/axpy/BUILD.bazel ships it (ptx = [...])")
     return manifest
@@ -59,7 +43,7 @@ def release() -> Manifest:
 def store(release: Manifest, tmp_path_factory: pytest.TempPathFactory) -> Store:
     # The build tree beside the manifest holds the CUBINs and the PTX files (stage_device.sh copies both).
     return Store([LocalStore(tmp_path_factory.mktemp("ptx-home")),
-                  DirectorySource(_manifest_path().parent, suffix=(".cubin", ".ptx"))])
+                  DirectorySource(manifest_path().parent, suffix=(".cubin", ".ptx"))])
 
 
 @pytest.fixture
