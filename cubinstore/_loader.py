@@ -203,7 +203,7 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
         if need is not None:
             host = devices.driver_version()  # asked once per process
             if host is not None and host < need:
-                _refuse_driver(spec, host)
+                _refuse_driver(spec, need, host)
         debug = logger.isEnabledFor(logging.DEBUG)
         started = time.perf_counter() if debug else 0.0
         data = store.get(spec.digest, spec.size, name=spec.id)
@@ -238,11 +238,9 @@ def _what(spec: KernelSpec) -> str:
     return f"kernel {spec.id!r} ({spec.digest})"
 
 
-def _refuse_driver(spec: KernelSpec, host: int) -> None:
-    """Refuse ``spec``: the host's driver (``host``, as ``cuDriverGetVersion`` says) is older than its
-    manifest's ``min_driver`` says loads it."""
-    need = spec.min_driver
-    assert need is not None
+def _refuse_driver(spec: KernelSpec, need: int, host: int) -> None:
+    """Refuse ``spec``: the host's driver (``host``, as ``cuDriverGetVersion`` says) is older than
+    ``need``, its manifest's ``min_driver``."""
     kind = "as PTX, which the driver compiles, it" if spec.arch.startswith(_ptx.PTX_PREFIX) else "it"
     raise DriverVersionError(
         f"kernel {spec.id!r} ({spec.digest}) was built by CUDA toolkit {spec.toolkit} and {kind} needs a driver "

@@ -318,8 +318,11 @@ class LocalStore(Counters, Layer):
         if hashlib.sha256(data).hexdigest() != hex_:
             return None
         self.checks["sha256"] += 1
-        if trusted:  # ours, verified, its record missing or stale: record it for the next first load
-            self._record(name, hex_, st, data, stale=record is not None)
+        if trusted and self._record(name, hex_, st, data):  # ours, verified, its record missing or stale:
+            self.checks["recorded" if record is None else "stale records"] += 1  # recorded for the next load
+            if record is not None:
+                _log.warning("%s/%s/%s: its record did not match its bytes, which verify by sha256; recorded again",
+                             self._cas_text, name, hex_)
         return data
 
     def trusts_records(self) -> bool:
@@ -368,33 +371,29 @@ class LocalStore(Counters, Layer):
             return "ok"
         if not (self.trusts_records() and owned_entry(st)):
             return "none"
-        before = self.checks["recorded"] + self.checks["stale records"]
-        self._record(hex_[:2], hex_, st, data, stale=record is not None, quiet=True)
-        if self.checks["recorded"] + self.checks["stale records"] == before:
+        if not self._record(hex_[:2], hex_, st, data):
             return "none"
         return "recorded" if record is None else "re-recorded"
 
-    def _record(self, name: str, hex_: str, st: os.stat_result, data: bytes, *, stale: bool, quiet: bool = False) -> None:
+    def _record(self, name: str, hex_: str, st: os.stat_result, data: bytes) -> bool:
         """Attach the record of ``data`` (just verified by sha256) to the entry it was read from, if
-        that file is still the one read (same inode): best effort, the next load just hashes again."""
+        that file is still the one read (same inode); whether it was. Best effort: without a record
+        the next load just hashes again."""
         value = _record.make(hex_, data)
         try:
             with self._fs.dir("v1", "cas", name) as shard:
                 if shard is None:
-                    return
+                    return False
                 fd = os.open(hex_, READ_FLAGS, dir_fd=shard)
                 try:
                     now = os.fstat(fd)
-                    if (now.st_ino, now.st_dev, now.st_size) == (st.st_ino, st.st_dev, st.st_size) and \
-                            _record.write(fd, value):
-                        self.checks["stale records" if stale else "recorded"] += 1
-                        if stale and not quiet:
-                            _log.warning("%s/%s/%s: its record did not match its bytes, which verify by sha256; "
-                                         "recorded again", self._cas_text, name, hex_)
+                    return (now.st_ino, now.st_dev, now.st_size) == (st.st_ino, st.st_dev, st.st_size) and \
+                        _record.write(fd, value)
                 finally:
                     os.close(fd)
         except (OSError, StoreError, NotRegularFile) as exc:
             _log.debug("cannot record %s/%s/%s: %s", self._cas_text, name, hex_, exc)
+            return False
 
     def _hold_shard(self, name: str, *, stale: int | None = None) -> int | None:
         """The held descriptor of ``cas/<name>``, opened below the held ``cas`` without following a link;

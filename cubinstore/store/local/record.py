@@ -46,16 +46,21 @@ def xxh3_128() -> Any:
     return _xxh3 or None
 
 
+def _value(hex_: str, xxh3: bytes) -> bytes:
+    """The record's bytes: its version, the sha256 ``hex_`` names, the xxh3-128 digest."""
+    return _VERSION + bytes.fromhex(hex_) + xxh3
+
+
 def make(hex_: str, data: bytes) -> bytes | None:
     """The record of ``data``, verified a moment ago to hash to sha256 ``hex_``; None without xxhash."""
     digest = xxh3_128()
-    return None if digest is None else _VERSION + bytes.fromhex(hex_) + digest(data)
+    return None if digest is None else _value(hex_, digest(data))
 
 
 def matches(record: bytes, hex_: str, data: bytes) -> bool:
     """Whether ``record`` names sha256 ``hex_`` and the xxh3-128 of ``data`` (size is the caller's check)."""
     digest = xxh3_128()
-    return digest is not None and record == _VERSION + bytes.fromhex(hex_) + digest(data)
+    return digest is not None and record == _value(hex_, digest(data))
 
 
 def write(fd: int, record: bytes | None) -> bool:
@@ -111,7 +116,7 @@ class Recorder:
     def close(self) -> None:
         if not self._file.closed and self._hasher is not None:
             self._file.flush()
-            write(self._file.fileno(), _VERSION + bytes.fromhex(self._hex) + self._hasher.digest())
+            write(self._file.fileno(), _value(self._hex, self._hasher.digest()))
         self._file.close()
 
     def __enter__(self) -> Recorder:

@@ -249,27 +249,19 @@ class StoreRoot:
             )
 
     def owned(self, *parts: str) -> bool:
-        """Whether the root and each directory down to ``root/parts...`` pass the ownership rule
-        (``unsafe_reasons``) and exist; never raises for a store that does not (a foreign or shared one)."""
-        fd = None
-        try:
-            fd = os.open(self.root, _DIR_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
-            if unsafe_reasons(os.fstat(fd)):
-                return False
-            for part in parts:
-                parent, fd = fd, None
-                try:
-                    fd = os.open(part, _DIR_FLAGS, dir_fd=parent)
-                finally:
-                    os.close(parent)
-                if unsafe_reasons(os.fstat(fd)):
-                    return False
-            return True
-        except OSError:
+        """Whether the root and each directory down to ``root/parts...`` exist and pass the ownership
+        rule (``unsafe_reasons``): the walk a write makes, answered instead of raised. A store declared
+        shared passes no check, so it is never owned."""
+        if self.allow_shared:
             return False
-        finally:
-            if fd is not None:
-                os.close(fd)
+        try:
+            fd = self._open(parts, create=False, check=True)
+        except StoreError:  # UnsafeStoreError (the rule, or a link on the way) or an unreadable directory
+            return False
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
 
 
 _geteuid = getattr(os, "geteuid", None)  # None on Windows: no owners to check
