@@ -264,6 +264,14 @@ class Spawn:
         """The target that declared the spawn's first output."""
         return output_label(self.outputs[0])
 
+    @property
+    def program(self) -> str:
+        """The program the spawn runs, as an execution-root path: nvcc itself for a compile that
+        runs inside its header closure (`in_tree.sh TREE ../../nvcc ...`)."""
+        if self.arguments[0].endswith("/in_tree.sh"):
+            return os.path.normpath(os.path.join(self.arguments[1], self.arguments[2]))
+        return self.arguments[0]
+
 
 def read_execution_log(path: Path) -> list[Spawn]:
     """Bazel 4.2 writes one JSON object per spawn, concatenated (not a JSON array)."""

@@ -52,7 +52,7 @@ def test_bazel7_builds_every_kernel_through_module_bazel_alone(checkouts7: Check
     assert set(seed.by_label(PTX_COMPILE)) == compiled_targets(seed.manifest_json(), PTX_COMPILE)
     assert seed.hits() == set(), f"the seed must be cold (log: {seed.log})"
     # nvcc comes from the repository MODULE.bazel's use_repo_rule made, not from WORKSPACE.
-    nvcc = {s.arguments[0] for s in seed.spawns if s.mnemonic == COMPILE}
+    nvcc = {s.program for s in seed.spawns if s.mnemonic == COMPILE}
     assert nvcc == {"external/_main~_repo_rules~local_cuda/bin/nvcc"}
 
 

@@ -80,7 +80,7 @@ def test_consumer_builds_its_own_family_with_cubinstores_rules(built: Built) -> 
 def test_consumer_compiles_with_the_toolkit_of_cubinstores_module(built: Built, consumer: Workspace) -> None:
     result, manifest = built.result, built.manifest
     # nvcc is cubinstore's @local_cuda, seen from the consumer under its canonical name.
-    nvcc = {s.arguments[0] for s in result.spawns if s.mnemonic == COMPILE}
+    nvcc = {s.program for s in result.spawns if s.mnemonic == COMPILE}
     assert len(nvcc) == 1
     (path,) = nvcc
     assert path.startswith("external/cubinstore~") and path.endswith("local_cuda/bin/nvcc"), path

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ._workspace import Workspace, append
-from .conftest import Tools
+from .conftest import Bazel7Tools, Tools
 
 pytestmark = pytest.mark.bazel
 
@@ -44,20 +44,31 @@ FILES = {
     # a: its own header, the common one, and CuTe (whose includes are partly computed:
     # `#include CUDA_STD_HEADER(tuple)`).
     "a.cu": '#include "a.cuh"\n#include <cute/tensor.hpp>\n'
-            'extern "C" __global__ void probe(int* p) { p[0] = A_VALUE + cute::size(cute::make_shape(cute::Int<4>{}, 2)); }\n',
+            'extern "C" __global__ void probe(int* p) { p[0] = A_VALUE + common_checked(p) + cute::size(cute::make_shape(cute::Int<4>{}, 2)); }\n',
     "a.cuh": '#pragma once\n#include "common.cuh"\n#define A_VALUE (COMMON + 1)\n',
     # b: by its workspace path (an -I. name), not beside the source.
-    "b.cu": f'#include "{PACKAGE}/b.cuh"\nextern "C" __global__ void probe(int* p) {{ p[0] = B_VALUE; }}\n',
+    "b.cu": f'#include "{PACKAGE}/b.cuh"\nextern "C" __global__ void probe(int* p) {{ p[0] = B_VALUE + common_checked(p); }}\n',
     "b.cuh": f'#pragma once\n#include "{PACKAGE}/common.cuh"\n#define B_VALUE (COMMON + 2)\n',
-    "common.cuh": "#pragma once\n#define COMMON 1\n",
+    # An assert names its file in the CUBIN (glibc's `__FILE__`, or `__builtin_FILE()` in newer
+    # glibc, which reads the preprocessor's line markers): the closure must not change it.
+    "common.cuh": "#pragma once\n#include <assert.h>\n#define COMMON 1\n"
+                  "__device__ inline int common_checked(int* p) { assert(p != nullptr); return COMMON; }\n",
 }
 TARGETS = [f"//{PACKAGE}:all"]
 
 
-@pytest.fixture(scope="module")
-def workspace(bazel_tools: Tools, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
+@pytest.fixture(scope="module", params=["bazel4", "bazel7"])
+def workspace(request: pytest.FixtureRequest, bazel_tools: Tools,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
+    """The probe in a copy of the checkout, under Bazel 4.2.3 (this host's glibc, whose assert
+    names `__FILE__`) and Bazel 7 (the sid root's, whose assert names `__builtin_FILE()`)."""
     base = tmp_path_factory.mktemp("header_closure")
-    ws = Workspace.create(base / "cubinstore", base / "output_base", bazel_tools.bazel, bazel_tools.venv)
+    if request.param == "bazel7":
+        bazel7: Bazel7Tools = request.getfixturevalue("bazel7_tools")
+        ws = Workspace.create(base / "cubinstore", base / "output_base", bazel7.bazel, bazel_tools.venv, bzlmod=True)
+        (ws.root / "WORKSPACE").unlink()
+    else:
+        ws = Workspace.create(base / "cubinstore", base / "output_base", bazel_tools.bazel, bazel_tools.venv)
     (ws.root / PACKAGE).mkdir()
     (ws.root / PACKAGE / "BUILD.bazel").write_text(BUILD)
     for name, text in FILES.items():
@@ -85,8 +96,11 @@ def _tree(ws: Workspace, target: str) -> set[str]:
 
 
 def test_the_tree_holds_the_source_and_the_headers_it_includes(workspace: Workspace, disk_cache: Path) -> None:
-    workspace.build(TARGETS, disk_cache=disk_cache)
-    assert _tree(workspace, "b_closure") == {f"{PACKAGE}/b.cu", f"{PACKAGE}/b.cuh", f"{PACKAGE}/common.cuh"}
+    # The trees are no top-level outputs: Bazel 7 leaves them in the cache unless told.
+    workspace.build(TARGETS, disk_cache=disk_cache, flags=["--remote_download_outputs=all"])
+    # nvcc runs inside the tree: the module anchor it force-includes is there too, at its path.
+    anchor = f"bazel-out/k8-fastbuild/bin/{PACKAGE}/b_closure.anchor.h"
+    assert _tree(workspace, "b_closure") == {f"{PACKAGE}/b.cu", f"{PACKAGE}/b.cuh", f"{PACKAGE}/common.cuh", anchor}
     a = _tree(workspace, "a_closure")
     assert {f"{PACKAGE}/a.cu", f"{PACKAGE}/a.cuh", f"{PACKAGE}/common.cuh"} <= a and f"{PACKAGE}/b.cuh" not in a
     cute = {p for p in a if "/include/cute/" in p}
@@ -98,7 +112,10 @@ def test_the_closure_compiles_to_the_same_bytes(workspace: Workspace, disk_cache
     workspace.build(TARGETS, disk_cache=disk_cache)
     out = workspace.root / "bazel-bin" / PACKAGE
     for name in ("a", "b"):
-        assert (out / f"{name}_closure.cubin").read_bytes() == (out / f"{name}_default.cubin").read_bytes(), name
+        closure = (out / f"{name}_closure.cubin").read_bytes()
+        assert closure == (out / f"{name}_default.cubin").read_bytes(), name
+        # The assert's message names the header by the path a compile in the execution root sees.
+        assert f"{PACKAGE}/common.cuh".encode() in closure and b".hdrs/" not in closure, name
 
 
 def test_a_header_the_tu_never_includes_re_keys_no_closure_compile(workspace: Workspace, disk_cache: Path) -> None:

@@ -40,7 +40,7 @@ load("//tools:defs.bzl", "cuda_cubin")
 """
 OWN_CU = f'#include "{PACKAGE}/helper.cuh"\nextern "C" __global__ void probe(int* p) {{ p[0] = HELPER; }}\n'
 CUB_CU = '#include <cub/version.cuh>\nextern "C" __global__ void probe(int* p) { p[0] = CUB_VERSION; }\n'
-HINTED = 'progress_message = progress_message + " " + header_hint(ctx),'
+HINTED = 'message = progress_message + " " + header_hint(ctx)'
 COMPILE_BZL = "tools/private/actions/compile.bzl"
 
 
@@ -98,7 +98,7 @@ def _compile_keys(ws: Workspace) -> dict[str, str]:
 def test_the_hint_changes_no_compile_key(workspace: Workspace) -> None:
     with_hint = _compile_keys(workspace)
     assert len(with_hint) >= 4 + 4, with_hint
-    with workspace.edit(COMPILE_BZL, replace_once(HINTED, "progress_message = progress_message,")):
+    with workspace.edit(COMPILE_BZL, replace_once(HINTED, "message = progress_message")):
         assert _compile_keys(workspace) == with_hint
     # The comparison can fail: what is in the key (here the environment) changes every key.
     salted = 'env = dict(ACTION_ENV, CUBINSTORE_TEST_SALT = "1"),'

@@ -132,7 +132,7 @@ def test_a_declared_path_is_the_toolkit_every_compile_runs(declared: Declared) -
     assert result.misses() == {"//marked:marked_v1_sm_90a"}
     # The action runs cubinstore's @local_cuda, under its usual name, made from the declared path.
     (spawn,) = [s for s in result.spawns if s.mnemonic == COMPILE]
-    assert spawn.arguments[0] == f"external/{LOCAL_CUDA}/bin/nvcc"
+    assert spawn.program == f"external/{LOCAL_CUDA}/bin/nvcc"
     assert nvcc == f"{declared.toolkit}/bin/nvcc"
     assert (ws.root / "bazel-bin" / "marked" / "marked_v1_sm_90a.cubin").read_bytes()[:4] == b"\x7fELF"
 

@@ -1,6 +1,6 @@
 """CubinScan: copy the declared headers a translation unit includes into a tree artifact.
 
-    header_closure.py @PARAMS   (one argument a line: --out DIR --src FILE [--root DIR]... HEADER...)
+    header_closure.py @PARAMS   (one argument a line: --out DIR --src FILE [--copy FILE]... [--root DIR]... HEADER...)
 
 A family with `header_closure = True` compiles each TU from this tree instead of from every
 declared header, so its key holds only the headers the TU can read (docs/header-closure.md).
@@ -12,7 +12,8 @@ among all declared headers). A name is resolved as the preprocessor does: the in
 directory for `"..."`, then the `--root`s in order (the compile's `-I` order); a name found in
 none is a toolkit or system header, or a missing one, which the compile reports. Where text
 cannot say what is read (`#include MACRO`, `#include_next`) every declared header is copied.
-Each file lands at `<out>/<its path below the execution root>`.
+Each file lands at `<out>/<its path below the execution root>`, and so does each `--copy` file
+(the module anchor the compile force-includes): nvcc runs inside the tree.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="header_closure", fromfile_prefix_chars="@")
     parser.add_argument("--out", required=True, help="the tree artifact's directory")
     parser.add_argument("--src", required=True, help="the translation unit")
+    parser.add_argument("--copy", action="append", default=[], help="a file the compile reads besides the closure")
     parser.add_argument("--root", action="append", default=[], help="an -I root, in the compile's order")
     parser.add_argument("headers", nargs="*", help="every declared header")
     args = parser.parse_args(argv)
@@ -194,7 +196,7 @@ def main(argv: list[str]) -> int:
     roots = [os.path.normpath(r) for r in args.root]
     try:
         files, _everything = closure(os.path.normpath(args.src), roots, declared)
-        copy_tree(files, args.out)
+        copy_tree([*files, *(os.path.normpath(c) for c in args.copy)], args.out)
     except ScanError as exc:
         print(f"CubinScan {args.src}: {exc}", file=sys.stderr)
         return 1

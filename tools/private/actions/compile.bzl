@@ -58,7 +58,7 @@ LIST_SLOTS = {
     "includes": "-I{}",
 }
 
-def cubin_compile_args(ctx, values, lists, ptx = False, root = "."):
+def cubin_compile_args(ctx, values, lists, ptx = False):
     """An `Args` holding the command after nvcc itself (the executable is run separately).
 
     Args:
@@ -67,7 +67,6 @@ def cubin_compile_args(ctx, values, lists, ptx = False, root = "."):
       lists: slot -> list or depset of str, for the slots of `LIST_SLOTS`.
       ptx: write PTX text (`-ptx`, with a `compute_` arch) instead of a CUBIN; every other word
         is the table's, and a CUBIN's command is the table exactly.
-      root: the include root `-I.` names; a header closure's tree (`header_closure`) instead.
 
     Returns:
       The `Args`.
@@ -87,8 +86,6 @@ def cubin_compile_args(ctx, values, lists, ptx = False, root = "."):
             args.add(word[:start] + values[word[start + 1:end]] + word[end + 1:])
         elif ptx and word == "-cubin":
             args.add("-ptx")
-        elif word == "-I." and root != ".":
-            args.add("-I" + root)
         else:
             args.add(word)
     return args
@@ -125,7 +122,7 @@ def header_hint(ctx):
         sets = " + ".join(["core"] + resolve_header_sets(ctx.label, ctx.attr.toolkit_headers))
     return "[headers only from {} and toolkit_headers: {}]".format(", ".join(attrs), sets)
 
-def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mnemonic = "CubinCompile"):
+def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mnemonic = "CubinCompile", tree = None):
     """Runs nvcc once (mnemonic `CubinCompile`, or `PtxCompile` for PTX): `src` to `output`.
 
     Args:
@@ -137,16 +134,35 @@ def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mne
       headers: a depset of the header Files the source may read, besides the toolkit's.
       progress_message: what Bazel shows while it runs; `header_hint` is appended.
       mnemonic: `CubinCompile`, or `PtxCompile` for args made with `ptx = True`.
+      tree: a header closure (`scan_header_closure`) holding the source, the anchor and the
+        headers it reads, each at its execution-root path: nvcc then runs in it (through the
+        rule's `_in_tree`), from these files only (`headers`, `src` and `anchor` are then no
+        inputs), and `args` must name the output through `up_from(tree)`.
     """
-    ctx.actions.run(
-        executable = ctx.executable._nvcc,
-        arguments = [args],
-        inputs = depset(
-            [src, anchor, ctx.file._host_compiler_id],
-            transitive = [headers] + _toolkit_inputs(ctx),
-        ),
+    toolkit = _toolkit_inputs(ctx)
+    message = progress_message + " " + header_hint(ctx)
+    common = dict(
         outputs = [output],
         env = ACTION_ENV,
         mnemonic = mnemonic,
-        progress_message = progress_message + " " + header_hint(ctx),
+        progress_message = message,
     )
+    if tree == None:
+        ctx.actions.run(
+            executable = ctx.executable._nvcc,
+            arguments = [args],
+            inputs = depset([src, anchor, ctx.file._host_compiler_id], transitive = [headers] + toolkit),
+            **common
+        )
+    else:
+        ctx.actions.run(
+            executable = ctx.executable._in_tree,
+            arguments = [tree.path, up_from(tree) + ctx.executable._nvcc.path, args],
+            tools = [ctx.executable._nvcc],
+            inputs = depset([tree, ctx.file._host_compiler_id], transitive = toolkit),
+            **common
+        )
+
+def up_from(tree):
+    """The relative path from inside `tree` (a directory File) back to the execution root."""
+    return "../" * len(tree.path.split("/"))

@@ -3,19 +3,22 @@
 A family with `header_closure = True` compiles each TU from its tree instead of from every
 declared header, so a header the TU never includes is no input of its compile and changing it
 re-keys nothing (docs/header-closure.md). `closure_compile` says how the compile's command
-changes: the tree's root for `-I.`, the tree's copy of each include root and of the source,
-and a prefix map that gives `__FILE__` the paths a compile without the tree sees.
+changes: nvcc runs inside the tree, where the source, the anchor and each header sit at their
+execution-root paths, so every word of its command but the output's and nvcc's own is the one a
+compile in the execution root has, and so is every path the preprocessor writes into line
+markers (which `__FILE__` and glibc's `__builtin_FILE()` assert messages read).
 """
 
 load("//tools/private:providers.bzl", "PyToolInfo")
 load("//tools/private/actions:compile.bzl", "ACTION_ENV")
 
-def scan_header_closure(ctx, src, headers, includes, label):
+def scan_header_closure(ctx, src, anchor, headers, includes, label):
     """Declares `<name>.hdrs` and the CubinScan action that fills it.
 
     Args:
       ctx: the context of a rule with `_scan_tool`.
       src: the .cu File.
+      anchor: the File the compile force-includes (copied as it is).
       headers: a depset of every declared header File (besides the toolkit's).
       includes: a depset of the include roots (exec paths), in the compile's `-I` order.
       label: what the progress message names (the manifest id).
@@ -29,25 +32,17 @@ def scan_header_closure(ctx, src, headers, includes, label):
     args.set_param_file_format("multiline")
     args.add("--out", tree.path)
     args.add("--src", src)
+    args.add("--copy", anchor)
     args.add("--root", ".")
     args.add_all(includes, before_each = "--root")
     args.add_all(headers)
     ctx.actions.run(
         executable = ctx.executable._scan_tool,
         arguments = [args],
-        inputs = depset([src], transitive = [headers, ctx.attr._scan_tool[PyToolInfo].srcs]),
+        inputs = depset([src, anchor], transitive = [headers, ctx.attr._scan_tool[PyToolInfo].srcs]),
         outputs = [tree],
         env = ACTION_ENV,
         mnemonic = "CubinScan",
         progress_message = "Scanning the headers of {}".format(label),
     )
     return tree
-
-def closure_compile(tree, src, includes, flags):
-    """The compile's words that change where it reads `tree`: struct(root, source, includes, flags)."""
-    return struct(
-        root = tree.path,
-        source = tree.path + "/" + src.path,
-        includes = [tree.path + "/" + i for i in includes.to_list()],
-        flags = flags + ["-Xcompiler", "-ffile-prefix-map={}/=".format(tree.path)],
-    )

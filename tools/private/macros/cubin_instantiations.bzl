@@ -125,8 +125,8 @@ def _launch_for(launch, entries, params):
     return json.encode(out)
 
 def _optional(**attrs):
-    """The attributes given a value, so a target left at the default has the same attributes as before."""
-    return {k: v for k, v in attrs.items() if v != None and v != False}
+    """The attributes given a value (None: the rule's default)."""
+    return {k: v for k, v in attrs.items() if v != None}
 
 def cubin_instantiations(
         name,
@@ -142,7 +142,7 @@ def cubin_instantiations(
         launch = {},
         family = None,
         toolkit_headers = None,
-        header_closure = False,
+        header_closure = None,
         jit = False,
         warm_points = [],
         ptx = [],
@@ -183,8 +183,9 @@ def cubin_instantiations(
       toolkit_headers: the toolkit's optional header sets the sources include (cuda_cubin's
         attribute: 'libcudacxx', 'cub', 'thrust', or [] for the core headers alone); None
         (default): the whole include tree.
-      header_closure: compile each point from the headers its source includes (cuda_cubin's
-        attribute), so a header a point never includes re-keys none of its targets.
+      header_closure: cuda_cubin's attribute: None or True (the default) compiles each point
+        from the headers its source includes, so a header a point never includes re-keys none
+        of its targets; False declares every header of hdrs and deps instead.
       jit: also write the family's JIT template (target `<name>_jit`, a cubin_jit_template of
         the same sources, defines, copts and entries), which the manifest embeds, so the
         runtime can compile points the grid lacks. Entries must then be symbols.

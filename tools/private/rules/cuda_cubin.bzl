@@ -6,8 +6,8 @@
 load("@local_cuda//:defs.bzl", "HOST_CC")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo", "PyToolInfo")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "check_ptx_arch", "merge_flags", "module_anchor")
-load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", _ACTION_ENV = "ACTION_ENV")
-load("//tools/private/actions:scan.bzl", "closure_compile", "scan_header_closure")
+load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", "up_from", _ACTION_ENV = "ACTION_ENV")
+load("//tools/private/actions:scan.bzl", "scan_header_closure")
 
 # Re-exported: cubin_manifest and cubin_jit_template run their actions in the same environment.
 ACTION_ENV = _ACTION_ENV
@@ -40,14 +40,9 @@ def compile_instance(ctx, ptx):
     anchor = ctx.actions.declare_file(ctx.label.name + ".anchor.h")
     ctx.actions.write(anchor, module_anchor(source_path))
 
-    # header_closure: the compile reads the headers its TU includes, copied into a tree by a
-    # CubinScan action, instead of every declared header (tools/private/actions/scan.bzl).
-    root, source, flags = ".", src, merge_flags(ctx.attr.copts)
-    if ctx.attr.header_closure:
-        tree = scan_header_closure(ctx, src, headers, includes, ctx.attr.id)
-        closure = closure_compile(tree, src, includes, flags)
-        root, source, flags, includes = closure.root, closure.source, closure.flags, closure.includes
-        headers = depset([tree])
+    # header_closure: the compile runs inside a tree of the headers its TU includes, copied
+    # there by a CubinScan action, instead of declaring every header (actions/scan.bzl).
+    tree = scan_header_closure(ctx, src, anchor, headers, includes, ctx.attr.id) if ctx.attr.header_closure else None
 
     # The command's shape is one table, shared with the JIT (tools/private/actions/compile.bzl).
     args = cubin_compile_args(
@@ -56,18 +51,17 @@ def compile_instance(ctx, ptx):
             "anchor": anchor,
             "arch": ctx.attr.arch,
             "host_cc": HOST_CC,
-            "output": cubin,
-            "source": source,
+            "output": cubin if tree == None else up_from(tree) + cubin.path,
+            "source": src,
             "source_name": source_path,
         },
         lists = {
             "defines": ctx.attr.defines,
             "extra": [],
-            "flags": flags,
+            "flags": merge_flags(ctx.attr.copts),
             "includes": includes,
         },
         ptx = ptx,
-        root = root,
     )
 
     cubin_compile(
@@ -79,6 +73,7 @@ def compile_instance(ctx, ptx):
         headers = headers,
         progress_message = "Compiling {} {} ({})".format("PTX" if ptx else "CUBIN", ctx.attr.id, ctx.attr.arch),
         mnemonic = "PtxCompile" if ptx else "CubinCompile",
+        tree = tree,
     )
     return [
         DefaultInfo(files = depset([cubin])),
@@ -110,11 +105,13 @@ CUDA_CUBIN_ATTRS = dict(COMPILE_ATTRS, **{
     "id": attr.string(mandatory = True, doc = "Manifest id: <family>/<param values>/<arch>."),
     "params_json": attr.string(default = "{}", doc = "The instantiation's parameters as a JSON object."),
     "header_closure": attr.bool(
-        default = False,
-        doc = "Compile from the headers the source includes (a CubinScan action copies them into a tree artifact) " +
-              "instead of every header of hdrs and deps, so a header it never includes re-keys nothing. " +
-              "The command line differs from the default's (every key once); the CUBIN's bytes do not.",
+        default = True,
+        doc = "Compile from the headers the source includes (a CubinScan action copies them into a tree artifact " +
+              "and nvcc runs inside it) instead of declaring every header of hdrs and deps, so a header the source " +
+              "never includes re-keys nothing. False: every declared header is an input. The CUBIN's bytes are " +
+              "the same either way.",
     ),
+    "_in_tree": attr.label(default = "//tools/private:in_tree.sh", executable = True, allow_single_file = True, cfg = "exec"),
     "_scan_tool": attr.label(default = "//tools/private:header_closure_tool", executable = True, cfg = "exec", providers = [PyToolInfo]),
 })
 
