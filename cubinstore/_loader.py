@@ -278,11 +278,25 @@ def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
         raise ManifestError(f"{_what(spec)}: manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}")
 
 
+class _Where:
+    """"kernel <id> (<digest>) on device <n>" for the driver's error messages, worded only when one
+    is (an f-string of the digest costs about a microsecond, and every load passes one)."""
+
+    __slots__ = ("_spec", "_ordinal")
+
+    def __init__(self, spec: KernelSpec, ordinal: int) -> None:
+        self._spec = spec
+        self._ordinal = ordinal
+
+    def __str__(self) -> str:
+        return f"{_what(self._spec)} on device {self._ordinal}"
+
+
 def _load_module(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
     """Load ``data`` on ``ordinal`` through the driver ``cuda`` and get each entry's function."""
     started = time.perf_counter()
     functions: dict[str, _Function] = {}
-    where = f"kernel {spec.id!r} ({spec.digest}) on device {ordinal}"  # the driver's messages add the entry
+    where = _Where(spec, ordinal)  # the driver's messages add the entry
     with cuda.on_device(ordinal):
         library = cuda.load_library(data, where)
         for entry in spec.entries:

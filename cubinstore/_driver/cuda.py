@@ -178,8 +178,9 @@ def pointer_device(address: int) -> int | None:
     return int(value)
 
 
-def load_library(data: bytes, what: str) -> int:
-    """Load a CUBIN from memory (`cuLibraryLoadData`); returns the CUlibrary handle.
+def load_library(data: bytes, what: object) -> int:
+    """Load a CUBIN from memory (`cuLibraryLoadData`); returns the CUlibrary handle. `what` names it
+    in errors (its `str()`, taken only for one).
 
     The driver reads exactly these bytes: the caller verified them, and keeps them
     referenced for as long as the library lives.
@@ -191,7 +192,7 @@ def load_library(data: bytes, what: str) -> int:
     return int(library)
 
 
-def library_function(library: int, entry: str, what: str) -> int | None:
+def library_function(library: int, entry: str, what: object) -> int | None:
     """The CUfunction of `entry` in the current context, or None when the CUBIN has no such kernel;
     `what` names the library (errors add the entry)."""
     drv = driver()
