@@ -492,10 +492,8 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
         error = math.inf if bool(torch.isnan(d).any()) else float((d - ref).norm() / ref.norm())
         if not error < MAX_REL_ERROR:
             wrong.append(f"{what} {m}x{n}x{k}")
-        kernel_id, _ = g.select(library, 0, m, n, k)
         decided = _gemm_staging.staging(
-            g._describe("a", given_a[0]), g._describe("b", given_b[0]), g._describe("out", given_d[0]),
-            skinny=kernel_id.startswith(g.SKINNY_FAMILY + "/"))
+            g._describe("a", given_a[0]), g._describe("b", given_b[0]), g._describe("out", given_d[0]))
         copies = "+".join(name for name, on in (("A", decided.a.copy), ("B", decided.b.copy),
                                                 ("D", decided.copy_out)) if on) or "none"
         reps = _reps(torch, theirs, args)

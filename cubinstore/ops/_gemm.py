@@ -356,14 +356,12 @@ def _launch(torch: Any, call: _Call, address_a: int, address_b: int, out: Any) -
 
 
 def _copy_in(torch: Any, src: Any, feed: Feed, device: Any) -> Any:
-    """`src` (rows x K) copied into fresh rows `feed.row_stride` apart; zeros past K where the kernel reads them."""
+    """`src` (rows x K) copied into fresh rows `feed.row_stride` apart (the kernels never read past K)."""
     rows, k = src.shape
     buf = torch.empty((rows, feed.row_stride), dtype=torch.bfloat16, device=device)
     if feed.row_stride == k:
         buf.copy_(src)
         return buf
-    if feed.cols > k:
-        buf[:, k:feed.cols].zero_()
     buf[:, :k].copy_(src)
     return buf
 
@@ -412,13 +410,13 @@ def _prepare(
         kernel_id, chosen_splits = select(library, device, m, n, k)
         splits = chosen_splits if splits is None else splits
     splits = 1 if splits is None else splits
-    config = config_of(kernel_id)  # a bad id is a BadArgumentError before anything is loaded
-    stage = staging(a_op, b_op, out_op, skinny=isinstance(config, SkinnyConfig))
-    launch = plan(m, n, stage.k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
+    config_of(kernel_id)  # a bad id is a BadArgumentError before anything is loaded
+    stage = staging(a_op, b_op, out_op)
+    launch = plan(m, n, k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
     kernel = _kernel(library, kernel_id, device)
     co_resident = _co_resident(library, kernel, kernel_id, device)
     if co_resident is not None and launch.grid > co_resident * launch.config.cluster:
-        launch = plan(m, n, stage.k, sm_count(device), kernel_id, splits, max_clusters=co_resident)
+        launch = plan(m, n, k, sm_count(device), kernel_id, splits, max_clusters=co_resident)
     cfg = launch.config
     logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d%s", m, n, k, kernel_id, launch.splits, launch.grid,
                  f", copies {stage}" if stage.copies else "")
@@ -426,7 +424,7 @@ def _prepare(
     if isinstance(cfg, SkinnyConfig):
         prepared = kernel.prepare(
             SKINNY_ENTRY, grid=(launch.grid, 1, 1), block=(cfg.threads, 1, 1), shared_mem=0,
-            args=(None, None, None, m, n, stage.k, stage.a.row_stride, stage.b.row_stride),
+            args=(None, None, None, m, n, k, stage.a.row_stride, stage.b.row_stride),
         )
         call = _Call(library, device, torch.device("cuda", device), (m, n), launch, prepared, None, None, None,
                      staging=copies)
@@ -438,7 +436,7 @@ def _prepare(
         block=(cfg.threads, 1, 1),
         # The cluster shape is compiled into the kernel (__cluster_dims__); none is passed here.
         shared_mem=cfg.smem_bytes,
-        args=(None, None, None, None, kernel_m, kernel_n, stage.k, None, None, launch.splits),
+        args=(None, None, None, None, kernel_m, kernel_n, k, None, None, launch.splits),
     )
     # Swapped, the kernel's A is the caller's B (and its B the caller's A): each gets the other's box.
     box_a, box_b = (cfg.box_b, cfg.box_a) if cfg.swap else (cfg.box_a, cfg.box_b)
@@ -446,9 +444,9 @@ def _prepare(
     # the encoders check the rest now.
     call = _Call(
         library, device, torch.device("cuda", device), (m, n), launch, prepared,
-        _TensorMaps(encoder_2d_bf16(16, m, stage.a.cols, stage.a.row_stride, *box_a, swizzle=_SWIZZLE_BYTES,
+        _TensorMaps(encoder_2d_bf16(16, m, k, stage.a.row_stride, *box_a, swizzle=_SWIZZLE_BYTES,
                                     device=device)),
-        _TensorMaps(encoder_2d_bf16(16, n, stage.b.cols, stage.b.row_stride, *box_b, swizzle=_SWIZZLE_BYTES,
+        _TensorMaps(encoder_2d_bf16(16, n, k, stage.b.row_stride, *box_b, swizzle=_SWIZZLE_BYTES,
                                     device=device)),
         _TensorMaps(encoder_2d_bf16(16, m, n, n, *cfg.d_box, swizzle=_SWIZZLE_BYTES, device=device))
         if stores_by_tma(n, 16) else None,

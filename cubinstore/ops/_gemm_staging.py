@@ -3,11 +3,11 @@
 ``torch.mm(a, b.T)`` takes any bf16 problem: any M, N, K >= 1, any strides, views at any offset.
 The kernels read A and B through TMA (``gemm``) or 16-byte loads (``skinny``), which need rows
 of contiguous elements, a row stride that is a multiple of 8 elements (16 bytes) and a 16-byte
-aligned start; ``skinny`` also reads K in whole groups of 8. An operand that lacks any of these
-is copied, inside the launch and on its stream, into a fresh buffer of rows of K rounded up to
-8 (``padded``); the kernel then reads the copy. The columns past K are never read by ``gemm``
-(its tensor maps end at K, and TMA fills zeros past the end), so they stay unwritten; for
-``skinny`` they are zeroed, and it runs with K rounded up (zeros add nothing to the sums).
+aligned start. An operand that lacks any of these is copied, inside the launch and on its
+stream, into a fresh buffer of rows of K rounded up to 8 (``padded``); the kernel then reads the
+copy. Any K is read in place: the columns past K are never read (``gemm``'s tensor maps end at
+K, and TMA fills zeros past the end; ``skinny`` loads K's last 1..7 elements one by one), so a
+copy's padding stays unwritten.
 
 D is written in place when it is row-major and, N even, 4-byte aligned (the kernel stores
 pairs of elements as words); otherwise into a fresh D, copied into ``out`` after the launch.
@@ -25,7 +25,7 @@ from cubinstore.ops._gemm_config import Operand
 
 __all__ = ["ROW_ELEMS", "Feed", "Staging", "padded", "reads_in_place", "staging", "writes_in_place"]
 
-#: bf16 elements in 16 bytes: the row-stride multiple (and the K group of `skinny`) the kernels need.
+#: bf16 elements in 16 bytes: the row-stride multiple the kernels need.
 ROW_ELEMS: Final = 8
 _ALIGN_BYTES: Final = 16  # the start of a TMA tensor, and of skinny's 16-byte loads
 _I32_MAX: Final = 2**31 - 1  # skinny takes its row strides as int32
@@ -41,7 +41,7 @@ def reads_in_place(op: Operand, rows: int, cols: int) -> bool:
 
     Contiguous rows (any inner stride when there is one column), a row stride of at least
     `cols` and a multiple of 8 elements (any stride when there is one row: it never steps), and
-    a 16-byte aligned start. Whether `skinny` can also take K as it is, is `staging`'s question.
+    a 16-byte aligned start.
     """
     row_stride, col_stride = op.strides
     if cols > 1 and col_stride != 1:
@@ -66,37 +66,31 @@ class Feed:
 
     copy: bool  # through a copy made in the launch, of rows `row_stride` apart
     row_stride: int  # elements: what the tensor map (gemm) or the kernel (skinny) is given
-    cols: int  # K as the kernel reads this operand: K, or for skinny's zero-padded copy K rounded up
 
 
 @dataclass(frozen=True)
 class Staging:
-    """What one call copies before (A, B) and after (D) the launch, and the K the kernel runs."""
+    """What one call copies before (A, B) and after (D) the launch."""
 
     a: Feed
     b: Feed
     copy_out: bool  # D is computed into a fresh tensor, then copied into `out`
-    k: int  # the kernel's K argument
 
     @property
     def copies(self) -> bool:
         return self.a.copy or self.b.copy or self.copy_out
 
 
-def _feed(op: Operand, rows: int, k: int, *, skinny: bool) -> Feed:
-    if skinny and k % ROW_ELEMS:
-        # skinny loads K in groups of 8: both operands get zeros up to the next group.
-        return Feed(True, padded(k), padded(k))
+def _feed(op: Operand, rows: int, k: int) -> Feed:
     if not reads_in_place(op, rows, k):
-        return Feed(True, padded(k), k)
+        return Feed(True, padded(k))
     # A single row's stride is never stepped over; a map still wants one of >= K and 16 bytes.
-    return Feed(False, op.strides[0] if rows > 1 else padded(k), k)
+    return Feed(False, op.strides[0] if rows > 1 else padded(k))
 
 
-def staging(a: Operand, b: Operand, out: Operand | None, *, skinny: bool) -> Staging:
+def staging(a: Operand, b: Operand, out: Operand | None) -> Staging:
     """The copies of a call whose operands passed `check_operands` (M, N, K >= 1), for a `skinny`
-    point or a `gemm` tile."""
+    point or a `gemm` tile alike."""
     (m, k), n = a.shape, b.shape[0]
-    feed_a, feed_b = _feed(a, m, k, skinny=skinny), _feed(b, n, k, skinny=skinny)
     copy_out = out is not None and not writes_in_place(out, m, n)
-    return Staging(feed_a, feed_b, copy_out, feed_a.cols)
+    return Staging(_feed(a, m, k), _feed(b, n, k), copy_out)

@@ -83,7 +83,7 @@ __device__ __forceinline__ void load_batch(uint4 (&bv)[Cfg::kUnroll][Cfg::kGroup
 #pragma unroll
   for (int u = 0; u < Cfg::kUnroll; ++u) {
     const int col = first + u * Cfg::kWarps * Cfg::kChunk;  // the chunk's first K element
-    const bool k_in = col + 8 * t < k;  // K % 8 == 0: a lane's 8 elements are all in or all out
+    const bool k_in = col + 8 * t < k;  // k % 8 == 0 here: a lane's 8 elements are all in or all out
 #pragma unroll
     for (int j = 0; j < Cfg::kGroups; ++j) bv[u][j] = load_16<true>(b_row[j] + col, k_in && b_in[j]);
 #pragma unroll
@@ -110,8 +110,18 @@ __device__ __forceinline__ void multiply_batch(float (&acc)[Cfg::kMTiles][Cfg::k
       }
 }
 
-// a: M x K, row stride lda; b: N x K, row stride ldb (elements; rows 16-byte aligned, K a
-// multiple of 8); d: M x N, contiguous.
+// The 1 to 7 elements of a row at p (K's last, past its last whole group of 8), then zeros; a
+// false `in` gives zeros. Element by element: 16 bytes from p could cross the operand's end.
+__device__ __forceinline__ uint4 load_tail(const __nv_bfloat16* p, int count, bool in) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 7; ++e)
+    if (in && e < count) w[e >> 1] |= static_cast<uint32_t>(__bfloat16_as_ushort(p[e])) << (16 * (e & 1));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// a: M x K, row stride lda; b: N x K, row stride ldb (elements; rows 16-byte aligned, so
+// strides are multiples of 8; any K); d: M x N, contiguous.
 template <class Cfg>
 __device__ __forceinline__ void skinny_tn(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ b,
                                           __nv_bfloat16* __restrict__ d, int m, int n, int k, int lda, int ldb) {
@@ -155,19 +165,38 @@ __device__ __forceinline__ void skinny_tn(const __nv_bfloat16* __restrict__ a, c
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][j][i] = 0.0f;
 
-  // Two batches in registers: the next is in flight while the mmas consume this one.
+  // K off 8: its last 1..7 elements first, in the lanes whose group of 8 starts at k8, of the
+  // warp the loop would give that chunk (a warp-uniform branch: the mma needs the whole warp).
+  // Before the loop, so that none of this is live while the loop's batches are.
+  const int k8 = k & ~7;
+  const int tail_col = k8 & ~(Cfg::kChunk - 1);
+  if (k8 < k && warp == (tail_col / Cfg::kChunk) % kW) {
+    const bool mine = tail_col + 8 * t == k8;
+    uint4 bt[1][kJ];
+    uint4 at[1][kMT][2];
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) bt[0][j] = load_tail(b_row[j] + tail_col, k - k8, mine && b_in[j]);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) at[0][mt][h] = load_tail(a_row[mt][h] + tail_col, k - k8, mine && a_in[mt][h]);
+    multiply_batch<Config<kJ, kMT, kW, 1>>(acc, bt, at);
+  }
+
+  // Two batches in registers: the next is in flight while the mmas consume this one. The loop
+  // covers K's whole groups of 8 (k8).
   constexpr int kStep = kW * kU * Cfg::kChunk;  // K a warp advances per batch
   uint4 b0[kU][kJ], b1[kU][kJ];
   uint4 a0[kU][kMT][2], a1[kU][kMT][2];
   int first = warp * Cfg::kChunk;  // the warp's first K element of the batch in b0/a0
-  load_batch<Cfg>(b0, a0, b_row, b_in, a_row, a_in, first, t, k);
+  load_batch<Cfg>(b0, a0, b_row, b_in, a_row, a_in, first, t, k8);
   for (;;) {
-    load_batch<Cfg>(b1, a1, b_row, b_in, a_row, a_in, first + kStep, t, k);
+    load_batch<Cfg>(b1, a1, b_row, b_in, a_row, a_in, first + kStep, t, k8);
     multiply_batch<Cfg>(acc, b0, a0);
-    if ((first += kStep) >= k) break;
-    load_batch<Cfg>(b0, a0, b_row, b_in, a_row, a_in, first + kStep, t, k);
+    if ((first += kStep) >= k8) break;
+    load_batch<Cfg>(b0, a0, b_row, b_in, a_row, a_in, first + kStep, t, k8);
     multiply_batch<Cfg>(acc, b1, a1);
-    if ((first += kStep) >= k) break;
+    if ((first += kStep) >= k8) break;
   }
 
   // The accumulator fragment: (row g, columns 2t, 2t+1) and (row g + 8, the same columns).

@@ -265,9 +265,9 @@ def test_every_out_layout_is_written_and_nothing_around_it(
 def test_every_instantiation_takes_k_off_8_and_never_reads_past_k(
     lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, k: int
 ) -> None:
-    # A's rows are NaN past K and 16-byte multiples apart: a gemm tile reads them in place and must
-    # stop at K (its maps end there); a skinny point copies them with zeros past K. B is contiguous
-    # (rows off 16 bytes): copied for both.
+    # A's rows are NaN past K and 16-byte multiples apart: every instantiation reads them in place
+    # and must stop at K (a gemm tile's maps end there; a skinny point loads K's last 1..7 elements
+    # one by one). B is contiguous (rows off 16 bytes): copied for both.
     if kernel_id.startswith("<"):
         pytest.skip(kernel_id)
     a0, b = gemm_operands(torch, m, n, k)

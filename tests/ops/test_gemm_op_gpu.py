@@ -160,9 +160,9 @@ def test_repeat_calls_use_one_prepared_launch(lib: launch.Library, torch: Any) -
     ops.gemm(a, b, out=d)
     before = G.cache_misses()
     # This signature's entry: with `out`, and neither instantiation nor split forced (earlier tests
-    # may have left entries of the same shapes that force them).
+    # may have left entries of the same shapes that force them); the alignment flags follow.
     call = next(c for key, c in G._calls.items()
-                if key[2] == a.shape and key[6] == b.shape and key[8] is not None and key[9:] == (None, None))
+                if key[2] == a.shape and key[6] == b.shape and key[8] is not None and key[9:11] == (None, None))
     launches = call.launch.calls
     for _ in range(50):
         ops.gemm(a, b, out=d)

@@ -1,7 +1,8 @@
 """Which operands an ``ops.gemm`` launch copies, without a GPU: `_gemm_staging`'s decisions.
 
 Each case is a layout torch.mm takes; the decision says whether A and B are read in place or
-through a copy (and with which row stride and K), and whether D goes through a copy. The GPU
+through a copy (and with which row stride), and whether D goes through a copy: the same for a
+`gemm` tile and a `skinny` point, which both read any K in place. The GPU
 tests (test_gemm_gpu.py) run the same layouts against a float32 reference.
 """
 
@@ -20,12 +21,12 @@ def op(name: str, shape: tuple[int, int], strides: tuple[int, int] | None = None
     return Operand(name, "bfloat16", shape, strides or (shape[1], 1), "cuda:0", BASE + 2 * offset)
 
 
-def decide(a: Operand, b: Operand, out: Operand | None = None, *, skinny: bool = False) -> Staging:
+def decide(a: Operand, b: Operand, out: Operand | None = None) -> Staging:
     check_operands(a, b, out)  # every case is a valid problem first
-    return staging(a, b, out, skinny=skinny)
+    return staging(a, b, out)
 
 
-IN_PLACE_1000 = Feed(False, 1000, 1000)
+IN_PLACE_1000 = Feed(False, 1000)
 
 
 def test_padded_rounds_up_to_16_bytes() -> None:
@@ -34,31 +35,28 @@ def test_padded_rounds_up_to_16_bytes() -> None:
 
 def test_contiguous_aligned_operands_copy_nothing() -> None:
     s = decide(op("a", (300, 1000)), op("b", (500, 1000)), op("out", (300, 500)))
-    assert s == Staging(IN_PLACE_1000, IN_PLACE_1000, False, 1000) and not s.copies
-    assert not decide(op("a", (300, 1000)), op("b", (500, 1000)), skinny=True).copies
+    assert s == Staging(IN_PLACE_1000, IN_PLACE_1000, False) and not s.copies
 
 
-def test_k_off_8_copies_both_into_rows_of_k_rounded_up_and_the_gemm_kernel_runs_k() -> None:
-    # The issue's shape: TMA reads K = 1111 columns of rows 1112 apart, and fills zeros past K itself.
+def test_k_off_8_copies_both_into_rows_of_k_rounded_up() -> None:
+    # The issue's shape: the kernel reads K = 1111 columns of rows 1112 apart (TMA fills zeros past
+    # K itself; skinny loads the last 7 one by one).
     s = decide(op("a", (777, 1111)), op("b", (3333, 1111)))
-    assert s == Staging(Feed(True, 1112, 1111), Feed(True, 1112, 1111), False, 1111)
-
-
-def test_k_off_8_on_a_skinny_point_zero_pads_both_and_runs_k_rounded_up() -> None:
-    # skinny reads K in groups of 8: both operands need zeros in 1111..1119, even one in padded rows.
-    s = decide(op("a", (16, 1111)), op("b", (4096, 1111), (1152, 1)), skinny=True)
-    assert s == Staging(Feed(True, 1112, 1112), Feed(True, 1112, 1112), False, 1112)
+    assert s == Staging(Feed(True, 1112), Feed(True, 1112), False)
 
 
 def test_a_weight_stored_in_padded_rows_is_read_in_place_with_k_off_8() -> None:
     # torch.empty(n, 1152)[:, :1111]: rows 16-byte apart already; only the activations are copied.
     s = decide(op("a", (777, 1111)), op("b", (3333, 1111), (1152, 1)))
-    assert (s.a, s.b, s.k) == (Feed(True, 1112, 1111), Feed(False, 1152, 1111), 1111)
+    assert (s.a, s.b) == (Feed(True, 1112), Feed(False, 1152))
+    # A decode step (few rows of A, a skinny point) copies its activations, never the weight.
+    s = decide(op("a", (16, 1111)), op("b", (4096, 1111), (1152, 1)))
+    assert (s.a, s.b) == (Feed(True, 1112), Feed(False, 1152))
 
 
 def test_one_row_is_read_in_place_at_any_k_with_a_16_byte_stride_for_the_map() -> None:
     s = decide(op("a", (1, 1111), (1, 1)), op("b", (4096, 1111), (1112, 1)))
-    assert s.a == Feed(False, 1112, 1111) and s.b == Feed(False, 1112, 1111) and not s.copies
+    assert s.a == Feed(False, 1112) and s.b == Feed(False, 1112) and not s.copies
 
 
 @pytest.mark.parametrize(("a", "why"), [
@@ -72,9 +70,8 @@ def test_one_row_is_read_in_place_at_any_k_with_a_16_byte_stride_for_the_map() -
 ])
 def test_layouts_the_kernels_cannot_read_are_copied_into_contiguous_rows(a: Operand, why: str) -> None:
     assert not reads_in_place(a, 64, 1000), why
-    for skinny in (False, True):
-        s = decide(a, op("b", (64, 1000)), skinny=skinny)
-        assert s.a == Feed(True, 1000, 1000) and s.b == IN_PLACE_1000 and s.k == 1000, why
+    s = decide(a, op("b", (64, 1000)))
+    assert s.a == Feed(True, 1000) and s.b == IN_PLACE_1000, why
 
 
 @pytest.mark.parametrize(("a", "why"), [
@@ -89,8 +86,7 @@ def test_layouts_the_kernels_read_as_they_are(a: Operand, why: str) -> None:
 
 def test_k_of_one_column_copies_rows_of_8() -> None:
     s = decide(op("a", (7, 1)), op("b", (9, 1)))
-    assert s == Staging(Feed(True, 8, 1), Feed(True, 8, 1), False, 1)
-    assert decide(op("a", (7, 1)), op("b", (9, 1)), skinny=True).k == 8
+    assert s == Staging(Feed(True, 8), Feed(True, 8), False)
 
 
 @pytest.mark.parametrize(("out", "copied"), [
@@ -118,10 +114,7 @@ def test_without_out_d_is_never_copied() -> None:
 @pytest.mark.parametrize("k", [1, 7, 8, 9, 15, 127, 1111, 28671])
 def test_every_odd_shape_gets_rows_the_kernels_can_read(m: int, n: int, k: int) -> None:
     # Over contiguous operands: whatever is decided, what the kernel reads meets its contract.
-    for skinny in (False, True):
-        s = decide(op("a", (m, k)), op("b", (n, k)), skinny=skinny)
-        for feed, rows in ((s.a, m), (s.b, n)):
-            assert feed.row_stride % 8 == 0 and feed.row_stride >= feed.cols >= k
-            assert feed.copy == (k % 8 != 0 and (rows > 1 or skinny))
-            assert feed.cols == (padded(k) if skinny else k)
-        assert s.k == s.a.cols == s.b.cols
+    s = decide(op("a", (m, k)), op("b", (n, k)))
+    for feed, rows in ((s.a, m), (s.b, n)):
+        assert feed.row_stride % 8 == 0 and feed.row_stride >= k
+        assert feed.copy == (k % 8 != 0 and rows > 1)
