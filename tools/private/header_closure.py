@@ -68,7 +68,6 @@ class Refs:
 
     literal: list[tuple[bool, str]]  # (quoted, name) of `#include "x"`, `<x>`, `__has_include(...)`
     computed: list[tuple[str, tuple[str, ...] | None]]  # (macro, args or None) of `#include MACRO(args)`
-    defines: list[tuple[str, tuple[str, ...] | None, str]]  # (macro, params or None, "<...>" or "\"...\"")
     everything: str | None  # why the text cannot say what is read (`#include_next`, an odd line)
 
 
@@ -91,14 +90,19 @@ def references(text: bytes) -> Refs:
     for match in _DIRECTIVE.finditer(text):
         directive, rest = match.group(1), match.group(2).strip()
         if directive == b"include_next":
-            return Refs([], [], [], f"#include_next {_text(rest)}")
+            return Refs([], [], f"#include_next {_text(rest)}")
         if not _reference(rest, literal, computed):
-            return Refs([], [], [], f"#include {_text(rest)}")
-    for match in _HAS_INCLUDE.finditer(text):
-        _reference(match.group(1).strip(), literal, computed)
-    defines = [(_text(m.group(1)), _split_args(m.group(2)[1:-1] if m.group(2) else None), _text(m.group(3)))
-               for m in _DEFINE.finditer(text)]
-    return Refs(literal, computed, defines, None)
+            return Refs([], [], f"#include {_text(rest)}")
+    if b"__has_include" in text:  # a substring test first: the regex costs more than most files' scan
+        for match in _HAS_INCLUDE.finditer(text):
+            _reference(match.group(1).strip(), literal, computed)
+    return Refs(literal, computed, None)
+
+
+def defines(text: bytes) -> list[tuple[str, tuple[str, ...] | None, str]]:
+    """(macro, params or None, "<...>" or "\"...\"") of each `#define` of a header name in `text`."""
+    return [(_text(m.group(1)), _split_args(m.group(2)[1:-1] if m.group(2) else None), _text(m.group(3)))
+            for m in _DEFINE.finditer(text)]
 
 
 def expand(body: str, params: tuple[str, ...] | None, args: tuple[str, ...] | None) -> str | None:
@@ -131,6 +135,8 @@ def closure(src: str, roots: list[str], declared: set[str]) -> tuple[list[str], 
     order, todo, seen = [src], [src], {src}
     definitions: dict[str, list[tuple[tuple[str, ...] | None, str]]] = {}
     pending: dict[tuple[str, tuple[str, ...] | None, str], int] = {}  # call -> definitions expanded
+    texts: list[bytes] = []  # of the files read, in order; their #defines are read once a computed include needs them
+    defined = 0  # texts[:defined] have given their #defines
 
     def reach(name: str, includer: str, quoted: bool) -> None:
         found = resolve(name, includer, quoted, roots, declared)
@@ -144,16 +150,21 @@ def closure(src: str, roots: list[str], declared: set[str]) -> tuple[list[str], 
     while todo:
         while todo:
             path = todo.pop()
-            refs = references(_read(path))
+            text = _read(path)
+            texts.append(text)
+            refs = references(text)
             if refs.everything is not None:
                 return [src, *sorted(declared - {src})], f"{path}: {refs.everything}"
-            for macro, params, body in refs.defines:
-                definitions.setdefault(macro, []).append((params, body))
             for macro, args in refs.computed:
                 pending.setdefault((macro, args, path), 0)
             for quoted, name in refs.literal:
                 reach(name, path, quoted)
         # Expand every computed include with the definitions found so far (more may come).
+        if pending:
+            for text in texts[defined:]:
+                for macro, params, body in defines(text):
+                    definitions.setdefault(macro, []).append((params, body))
+            defined = len(texts)
         for call, done in list(pending.items()):
             macro, args, includer = call
             bodies = definitions.get(macro, [])
