@@ -417,6 +417,36 @@ def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> lis
         print(f"{f'{m}x{n}x{k}':>18s} {ours:12.2f} {theirs:13.2f} {ours / theirs:6.2f} {graphs[0]:>13s} "
               f"{graphs[1]:>14s}", flush=True)
         goals.append(_goal(f"host time per call vs torch at {m}x{n}x{k}", ours / theirs, GOAL_HOST, at_least=False))
+    goals += compiled_overheads(torch, args, cycles_per_us)
+    return goals
+
+
+def compiled_overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> list[str]:
+    """Host time per call of a function compiled by torch.compile (inductor, default mode) that calls
+    ops.gemm, beside the same function on torch.mm: the GEMM alone, and with a ReLU after it."""
+    import cubinstore.ops as ops
+
+    print(f"\n== host time per call under torch.compile (inductor, default mode; {args.host_calls} back-to-back calls)")
+    print(f"{'M x N x K':>18s} {'function':>10s} {'ours host us':>12s} {'torch host us':>13s} {'ratio':>6s}")
+    goals = []
+    bodies = {
+        "gemm": (lambda a, b: ops.gemm(a, b), lambda a, b: torch.mm(a, b.T)),
+        "relu(gemm)": (lambda a, b: torch.relu(ops.gemm(a, b)), lambda a, b: torch.relu(torch.mm(a, b.T))),
+    }
+    for m, n, k in HOST_SHAPES:
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        for name, (ours_fn, torch_fn) in bodies.items():
+            times = []
+            for fn in (ours_fn, torch_fn):
+                torch._dynamo.reset()
+                compiled = torch.compile(fn, fullgraph=True)
+                compiled(a, b)  # compile outside the clock
+                times.append(host_us(torch, lambda c=compiled: c(a, b), args.host_calls, cycles_per_us))
+            print(f"{f'{m}x{n}x{k}':>18s} {name:>10s} {times[0]:12.2f} {times[1]:13.2f} {times[0] / times[1]:6.2f}",
+                  flush=True)
+            goals.append(_goal(f"compiled {name}: host time per call vs torch at {m}x{n}x{k}", times[0] / times[1],
+                               1.0, at_least=False))
     return goals
 
 

@@ -91,29 +91,39 @@ def register() -> bool:
 register._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+_library: Any = None  # the torch.library.Library defining the ops: kept, or torch drops them
+
+
 def _define() -> None:
+    # torch.library.Library, not torch.library.custom_op: custom_op puts its own Python autograd
+    # layer in front of every call the compiled graph makes (measured: it cost 10 to 20 us of host
+    # time a call under inductor, benchmarks/bench_gemm.py "under torch.compile"). The ops have no
+    # backward: the one implementation serves every device, and ours words a wrong one.
     import torch
 
-    # Schemas spelled out: this module's annotations are strings (no torch at import).
-    @torch.library.custom_op("cubinstore::gemm", mutates_args=(),
-                             schema="(Tensor a, Tensor b, str? kernel_id=None, int? splits=None) -> Tensor")
+    global _library
+    library = torch.library.Library("cubinstore", "DEF")
+    library.define("gemm(Tensor a, Tensor b, str? kernel_id=None, int? splits=None) -> Tensor")
+    library.define("gemm_out(Tensor a, Tensor b, Tensor(a!) out, str? kernel_id=None, int? splits=None) -> ()")
+
     def gemm(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
         return run(a, b, None, kernel_id, splits)
 
-    @gemm.register_fake
-    def _(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
-        m, n, _ = _check_fake(a, b, None)
-        return a.new_empty((m, n), dtype=torch.bfloat16)
-
-    @torch.library.custom_op(
-        "cubinstore::gemm_out", mutates_args=("out",),
-        schema="(Tensor a, Tensor b, Tensor(a!) out, str? kernel_id=None, int? splits=None) -> ()")
     def gemm_out(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
         run(a, b, out, kernel_id, splits)
 
-    @gemm_out.register_fake
-    def _(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
+    def gemm_fake(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
+        m, n, _ = _check_fake(a, b, None)
+        return a.new_empty((m, n), dtype=torch.bfloat16)
+
+    def gemm_out_fake(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
         _check_fake(a, b, out)
+
+    library.impl("gemm", gemm, "CompositeExplicitAutograd")
+    library.impl("gemm_out", gemm_out, "CompositeExplicitAutograd")
+    torch.library.register_fake("cubinstore::gemm", gemm_fake, lib=library)
+    torch.library.register_fake("cubinstore::gemm_out", gemm_out_fake, lib=library)
+    _library = library
 
 
 def _check_fake(a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
