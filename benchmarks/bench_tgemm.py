@@ -178,7 +178,9 @@ class RawKernel:
     def prepare(self, m: int, n: int, k: int, sa: int, sb: int, tma: bytes, tmb: bytes, d: int,
                 stream: int) -> Callable[[], None]:
         drv = self.drv
-        words = lambda raw: (ctypes.c_uint64 * 16)(*[int.from_bytes(raw[i:i + 8], "little") for i in range(0, 128, 8)])
+        def words(raw: bytes) -> Any:
+            return (ctypes.c_uint64 * 16)(*[int.from_bytes(raw[i:i + 8], "little") for i in range(0, 128, 8)])
+
         values = [ctypes.c_uint32(m), ctypes.c_uint32(n), ctypes.c_uint32(k), ctypes.c_uint64(sa),
                   ctypes.c_uint64(sb), words(tma), words(tmb), ctypes.c_uint64(d)]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])

@@ -6,16 +6,14 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
-
-from cubinstore import jit  # noqa: E402
+from cubinstore import jit
+from cubinstore._core.digest import Digest
+from cubinstore._jit import family as jit_family
+from cubinstore._jit.family import FamilyTemplate, make_bundle, template_for_sources
 from cubinstore._release import warmset as _warmset
-from cubinstore._core.digest import Digest  # noqa: E402
-from cubinstore._jit import family as jit_family  # noqa: E402
-from cubinstore._jit.family import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
-from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError  # noqa: E402
-from cubinstore.manifest import Manifest  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError
+from cubinstore.manifest import Manifest
+from cubinstore.store import LocalStore, Store
 
 REPO = Path(__file__).resolve().parents[2]
 AXPY = ["kernels/axpy/axpy.cu", "kernels/axpy/axpy.cuh"]
