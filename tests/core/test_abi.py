@@ -1,6 +1,7 @@
 """The ABI contract (cubinstore._core.abi, .cubin) against real CUBINs: the layout rule on a table of
 parameter lists and the one layout comparison, local kernels, the arch grammar, the id grammar,
-reproducible bytes, and the Starlark mirror in tools/private/types.bzl."""
+reproducible bytes, and the Starlark mirrors: the tables of tools/private/types.bzl and the id
+segments cubin_instantiations renders."""
 
 from __future__ import annotations
 
@@ -251,3 +252,40 @@ def test_starlark_type_table_is_the_abi_table() -> None:
 
 def test_starlark_default_flags_are_the_abi_defaults() -> None:
     assert tuple(_starlark_assignment("DEFAULT_NVCC_FLAGS")) == _abi.DEFAULT_NVCC_FLAGS
+
+
+def _starlark_function(path: str, name: str):
+    """A Starlark function of ``path`` run as Python: its syntax is Python's here; ``type`` and
+    ``fail`` are Starlark's (``type(x)`` names the type, ``fail`` stops the build)."""
+    source = (ROOT / path).read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            names = {int: "int", str: "string", bool: "bool", list: "list", dict: "dict"}
+
+            def fail(message: str) -> None:
+                raise ValueError(message)
+
+            scope: dict[str, object] = {"type": lambda v: names.get(type(v), type(v).__name__), "fail": fail}
+            exec(compile(ast.Module([node], []), path, "exec"), scope)  # our own build file, its one function
+            return scope[name]
+    raise AssertionError(f"{name} not found in {path}")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("vec", 4), ("vec", 0), ("vec", -3), ("bm", 128), ("dtype", "f32"), ("dtype", "bf16"),
+    ("kind", "e4m3_fn"), ("kind", "A_B"), ("n", 2**40),
+])
+def test_starlark_id_segments_are_render_param(key: str, value: str | int) -> None:
+    # cubin_instantiations names each point's id and target by the same rule the runtime parses.
+    render = _starlark_function("tools/private/macros/cubin_instantiations.bzl", "_render")
+    assert render(key, value) == _abi.render_param(key, value)
+    family_keys = [key]
+    params, arch = _abi.parse_kernel_id(_abi.kernel_id("fam", {key: value}, "sm_90a"), "fam", family_keys)
+    assert params == {key: value} and str(arch) == "sm_90a"
+
+
+@pytest.mark.parametrize("value", [True, "", "a-b", "a/b", "f 32", 1.5, ["x"]])
+def test_starlark_refuses_values_no_id_can_hold(value: object) -> None:
+    render = _starlark_function("tools/private/macros/cubin_instantiations.bzl", "_render")
+    with pytest.raises(ValueError, match="must be an int or an alphanumeric string"):
+        render("key", value)
