@@ -58,7 +58,7 @@ LIST_SLOTS = {
     "includes": "-I{}",
 }
 
-def cubin_compile_args(ctx, values, lists, ptx = False):
+def cubin_compile_args(ctx, values, lists, ptx = False, tree = None):
     """An `Args` holding the command after nvcc itself (the executable is run separately).
 
     Args:
@@ -67,6 +67,8 @@ def cubin_compile_args(ctx, values, lists, ptx = False):
       lists: slot -> list or depset of str, for the slots of `LIST_SLOTS`.
       ptx: write PTX text (`-ptx`, with a `compute_` arch) instead of a CUBIN; every other word
         is the table's, and a CUBIN's command is the table exactly.
+      tree: the header closure `cubin_compile` runs nvcc in (None: the execution root); the
+        output File is then named from inside it, every other word stays as it is.
 
     Returns:
       The `Args`.
@@ -77,6 +79,8 @@ def cubin_compile_args(ctx, values, lists, ptx = False):
         if slot in LIST_SLOTS:
             fmt = LIST_SLOTS[slot].replace("{}", "%s")
             args.add_all(lists[slot], format_each = fmt)
+        elif slot == "output" and tree != None:
+            args.add(_up_from(tree) + values[slot].path)
         elif slot != None:
             args.add(values[slot])
         elif "{" in word:
@@ -137,32 +141,28 @@ def cubin_compile(ctx, src, anchor, output, args, headers, progress_message, mne
       tree: a header closure (`scan_header_closure`) holding the source, the anchor and the
         headers it reads, each at its execution-root path: nvcc then runs in it (through the
         rule's `_in_tree`), from these files only (`headers`, `src` and `anchor` are then no
-        inputs), and `args` must name the output through `up_from(tree)`.
+        inputs); `args` must come from `cubin_compile_args` with the same `tree`.
     """
     toolkit = _toolkit_inputs(ctx)
     message = progress_message + " " + header_hint(ctx)
-    common = dict(
+    if tree == None:
+        executable, arguments, tools = ctx.executable._nvcc, [args], []
+        inputs = depset([src, anchor, ctx.file._host_compiler_id], transitive = [headers] + toolkit)
+    else:
+        executable, tools = ctx.executable._in_tree, [ctx.executable._nvcc]
+        arguments = [tree.path, _up_from(tree) + ctx.executable._nvcc.path, args]
+        inputs = depset([tree, ctx.file._host_compiler_id], transitive = toolkit)
+    ctx.actions.run(
+        executable = executable,
+        arguments = arguments,
+        tools = tools,
+        inputs = inputs,
         outputs = [output],
         env = ACTION_ENV,
         mnemonic = mnemonic,
         progress_message = message,
     )
-    if tree == None:
-        ctx.actions.run(
-            executable = ctx.executable._nvcc,
-            arguments = [args],
-            inputs = depset([src, anchor, ctx.file._host_compiler_id], transitive = [headers] + toolkit),
-            **common
-        )
-    else:
-        ctx.actions.run(
-            executable = ctx.executable._in_tree,
-            arguments = [tree.path, up_from(tree) + ctx.executable._nvcc.path, args],
-            tools = [ctx.executable._nvcc],
-            inputs = depset([tree, ctx.file._host_compiler_id], transitive = toolkit),
-            **common
-        )
 
-def up_from(tree):
+def _up_from(tree):
     """The relative path from inside `tree` (a directory File) back to the execution root."""
     return "../" * len(tree.path.split("/"))

@@ -1,12 +1,12 @@
 """The CubinScan action: the headers one translation unit includes, as a tree artifact.
 
-A family with `header_closure = True` compiles each TU from its tree instead of from every
-declared header, so a header the TU never includes is no input of its compile and changing it
-re-keys nothing (docs/header-closure.md). `closure_compile` says how the compile's command
-changes: nvcc runs inside the tree, where the source, the anchor and each header sit at their
-execution-root paths, so every word of its command but the output's and nvcc's own is the one a
-compile in the execution root has, and so is every path the preprocessor writes into line
-markers (which `__FILE__` and glibc's `__builtin_FILE()` assert messages read).
+A compile (`header_closure`, the default) runs inside this tree instead of declaring every
+header, so a header the TU never includes is no input of its compile and changing it re-keys
+nothing (docs/header-closure.md). In the tree the source, the anchor and each header sit at
+their execution-root paths, so every word of nvcc's command but the output's and nvcc's own is
+the one a compile in the execution root has (`cubin_compile` in compile.bzl), and so is every
+path the preprocessor writes into line markers (which `__FILE__` and glibc's `__builtin_FILE()`
+assert messages read).
 """
 
 load("//tools/private:providers.bzl", "PyToolInfo")

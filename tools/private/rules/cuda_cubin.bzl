@@ -6,7 +6,7 @@
 load("@local_cuda//:defs.bzl", "HOST_CC")
 load("//tools/private:providers.bzl", "CubinInfo", "CudaHeadersInfo", "PyToolInfo")
 load("//tools/private:types.bzl", "check_arch", "check_entries", "check_ptx_arch", "merge_flags", "module_anchor")
-load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", "up_from", _ACTION_ENV = "ACTION_ENV")
+load("//tools/private/actions:compile.bzl", "COMPILE_ATTRS", "cubin_compile", "cubin_compile_args", _ACTION_ENV = "ACTION_ENV")
 load("//tools/private/actions:scan.bzl", "scan_header_closure")
 
 # Re-exported: cubin_manifest and cubin_jit_template run their actions in the same environment.
@@ -51,7 +51,7 @@ def compile_instance(ctx, ptx):
             "anchor": anchor,
             "arch": ctx.attr.arch,
             "host_cc": HOST_CC,
-            "output": cubin if tree == None else up_from(tree) + cubin.path,
+            "output": cubin,
             "source": src,
             "source_name": source_path,
         },
@@ -62,6 +62,7 @@ def compile_instance(ctx, ptx):
             "includes": includes,
         },
         ptx = ptx,
+        tree = tree,
     )
 
     cubin_compile(
