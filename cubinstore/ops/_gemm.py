@@ -359,9 +359,6 @@ def _copy_in(torch: Any, src: Any, feed: Feed, device: Any) -> Any:
     """`src` (rows x K) copied into fresh rows `feed.row_stride` apart (the kernels never read past K)."""
     rows, k = src.shape
     buf = torch.empty((rows, feed.row_stride), dtype=torch.bfloat16, device=device)
-    if feed.row_stride == k:
-        buf.copy_(src)
-        return buf
     buf[:, :k].copy_(src)
     return buf
 
