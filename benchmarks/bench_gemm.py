@@ -69,7 +69,7 @@ LLM_M = (1, 64, 128, 4096)
 
 def gemm_module() -> Any:
     # Imported on first use: the tests import this file for its grid without cubinstore's modules.
-    from cubinstore.ops import _gemm
+    from cubinstore.internals import gemm_launch as _gemm
 
     return _gemm
 
@@ -318,7 +318,7 @@ def bench_shape(torch: Any, library: Any, shape: Any, l2: int, args: argparse.Na
 
 def model_choice(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
     """What the model alone chooses for M x N x K on device 0 (the calibration's measured picks left out)."""
-    from cubinstore.ops import _gemm_model
+    from cubinstore.internals import gemm_model as _gemm_model
 
     g = gemm_module()
     return _gemm_model.choose(m, n, k, g.sm_count(0), g.candidates(library), measured=False,
@@ -494,7 +494,7 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
     """Time each of LAYOUTS: ops.gemm as given (with its copies), ops.gemm on the same values in layouts it
     reads in place (rows K rounded up to 8 apart, D contiguous), and torch.mm as given. Returns wrong cases."""
     import cubinstore.ops as ops
-    from cubinstore.ops import _gemm_staging
+    from cubinstore.internals import gemm_staging as _gemm_staging
 
     print("\n== layouts ops.gemm copies (ratio = torch.mm / ops.gemm as given; copy = as given - in place)")
     print(f"{'case':28s} {'M x N x K':>16s} {'copies':>8s} {'ours us':>8s} {'in place':>9s} {'copy us':>8s} "
@@ -545,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
 
     import gemm_shapes
     import cubinstore.ops as ops
-    from cubinstore.ops import _gemm_calibration
+    from cubinstore.internals import gemm_calibration as _gemm_calibration
 
     torch.backends.cuda.matmul.allow_tf32 = False
     props = torch.cuda.get_device_properties(0)
@@ -656,8 +656,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.command == "compile":
-        from cubinstore._jit.family import cutlass_include
         from cubinstore.errors import BadArgumentError
+        from cubinstore.internals import cutlass_include
 
         try:
             include = args.include or cutlass_include()

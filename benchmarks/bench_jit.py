@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cubinstore.ops import _gemm  # noqa: E402
+from cubinstore.internals import gemm_launch as _gemm  # noqa: E402
 
 GEMM_FILES = ("kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh")
 GEMM_ENTRY = {_gemm.ENTRY: list(_gemm.ENTRY_TYPES)}
@@ -54,7 +54,7 @@ def _median(values: list[float]) -> float:
 # -- what a child process runs ----------------------------------------------------------------------
 
 def _template(store: Any) -> Any:
-    from cubinstore._jit.family import template_for_sources
+    from cubinstore.internals import template_for_sources
 
     return template_for_sources("gemm", list(GEMM_POINT), GEMM_FILES[0], {p: (ROOT / p).read_text() for p in GEMM_FILES},
                                 store, defines=list(GEMM_DEFINES), entries=GEMM_ENTRY, archs=["sm_90a"],
@@ -86,18 +86,18 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         import cubinstore.launch  # noqa: F401
         import cubinstore.manifest  # noqa: F401
     if gpu:
-        from cubinstore._driver import cuda as _cuda
+        from cubinstore.internals import cuda as _cuda
 
         _cuda.driver()
         _cuda.primary_context(0)
     if kind == "key_cutlass_statcached":
-        from cubinstore._jit import key as _jitkey
+        from cubinstore.internals import key as _jitkey
 
         t = time.perf_counter()
         _jitkey.tree(args["cutlass"], local=LocalStore(args["home"]))
         out["seconds"] = time.perf_counter() - t
     elif kind in ("identity_statcached", "core_statcached"):
-        from cubinstore._jit import key as _jitkey
+        from cubinstore.internals import key as _jitkey
 
         local = LocalStore(args["home"])
         t = time.perf_counter()
@@ -109,7 +109,7 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = time.perf_counter() - t
     elif kind in ("jit_cold", "jit_warm", "jit_warm_fullkey", "gpu_jit_warm", "gpu_jit_warm_fullkey"):
         from cubinstore import jit
-        from cubinstore._jit import compiler  # the direct check's two steps, timed where they run
+        from cubinstore.internals import compiler  # the direct check's two steps, timed where they run
 
         if kind.endswith("_fullkey"):
             compiler.lookup = lambda *a: None  # type: ignore[assignment]  # the direct path off
@@ -151,8 +151,7 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = time.perf_counter() - t
     elif kind == "gpu_jit_by_key":
         import cubinstore
-        from cubinstore._core import knobs as _env
-        from cubinstore._jit.index import JitIndex
+        from cubinstore.internals import JitIndex, knobs as _env
         from cubinstore.manifest import KernelSpec, Manifest
 
         t = time.perf_counter()
@@ -187,8 +186,8 @@ def _repeat(kind: str, args: dict[str, Any], env: dict[str, str], n: int, field:
 # -- the rows ---------------------------------------------------------------------------------------
 
 def _have_nvcc() -> bool:
-    from cubinstore._jit.key import locate_toolkit
     from cubinstore.errors import BadArgumentError
+    from cubinstore.internals import locate_toolkit
 
     try:
         locate_toolkit()
@@ -198,7 +197,7 @@ def _have_nvcc() -> bool:
 
 
 def _have_gpu() -> bool:
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore.internals import cuda as _cuda
 
     ok, _ = _cuda.available()
     return ok
@@ -236,7 +235,7 @@ def _found(results: list[dict[str, Any]]) -> str:
 
 
 def cpu_rows(work: Path, cutlass: Path, repeats: int) -> list[tuple[str, str, str]]:
-    from cubinstore._jit import key as _jitkey
+    from cubinstore.internals import key as _jitkey
 
     pre = work / "cpu"
     recorded = prepare(pre, cutlass)  # the GEMM point compiled, and a one-kernel manifest of it
@@ -311,15 +310,14 @@ def gpu_rows(home: Path, manifest: Path, kid: str, cutlass: Path | None, recorde
 def prepare(out: Path, cutlass: Path) -> dict[str, Any]:
     """Compile the GEMM point into ``out/home`` and write a one-kernel AOT manifest of the same CUBIN."""
     from cubinstore import jit
-    from cubinstore._core.abi import dumps_canonical
-    from cubinstore.manifest import SCHEMA
+    from cubinstore.manifest import SCHEMA, dumps_canonical
     from cubinstore.store import LocalStore, Store
 
     store = Store([LocalStore(out / "home")])
     spec = jit.compile_family_point(_template(store), GEMM_POINT, "sm_90a", store=store,
                                     include_roots={"cutlass": str(cutlass)})
     (out / "manifest.json").write_bytes(dumps_canonical({"schema": SCHEMA, "kernels": [spec.to_json()]}))
-    from cubinstore._release import warmset as _warmset
+    from cubinstore.internals import warmset as _warmset
 
     rec = next(r for r in _warmset.records(LocalStore(out / "home")) if r.digest == spec.digest)
     desc = {"key": rec.key, "spec": {"id": spec.id, "params": dict(spec.params), "target": spec.target},
@@ -347,8 +345,8 @@ def main() -> int:
     if args.child:
         print(json.dumps(_child(args.child[0], json.loads(args.child[1]))))
         return 0
-    from cubinstore._jit.family import cutlass_include
     from cubinstore.errors import BadArgumentError
+    from cubinstore.internals import cutlass_include
 
     try:
         cutlass: Path | None = cutlass_include()

@@ -50,7 +50,7 @@ def cli(args: list[str], env: dict[str, str]) -> tuple[float, str]:
 
 def synthetic(directory: Path, n: int, size: int = 4096) -> Path:
     """A manifest of ``n`` kernels of ``size`` random bytes each, blobs in a build tree beside it."""
-    from cubinstore._core.abi import kernel_id
+    from cubinstore.manifest import kernel_id
 
     rng = random.Random(n)
     tree = directory / "bazel-bin" / "kernels"

@@ -138,7 +138,7 @@ def driver_with(**replaced: Any) -> Any:
     costs what the module's does)."""
     from types import SimpleNamespace
 
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore.internals import cuda as _cuda
 
     calls = {name: getattr(_cuda, name) for name in dir(_cuda) if not name.startswith("_")}
     return SimpleNamespace(**{**calls, **replaced})
@@ -149,7 +149,7 @@ def fresh_loads(driver: Any) -> None:
     nothing. Its device facts and its (empty) module cache are made before the clock starts, as a
     running process has them."""
     from cubinstore import launch
-    from cubinstore._driver import device
+    from cubinstore.internals import device
 
     devices = device.Devices(driver)
     devices.check_ordinal(0)
@@ -163,7 +163,7 @@ class Loads:
     """The libraries loaded through `driver_with(load_library=loads.load)`, unloaded after a sample."""
 
     def __init__(self) -> None:
-        from cubinstore._driver import cuda as _cuda
+        from cubinstore.internals import cuda as _cuda
 
         self.handles: list[int] = []
         self._load_library = _cuda.load_library  # bound once: the timed loads pay one call here, no import
@@ -213,7 +213,7 @@ def synthetic_release(work: Path, copies: int = 4) -> Path:
 def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tuple[int, int], gpu: bool) -> list[dict[str, Any]]:
     """Per CUBIN: read + sha256 | Store.get | Library.kernel() without the driver, fresh loads (ms)."""
     from cubinstore import launch
-    from cubinstore._driver import device
+    from cubinstore.internals import device
     from cubinstore.manifest import arch_compatible
     from cubinstore.store import LocalStore, MemoryStore, Store
 
@@ -299,7 +299,7 @@ def print_rows(rows: list[dict[str, Any]], row: Callable[[str, object, dict[str,
 def _make_primary_current() -> None:
     """GPU 0's primary context current, as in a torch process (and in the load-phase children): a
     load then switches no context, ours and the peers' alike."""
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore.internals import cuda as _cuda
 
     drv = _cuda.driver()
     _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent")
@@ -307,7 +307,7 @@ def _make_primary_current() -> None:
 
 def _unload(library: int) -> None:
     """cuLibraryUnload of a library loaded on GPU 0."""
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore.internals import cuda as _cuda
 
     drv = _cuda.driver()
     with _cuda.on_device(0):
@@ -360,8 +360,8 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
     Library.kernel() from the owned store (records) | the same with CUBINSTORE_VERIFY=full |
     Library.kernel() of bytes verified before in the process | the layout check alone. Also what the
     owned store's first loads checked (``LocalStore.checks``)."""
-    from cubinstore import _loader, launch
-    from cubinstore._driver import device
+    from cubinstore import launch
+    from cubinstore.internals import device, loader as _loader
     from cubinstore.store import LocalStore, MemoryStore, Store
 
     _make_primary_current()
@@ -452,7 +452,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     from cuda.bindings import driver as drv
 
     from cubinstore import launch
-    from cubinstore._driver import device
+    from cubinstore.internals import device
     from cubinstore.store import LocalStore, Store
 
     _make_primary_current()
@@ -547,8 +547,7 @@ def print_load_breakdown(parts: dict[str, dict[str, float]], kernels: int, sampl
 CHILD = """
 import sys, time, json
 import cubinstore
-from cubinstore._driver import cuda as _cuda
-from cubinstore._driver import device
+from cubinstore.internals import cuda as _cuda, device
 from cubinstore.manifest import arch_compatible
 lib = cubinstore.open(sys.argv[1])
 drv = _cuda.driver()
@@ -700,8 +699,7 @@ def main() -> None:
     gpu_reason = None
     cc = None
     try:
-        from cubinstore._driver import cuda as _cuda
-        from cubinstore._driver import device
+        from cubinstore.internals import cuda as _cuda, device
 
         ok, why = _cuda.available()
         if ok:

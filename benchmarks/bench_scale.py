@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the loopback nginx config the tests u
 
 from helpers.net import free_port, nginx_conf, wait_for_port  # noqa: E402
 
-from cubinstore._core.abi import Arch, param_layout, param_type  # noqa: E402
+from cubinstore.internals import Arch, param_layout, param_type  # noqa: E402
 from cubinstore.manifest import Manifest, dumps_canonical  # noqa: E402
 
 TEMPLATE_CANDIDATES = ("bazel-bin/kernels/axpy/axpy_f32_vec4_sm_90a.cubin",)

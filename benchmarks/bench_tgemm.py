@@ -118,8 +118,8 @@ def render(point: Point) -> str:
 
 
 def compile_grid(out: Path, nvcc: str) -> None:
-    from cubinstore._jit.family import cutlass_include
     from cubinstore.errors import BadArgumentError
+    from cubinstore.internals import cutlass_include
 
     try:
         include = cutlass_include()

@@ -23,11 +23,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run from a checkout without installing cubinstore
 
 import cubinstore  # noqa: E402
-from cubinstore._driver import cuda as _cuda  # noqa: E402
-from cubinstore._driver import device as _device  # noqa: E402
+from cubinstore.internals import cuda as _cuda, device as _device, gemm_launch as gemm  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, Store  # noqa: E402
-from cubinstore.ops import _gemm as gemm  # noqa: E402
 
 SHAPE = (8192, 8192, 8192)  # enough tiles that every instantiation fills the GPU
 

@@ -42,7 +42,7 @@ def child(manifest_path: str, kernel_id: str, started: float) -> None:
     """Runs in a fresh interpreter; prints one JSON line of wall-clock marks (time.time())."""
     marks = {"spawned": started, "interpreter": time.time()}
     from cubinstore import launch
-    from cubinstore._driver import cuda as _cuda
+    from cubinstore.internals import cuda as _cuda
 
     marks["imported"] = time.time()
     lib = launch.open(manifest_path)  # Store.from_env(): CUBINSTORE_HOME / CUBINSTORE_REMOTE
@@ -145,8 +145,7 @@ def _nvcc_seconds(nvcc: str, spec: Any, cutlass: str | None, repeats: int, work:
 
 def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list[dict[str, Any]]:
     from cubinstore import launch
-    from cubinstore._driver import cuda as _cuda
-    from cubinstore._driver import device
+    from cubinstore.internals import cuda as _cuda, device
     from cubinstore.store import LocalStore, Store
 
     local = LocalStore(home)
@@ -215,16 +214,15 @@ def main() -> None:
     parser.add_argument("--json", help="also write all numbers here")
     opts = parser.parse_args()
     if opts.cutlass_include is None:
-        from cubinstore._jit.family import cutlass_include
         from cubinstore.errors import BadArgumentError
+        from cubinstore.internals import cutlass_include
 
         try:
             opts.cutlass_include = str(cutlass_include())
         except BadArgumentError as exc:  # only the nvcc column needs them
             print(f"note: {exc}", file=sys.stderr)
 
-    from cubinstore._driver import cuda as _cuda
-    from cubinstore._driver import device
+    from cubinstore.internals import cuda as _cuda, device
     from cubinstore.manifest import Manifest
     from cubinstore.store import DirectorySource, LocalStore, Store
 

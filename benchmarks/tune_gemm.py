@@ -48,8 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gemm as bench  # noqa: E402  (the sibling script: timing, operands, loading)
 import gemm_shapes  # noqa: E402  (the tuning and held-out shape sets)
 
-from cubinstore.ops import _gemm_model  # noqa: E402
-from cubinstore.ops._gemm_model import ClusterSlots, MachineCosts, Model, TileCosts  # noqa: E402
+from cubinstore.internals import ClusterSlots, MachineCosts, Model, TileCosts, gemm_model as _gemm_model  # noqa: E402
 
 ROOT = bench.ROOT
 CALIBRATION = ROOT / "cubinstore" / "ops" / "_gemm_calibration.py"

@@ -27,7 +27,8 @@ import pytest
 from helpers.net import find_nginx, local_services
 from helpers.registry import RegistryServer, TokenServer
 
-from cubinstore._core.abi import kernel_id, render_param  # the id grammar, defined once
+from cubinstore.internals import render_param  # the id grammar, defined once
+from cubinstore.manifest import kernel_id
 
 REPO = Path(__file__).resolve().parent.parent
 

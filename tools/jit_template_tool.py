@@ -26,9 +26,12 @@ for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__fi
         sys.path.insert(0, _root)
         break
 
-from cubinstore._core.abi import dumps_canonical  # noqa: E402
+# _jit.family directly, not through cubinstore.internals (the tests' and benchmarks' door) or the
+# public cubinstore.jit: this action runs under the host's python3, without the xxhash that both
+# import with the JIT's key (tests/project/test_internals.py lists this import).
 from cubinstore._jit.family import TEMPLATE_SCHEMA, FamilyTemplate, make_bundle  # noqa: E402
 from cubinstore.errors import CubinstoreError  # noqa: E402
+from cubinstore.manifest import dumps_canonical  # noqa: E402
 
 
 def main(spec_path: str, template_path: str, bundle_path: str) -> int:

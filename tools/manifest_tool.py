@@ -48,6 +48,10 @@ for _root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.realpath(__fi
         sys.path.insert(0, _root)
         break
 
+# The private modules below directly, not through cubinstore.internals (the tests' and benchmarks'
+# door): this action runs under the host's python3, without the xxhash that internals imports
+# with the JIT and cubinstore-nvcc, and loads only what it checks with (tests/project/test_internals.py
+# lists these imports).
 from cubinstore._core import abi  # noqa: E402
 from cubinstore._core.cubin import CubinImage  # noqa: E402
 from cubinstore._core.cxxnames import resolve_entries  # noqa: E402

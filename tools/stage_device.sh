@@ -13,7 +13,7 @@ fi
 # The headers the JIT would use: cubinstore/_jit/family.py's cutlass_include() is the one lookup.
 cutlass_include="$(.venv/bin/python -c '
 import sys
-from cubinstore._jit.family import cutlass_include
+from cubinstore.internals import cutlass_include
 from cubinstore.errors import BadArgumentError
 try:
     print(cutlass_include())

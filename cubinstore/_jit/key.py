@@ -34,6 +34,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -68,6 +69,7 @@ __all__ = [
     "host_command",
     "host_compiler",
     "make_key",
+    "racy_window",
     "shape",
     "toolkit_core",
     "toolkit_unchanged",
@@ -88,8 +90,21 @@ TOOL_TREES: Final = ("nvvm/libdevice", "include")
 #: A file modified this close to the fingerprint could change again within the clock's
 #: granularity without changing its mtime (git's "racy" entries): never cache those. One value
 #: for the key's and the direct key's stat caches (``cubinstore._jit.direct`` reads it here, at
-#: call time, so a test of the caches sets it to 0 in this one place).
+#: call time, so ``racy_window`` changes it for both in this one place).
 RACY_NS: int = 2_000_000_000
+
+
+@contextmanager
+def racy_window(ns: int) -> Iterator[None]:
+    """Within the block, this process's stat caches trust files modified more than ``ns``
+    nanoseconds ago (``RACY_NS`` again after it): a test of the caches, whose files are seconds
+    old, passes 0."""
+    global RACY_NS
+    previous, RACY_NS = RACY_NS, ns
+    try:
+        yield
+    finally:
+        RACY_NS = previous
 
 
 def xxh3(data: bytes) -> str:

@@ -99,11 +99,10 @@ def test_what_text_cannot_resolve_copies_every_declared_header(execroot: Path, l
     assert (files, everything) == (["k.cu", "a.h", "b.h"], why)
 
 
-def test_a_header_over_the_size_limit_fails_naming_it(execroot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_header_over_the_size_limit_fails_naming_it(execroot: Path) -> None:
     declared = _write({"k.cu": '#include "big.h"\n', "big.h": "x" * 100})
-    monkeypatch.setattr(tool, "MAX_FILE_BYTES", 64)
     with pytest.raises(tool.ScanError, match=r"^big.h: 100 bytes, more than the 64 a header may have$"):
-        tool.closure("k.cu", ["."], declared)
+        tool.closure("k.cu", ["."], declared, max_file_bytes=64)
 
 
 def test_main_copies_the_closure_to_the_tree_at_exec_paths(execroot: Path) -> None:

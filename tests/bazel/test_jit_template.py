@@ -10,9 +10,8 @@ import pytest
 
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
-from cubinstore import jit  # noqa: E402
-from cubinstore._core.digest import Digest  # noqa: E402
-from cubinstore._jit.family import FamilyTemplate  # noqa: E402
+from cubinstore import Digest, jit  # noqa: E402
+from cubinstore.jit import FamilyTemplate  # noqa: E402
 from cubinstore.store import DiskCacheStore, LocalStore, Store  # noqa: E402
 
 from ._workspace import BazelError, Workspace, seed_disk_cache  # noqa: E402

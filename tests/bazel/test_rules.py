@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cubinstore._core import abi as _abi
+from cubinstore.internals import abi as _abi
 
 from ._workspace import COMPILE, replace_once
 from .conftest import Matrix

@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from cubinstore import jit  # noqa: E402
-from cubinstore._jit.family import template_for_sources  # noqa: E402
 from cubinstore.errors import KernelNotFoundError  # noqa: E402
+from cubinstore.internals import template_for_sources  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 

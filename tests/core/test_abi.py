@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cubinstore._core import abi as _abi
-from cubinstore._core.cubin import CubinImage
-from cubinstore._args import check_layout
 from cubinstore.errors import BadArgumentError, CubinFormatError
+from cubinstore.internals import CubinImage, abi as _abi, check_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"

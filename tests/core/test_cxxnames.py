@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cubinstore._core.cxxnames import names_entry, normalize_name
+from cubinstore.internals import names_entry, normalize_name
 
 
 @pytest.mark.parametrize("demangled", [

@@ -8,8 +8,9 @@ import pickle
 
 import pytest
 
-from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest
+from cubinstore import Digest
 from cubinstore.errors import BadArgumentError
+from cubinstore.internals import EMPTY_SHA256_HEX
 
 
 def test_the_empty_digest_constant_is_sha256_of_no_bytes() -> None:

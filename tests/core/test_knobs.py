@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cubinstore._core import knobs
 from cubinstore.errors import BadArgumentError
+from cubinstore.internals import knobs
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

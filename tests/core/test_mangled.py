@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cubinstore._core.cubin import CubinImage
-from cubinstore._core.cxxnames import function_name
-from cubinstore._core.mangled import MAX_SYMBOL_CHARS, MangledParam, decode_params, type_problem
+from cubinstore.internals import MAX_SYMBOL_CHARS, CubinImage, MangledParam, decode_params, function_name, type_problem
 
 NVCC = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
 

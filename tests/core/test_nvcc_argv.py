@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cubinstore._core import nvcc
+from cubinstore.internals import nvcc
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 
 from cubinstore import launch
-from cubinstore._driver import cuda as _cuda
-from cubinstore._driver import device
+from cubinstore.internals import cuda as _cuda, device
 from cubinstore.manifest import Manifest
 from cubinstore.store import DirectorySource, LocalStore, Store
 

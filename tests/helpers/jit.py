@@ -36,7 +36,7 @@ def make_library(prefix: Path) -> Path:
 
 
 def real_toolkit() -> Path:
-    from cubinstore._jit.key import locate_toolkit
+    from cubinstore.internals import locate_toolkit
 
     return locate_toolkit()[0]
 

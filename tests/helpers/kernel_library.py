@@ -199,7 +199,7 @@ def round_to(storage: str, value: float) -> float:
 def bundled_headers_source() -> Path:
     """The CuTe/CUTLASS headers the library bundles: the project's one lookup (the nvidia-cutlass
     wheel this Python sees, or $CUBINSTORE_CUTLASS_INCLUDE)."""
-    from cubinstore._jit.family import cutlass_include
+    from cubinstore.internals import cutlass_include
 
     return cutlass_include()
 

@@ -17,12 +17,9 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from helpers.jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy_with_changed_header  # noqa: E402
 
-from cubinstore import jit  # noqa: E402
-from cubinstore._core.digest import Digest  # noqa: E402
-from cubinstore._jit import compiler  # noqa: E402
-from cubinstore._jit.family import cutlass_include  # noqa: E402
-from cubinstore._jit.index import JitIndex  # noqa: E402
+from cubinstore import Digest, jit  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
+from cubinstore.internals import JitIndex, compiler, cutlass_include  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
@@ -247,7 +244,7 @@ def test_jit_off_serves_hits_and_refuses_misses(env: SimpleNamespace, monkeypatc
     assert _compile(env).compiled is False
     with pytest.raises(KernelNotFoundError, match=r"^JIT key xxh3:[0-9a-f]{32} \(arch sm_90a, family axpy dtype='f32'\)"):
         _compile(env, flags=["-DFACTOR=7"], family="axpy", params={"dtype": "f32"})
-    from cubinstore._release import warmset as _warmset
+    from cubinstore.internals import warmset as _warmset
 
     (rec,) = [r for r in _warmset.records(LocalStore(env.home)) if r.family == "axpy" and r.params == {"dtype": "f32"}]
     assert (rec.kind, rec.digest, rec.count) == ("miss", None, 1)  # recorded, so CI can build it ahead

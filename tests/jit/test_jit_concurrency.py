@@ -17,9 +17,8 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from helpers.jit import ENTRIES, TU, child_env, counting_toolkit, make_library  # noqa: E402
 
-from cubinstore import jit  # noqa: E402
-from cubinstore._core.digest import Digest  # noqa: E402
-from cubinstore._jit.index import JitIndex  # noqa: E402
+from cubinstore import Digest, jit  # noqa: E402
+from cubinstore.internals import JitIndex  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
@@ -107,7 +106,7 @@ def put(self, entry):
 JitIndex.put = put
 """,
     "index_half_written": """
-from cubinstore._core.abi import dumps_canonical
+from cubinstore.manifest import dumps_canonical
 def put(self, entry):
     data = dumps_canonical(entry.to_json())
     with self.local.stream_file(*self._at("index", entry.key)) as f:
@@ -118,9 +117,7 @@ JitIndex.put = put
 
 _CHILD = """
 import subprocess, sys
-from cubinstore._jit import compiler
-from cubinstore._jit.index import JitIndex
-from cubinstore._jit.key import ACTION_ENV
+from cubinstore.internals import ACTION_ENV, JitIndex, compiler
 from cubinstore.store import LocalStore
 kw = {}
 def stop(stage):

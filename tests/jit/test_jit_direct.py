@@ -19,12 +19,8 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from helpers.jit import ENTRIES, TU, child_env, make_library, run_child, toolkit_copy  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore._jit import compiler  # noqa: E402
-from cubinstore._jit import direct as _jitdirect  # noqa: E402
-from cubinstore._jit import key as _jitkey  # noqa: E402
-from cubinstore._jit.family import cutlass_include  # noqa: E402
-from cubinstore._jit.index import JitIndex  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
+from cubinstore.internals import JitIndex, compiler, cutlass_include, direct as _jitdirect, key as _jitkey  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
@@ -41,9 +37,10 @@ sys.addaudithook(refuse)
 
 
 @pytest.fixture
-def no_racy_window(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_racy_window() -> Iterator[None]:
     # Files these tests write are seconds old; stats are trusted only outside the racy window.
-    monkeypatch.setattr(_jitkey, "RACY_NS", 0)  # the one window, for the key's and the direct key's caches
+    with _jitkey.racy_window(0):  # the one window, for the key's and the direct key's caches
+        yield
 
 
 @pytest.fixture
@@ -319,7 +316,7 @@ def test_parts_that_do_not_make_the_key_are_not_trusted(lib: SimpleNamespace) ->
 _KILL_AFTER_INDEX = """
 import sys
 from cubinstore import jit
-from cubinstore._jit.index import JitIndex
+from cubinstore.internals import JitIndex
 def add_direct(*a, **k):  # the first step after the index entry: the direct entry
     print("index_written", flush=True)
     sys.stdin.readline()

@@ -15,8 +15,8 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from helpers.jit import child_env, run_child  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore._jit import demangle  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
+from cubinstore.internals import demangle  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"

@@ -6,12 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cubinstore import jit
-from cubinstore._core.digest import Digest
-from cubinstore._jit import family as jit_family
-from cubinstore._jit.family import FamilyTemplate, make_bundle, template_for_sources
-from cubinstore._release import warmset as _warmset
+from cubinstore import Digest, jit
 from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestError
+from cubinstore.internals import family as jit_family, make_bundle, template_for_sources, warmset as _warmset
+from cubinstore.jit import FamilyTemplate
 from cubinstore.manifest import Manifest
 from cubinstore.store import LocalStore, Store
 

@@ -17,17 +17,16 @@ torch = pytest.importorskip("torch", reason="the GPU tests use torch tensors")
 
 import cubinstore  # noqa: E402
 from cubinstore import jit  # noqa: E402
-from cubinstore._jit.family import cutlass_include, template_for_sources  # noqa: E402
-from cubinstore._jit.key import locate_toolkit  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
+from cubinstore.internals import (  # noqa: E402
+    cutlass_include, gemm_launch, locate_toolkit, ops_library, template_for_sources,
+)
 from cubinstore.manifest import Manifest  # noqa: E402
-from cubinstore.ops import _library as ops_library  # noqa: E402
-from cubinstore.ops._gemm_config import ENTRY, ENTRY_TYPES  # noqa: E402
 from cubinstore.store import DirectorySource, LocalStore, MemoryStore, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 GEMM_FILES = ["kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh"]
-GEMM_ENTRY = {ENTRY: list(ENTRY_TYPES)}
+GEMM_ENTRY = {gemm_launch.ENTRY: list(gemm_launch.ENTRY_TYPES)}
 # Two stages: a point the family's grid (kernels/gemm/BUILD.bazel) does not have.
 POINT = {"bm": 128, "bn": 128, "bk": 64, "stages": 2, "cluster": 1, "swap": 0}
 

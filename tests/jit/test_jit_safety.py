@@ -21,10 +21,9 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from helpers.jit import ENTRIES, TU, child_env, make_library, run_child  # noqa: E402
 
-from cubinstore import jit  # noqa: E402
-from cubinstore._jit.index import JitIndex  # noqa: E402
-from cubinstore import errors  # noqa: E402
+from cubinstore import errors, jit  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
+from cubinstore.internals import JitIndex  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 ARCH = "sm_90a"
@@ -127,7 +126,7 @@ def test_a_sealed_compile_that_reads_a_host_file_fails_naming_it_and_caches_noth
     assert list(local.scan()[0]) == []  # no CUBIN in the CAS
     for kind in ("index", "deps", "direct", "outside"):
         assert _jit_files(lib.home, kind) == [], kind
-    from cubinstore._release import warmset as _warmset
+    from cubinstore.internals import warmset as _warmset
 
     assert [r for r in _warmset.records(local) if r.kind == "jit"] == []
 
@@ -224,7 +223,7 @@ def test_an_index_entry_of_the_previous_schema_is_still_a_hit(lib: SimpleNamespa
 
 _BOUNDED = """
 import resource, sys
-from cubinstore._jit import key as _jitkey
+from cubinstore.internals import key as _jitkey
 with open("/proc/self/status") as f:
     vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
 # A process that reads the file whole cannot: it fails instead of taking 2 GiB of the machine.
@@ -357,7 +356,7 @@ def test_a_bad_timeout_is_a_bad_argument(lib: SimpleNamespace, value: object) ->
 
 
 def test_the_jit_timeout_variable_is_declared_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cubinstore._core import knobs as _env
+    from cubinstore.internals import knobs as _env
 
     assert "CUBINSTORE_JIT_TIMEOUT" in {v.name for v in _env.VARIABLES}
     monkeypatch.delenv("CUBINSTORE_JIT_TIMEOUT", raising=False)
@@ -368,7 +367,7 @@ def test_the_jit_timeout_variable_is_declared_and_checked(monkeypatch: pytest.Mo
 
 
 def test_explain_names_the_changed_file_outside_the_roots(lib: SimpleNamespace) -> None:
-    from cubinstore._jit.explain import explain_key
+    from cubinstore.internals import explain_key
 
     header = lib.host / "cfg.h"
     header.write_text("#define FACTOR 2\n")

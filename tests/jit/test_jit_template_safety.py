@@ -14,13 +14,12 @@ import pytest
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 import cubinstore  # noqa: E402
-from cubinstore import cli, jit  # noqa: E402
-from cubinstore._core.abi import DEFAULT_NVCC_FLAGS, dumps_canonical  # noqa: E402
-from cubinstore._core.digest import Digest  # noqa: E402
-from cubinstore._jit.family import FamilyTemplate, make_bundle, template_for_sources  # noqa: E402
-from cubinstore.manifest.flags import copt_problem, define_problem  # noqa: E402
+from cubinstore import Digest, cli, jit  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, ManifestError  # noqa: E402
-from cubinstore.manifest import Manifest  # noqa: E402
+from cubinstore.internals import DEFAULT_NVCC_FLAGS, make_bundle, template_for_sources  # noqa: E402
+from cubinstore.jit import FamilyTemplate  # noqa: E402
+from cubinstore.manifest import Manifest, dumps_canonical  # noqa: E402
+from cubinstore.manifest.flags import copt_problem, define_problem  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from cubinstore._core import abi as _abi
-from cubinstore._core import geometry
 from cubinstore import manifest as manifest_module
 from cubinstore.errors import BadArgumentError, ManifestError
+from cubinstore.internals import abi as _abi, geometry
 from cubinstore.manifest import Manifest, dumps_canonical
 from helpers.manifest_paths import full_checker as full_checker_of, outcome
 

@@ -129,8 +129,8 @@ GEMM_TYPES = ["u32", "u32", "tensormap", "ptr"]
 
 @pytest.fixture(scope="module")
 def library_cubin(tmp_path_factory) -> Path:
-    from cubinstore._jit.family import cutlass_include
     from cubinstore.errors import BadArgumentError
+    from cubinstore.internals import cutlass_include
 
     try:
         include = cutlass_include()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cubinstore._nvcc.argv import Call, PassThrough, parse
+from cubinstore.internals import Call, PassThrough, parse_nvcc_argv as parse
 
 CWD = "/work/cache/tmp"
 # DeepGEMM's command line (csrc/jit/compiler.hpp), with the library at /site/deep_gemm.

@@ -30,8 +30,7 @@ from helpers.kernel_library import (
     round_to,
 )
 
-from cubinstore._core.abi import Arch, param_layout, param_type
-from cubinstore._core.cubin import CubinImage
+from cubinstore.internals import Arch, CubinImage, param_layout, param_type
 
 ONE_OF_EACH_TYPE = [next(i for i in INSTANTIATIONS if i.dtype == t) for t in ELEMENT_TYPES]
 

@@ -19,10 +19,9 @@ pytest.importorskip("xxhash", reason="cubinstore-nvcc needs the jit extra (xxhas
 
 import xxhash  # noqa: E402
 
-from cubinstore._core.digest import Digest  # noqa: E402
-from cubinstore._nvcc import calls, export, remote, warm  # noqa: E402
-from cubinstore._nvcc.argv import Call  # noqa: E402
+from cubinstore import Digest  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
+from cubinstore.internals import Call, calls, export, remote, warm  # noqa: E402
 from cubinstore.store import LocalStore, Store  # noqa: E402
 from cubinstore.store.http import HttpStore  # noqa: E402
 

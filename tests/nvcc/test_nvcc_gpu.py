@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="the GPU tests use torch tensors")
 from helpers.kernel_library import BY_NAME  # noqa: E402
 
 import cubinstore  # noqa: E402
-from cubinstore._core.digest import Digest  # noqa: E402
+from cubinstore import Digest  # noqa: E402
 from cubinstore.manifest import KernelSpec, Manifest  # noqa: E402
 from cubinstore.store import LocalStore, MemoryStore, Store  # noqa: E402
 

@@ -18,13 +18,10 @@ from typing import Any
 import pytest
 
 import cubinstore.ops as ops
-from cubinstore.errors import CubinstoreError, BadArgumentError, KernelNotFoundError
-from cubinstore.manifest import Manifest
 from cubinstore import launch as ops_launch
-from cubinstore._args import ArgBuffer, PackedArgs, _plan, pack_args
-from cubinstore._driver import device
-from cubinstore.ops import _gemm as G
-from cubinstore.ops import _gemm_tuning as TUNING
+from cubinstore.errors import BadArgumentError, CubinstoreError, KernelNotFoundError
+from cubinstore.internals import ArgBuffer, PackedArgs, args as _args, device, gemm_launch as G, gemm_tuning as TUNING, pack_args
+from cubinstore.manifest import Manifest
 from cubinstore.tensormap import TensorMap, check_2d_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -424,7 +421,7 @@ def test_lookup_returns_the_exact_entry_and_the_nearest_otherwise() -> None:
 
 def _packed_bytes(packed: PackedArgs, types: tuple[str, ...]) -> bytes:
     """The bytes `pack_args` laid out, from parameter 0's slot on."""
-    _, _, total = _plan("gemm/x", G.ENTRY, types)
+    _, _, total = _args._plan("gemm/x", G.ENTRY, types)
     start = packed.pointers[0] - ctypes.addressof(packed.buffer)  # type: ignore[index]
     return bytes(packed.buffer)[start : start + total]
 

@@ -18,8 +18,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
-from cubinstore.ops import _gemm as G
-from cubinstore.ops._gemm_staging import padded
+from cubinstore.internals import gemm_launch as G, padded
 from helpers.gpu import check_gemm, family_ids, family_library, gemm_operands
 
 

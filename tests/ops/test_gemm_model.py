@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 
 from cubinstore.errors import BadArgumentError
+from cubinstore.internals import MachineCosts, Model, TileCosts
+from cubinstore.internals import gemm_calibration as _gemm_calibration
+from cubinstore.internals import gemm_launch as G
+from cubinstore.internals import gemm_model as _gemm_model
+from cubinstore.internals import gemm_tuning as _gemm_tuning
 from cubinstore.manifest import Manifest
-from cubinstore.ops import _gemm as G
-from cubinstore.ops import _gemm_calibration, _gemm_model, _gemm_tuning
-from cubinstore.ops._gemm_model import MachineCosts, Model, TileCosts
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -237,7 +239,7 @@ def test_the_2026_11_29_winners_are_predicted_near_the_models_best() -> None:
 def test_choices_are_deterministic_across_processes_and_set_orders() -> None:
     shapes = [list(s) for s in ALL_SHAPES[::7]]
     code = (
-        "import json, sys; from cubinstore.ops import _gemm_model as g; ids = json.loads(sys.argv[1]); "
+        "import json, sys; from cubinstore.internals import gemm_model as g; ids = json.loads(sys.argv[1]); "
         "print(json.dumps([g.choose(m, n, k, 132, frozenset(ids), cluster_slots={2: 66, 4: 30}) "
         "for m, n, k in json.loads(sys.argv[2])]))"
     )

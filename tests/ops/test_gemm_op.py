@@ -21,7 +21,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore.errors import BadArgumentError
-from cubinstore.ops import _gemm_op
+from cubinstore.internals import gemm_op as _gemm_op
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -212,16 +212,15 @@ import json; print(json.dumps(names))
 
 def test_a_copy_holds_the_operand_in_rows_of_k_rounded_up() -> None:
     # The copy a launch makes is plain torch, so it runs here on the CPU as it does on the GPU.
-    from cubinstore.ops._gemm import _copy_in
-    from cubinstore.ops._gemm_staging import Feed
+    from cubinstore.internals import Feed, gemm_launch
 
     # Fresh memory as NaN (torch.empty promises nothing): what the copy leaves unwritten stays NaN.
     poisoned = SimpleNamespace(bfloat16=torch.bfloat16, empty=lambda shape, dtype, device: torch.full(
         shape, float("nan"), dtype=dtype, device=device))
     x = torch.randn(1111, 7).to(torch.bfloat16).T  # 7 x 1111, K not the contiguous dimension
-    copy = _copy_in(poisoned, x, Feed(True, 1112), "cpu")
+    copy = gemm_launch._copy_in(poisoned, x, Feed(True, 1112), "cpu")
     assert copy.shape == (7, 1112) and copy.is_contiguous() and torch.equal(copy[:, :1111], x)
     assert copy[:, 1111:].isnan().all()  # no kernel reads past K: the pad is left as it was
     aligned = torch.randn(9, 64).to(torch.bfloat16)
-    same_rows = _copy_in(poisoned, aligned.T.contiguous().T, Feed(True, 64), "cpu")
+    same_rows = gemm_launch._copy_in(poisoned, aligned.T.contiguous().T, Feed(True, 64), "cpu")
     assert same_rows.stride() == (64, 1) and torch.equal(same_rows, aligned)

@@ -15,9 +15,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
-from cubinstore.ops import _gemm as G
-from cubinstore.ops import _gemm_model
-from cubinstore.ops._timing import host_us_per_call
+from cubinstore.internals import gemm_launch as G, gemm_model as _gemm_model, host_us_per_call
 from helpers.gpu import family_library, gemm_operands, gemm_rel_error
 
 

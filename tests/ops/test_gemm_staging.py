@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cubinstore.ops._gemm_config import Operand, check_operands
-from cubinstore.ops._gemm_staging import Feed, Staging, padded, reads_in_place, staging, writes_in_place
+from cubinstore.internals import Feed, Operand, Staging, check_operands, padded, reads_in_place, staging, writes_in_place
 
 BASE = 0x7F0000000000  # 512-byte aligned, as torch's caching allocator hands out
 

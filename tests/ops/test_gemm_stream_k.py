@@ -15,8 +15,7 @@ from collections import defaultdict
 
 import pytest
 
-from cubinstore.ops import _gemm as G
-from cubinstore.ops import _gemm_model
+from cubinstore.internals import gemm_launch as G, gemm_model as _gemm_model
 
 
 

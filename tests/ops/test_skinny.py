@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 
 from cubinstore.errors import BadArgumentError
+from cubinstore.internals import Model, gemm_launch as G, gemm_model as _gemm_model
 from cubinstore.manifest import Manifest
-from cubinstore.ops import _gemm as G
-from cubinstore.ops import _gemm_model
-from cubinstore.ops._gemm_model import Model
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -158,7 +156,7 @@ def test_choices_over_both_families_are_the_same_in_another_process_and_set_orde
     ids = sorted(_all_ids())
     shapes = [[m, n, k] for m in (1, 16, 32, 64) for n in (1000, 4096, 28672) for k in (1000, 8192)]
     code = (
-        "import json, sys; from cubinstore.ops import _gemm_model as g; ids = json.loads(sys.argv[1]); "
+        "import json, sys; from cubinstore.internals import gemm_model as g; ids = json.loads(sys.argv[1]); "
         "print(json.dumps([g.choose(m, n, k, 132, frozenset(ids)) for m, n, k in json.loads(sys.argv[2])]))"
     )
     runs = []

@@ -14,8 +14,7 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
-from cubinstore._driver import cuda as _cuda
-from cubinstore.ops import _gemm as G
+from cubinstore.internals import cuda as _cuda, gemm_launch as G
 from helpers.gpu import check_gemm, family_ids, family_library, gemm_operands
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import BundleError, CubinstoreError, Digest, Manifest, Store
-from cubinstore._release.bundle import pack, unpack
+from cubinstore.internals import pack, unpack
 from cubinstore.store import LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -289,7 +289,7 @@ _UNPACK_UNDER_A_MEMORY_LIMIT = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]), int(sys.argv[3])))
 from cubinstore import CubinstoreError
-from cubinstore._release.bundle import unpack
+from cubinstore.internals import unpack
 from cubinstore.store import LocalStore
 try:
     unpack(sys.argv[1], LocalStore(sys.argv[2]))

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest
-from cubinstore._release.oci import release_artifact
-from cubinstore._release.refs import load_manifest
 from cubinstore.errors import IntegrityError, MissingBlobError
+from cubinstore.internals import load_manifest, release_artifact
 from cubinstore.store import LocalStore, Store
 from cubinstore.store.oci.artifact import (
     IMAGE_MANIFEST,

@@ -10,7 +10,7 @@ import pytest
 
 import cubinstore
 from cubinstore import Digest, Manifest
-from cubinstore._release.refs import OCI_PREFIXES
+from cubinstore.internals import OCI_PREFIXES, load_manifest
 from cubinstore.store import LocalStore, Store
 from cubinstore.store.oci.artifact import (
     IMAGE_MANIFEST,
@@ -69,7 +69,7 @@ def test_publish_pushes_one_artifact_and_a_second_store_opens_it_by_digest(
     # Another host: an empty store, the pinned reference only.
     home = tmp_path / "production"
     store = Store([LocalStore(home)])
-    lib_manifest = cubinstore._release.refs.load_manifest(pinned, store)
+    lib_manifest = load_manifest(pinned, store)
     assert lib_manifest.digest == digest
     assert any(isinstance(layer, OciStore) for layer in store.layers)  # the kernels come from the registry
     kernel = release.doc["kernels"][0]
@@ -157,7 +157,7 @@ def test_open_by_tag_logs_the_digest_it_resolved_to(registry, make_release, cli,
     repo = registry.repo()
     _, pinned = publish(cli, cli_env, str(release.path), f"{repo}:stable")
     with caplog.at_level("WARNING", logger="cubinstore"):
-        manifest = cubinstore._release.refs.load_manifest(f"{repo}:stable", Store([LocalStore(clean_env)]))
+        manifest = load_manifest(f"{repo}:stable", Store([LocalStore(clean_env)]))
     assert manifest.digest == Manifest.from_path(release.path).digest
     assert f"{repo}:stable resolved to {pinned}; a tag can move" in caplog.text
 

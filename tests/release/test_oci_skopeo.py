@@ -12,8 +12,8 @@ import pytest
 from helpers.registry import find_skopeo
 
 from cubinstore import Digest, Manifest
-from cubinstore._release.refs import load_manifest
 from cubinstore.errors import IntegrityError
+from cubinstore.internals import load_manifest
 from cubinstore.store import LocalStore, Store
 from cubinstore.store.oci.artifact import RELEASE_ARTIFACT
 

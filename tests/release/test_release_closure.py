@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest
-from cubinstore._release.bundle import pack
-from cubinstore._jit.family import make_bundle
+from cubinstore.internals import make_bundle, pack
 from cubinstore.store import HttpStore, LocalStore, Store
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -314,7 +313,7 @@ def test_a_full_store_filesystem_stops_prefetch_with_one_error_line(nginx, cli, 
 
 def test_warmset_prefetch_into_a_store_others_can_write_is_one_error_line(nginx, build_tree, cli, env,
                                                                           tmp_path: Path) -> None:
-    from cubinstore._release import warmset as _warmset
+    from cubinstore.internals import warmset as _warmset
 
     url = nginx.base()
     remote = HttpStore(url)

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest
-from cubinstore._release import warmset as _warmset
-from cubinstore._release.maint import gc
 from cubinstore.errors import BadArgumentError
+from cubinstore.internals import gc, warmset as _warmset
 from cubinstore.store import LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -34,7 +33,7 @@ def test_one_point_recorded_three_times_is_one_record_counted_three(tmp_path: Pa
 
 
 def test_concurrent_processes_never_lose_a_count(tmp_path: Path, clean_env: Path) -> None:
-    code = ("from cubinstore._release import warmset as _warmset\nfrom cubinstore.store import LocalStore\nfrom cubinstore._core import knobs as _env\n"
+    code = ("from cubinstore.internals import knobs as _env, warmset as _warmset\nfrom cubinstore.store import LocalStore\n"
             "_warmset.record(LocalStore(_env.home()), kind='miss', family='gemm', params={'bn': 176}, arch='sm_90a')\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(8)]

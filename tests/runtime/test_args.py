@@ -13,15 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cubinstore._args import (
-    ParamLayoutError,
-    ParamSlot,
-    check_layout,
-    dlpack_data_pointer,
-    expected_layout,
-    pack_args,
-)
-from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError
+from cubinstore.errors import BadArgumentError, CubinstoreError, ManifestError, ParamLayoutError
+from cubinstore.internals import ParamSlot, check_layout, dlpack_data_pointer, expected_layout, pack_args
 from cubinstore.manifest import PARAM_TYPES
 
 KID = "axpy/f32/vec4/sm_90a"
@@ -70,7 +63,7 @@ class TensorMapLike:
 
 
 def test_param_types_match_the_manifest_schema() -> None:
-    from cubinstore import _args
+    from cubinstore.internals import args as _args
 
     assert _args.PARAM_TYPES == PARAM_TYPES
 

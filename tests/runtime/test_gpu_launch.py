@@ -21,11 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cubinstore import _loader, launch
-from cubinstore._core.cubin import CubinImage
-from cubinstore._driver import cuda as _cuda
-from cubinstore._driver import device
+from cubinstore import launch
 from cubinstore.errors import CudaError, ParamLayoutError
+from cubinstore.internals import CubinImage, cuda as _cuda, device, loader as _loader
 from cubinstore.errors import (
     BadArgumentError,
     IncompatibleArchError,
@@ -57,7 +55,7 @@ def _axpy_manifest(digest: str, size: int, arch: str = "sm_90a", types: list[str
 
 def test_a_missing_point_of_a_family_is_recorded_and_names_the_nearest_points(tmp_path: Path) -> None:
     # What Library.kernel does when select() misses a point of a known family, with JIT off.
-    from cubinstore._release import warmset as _warmset
+    from cubinstore.internals import warmset as _warmset
 
     local = LocalStore(tmp_path)
     lib = launch.open(_axpy_manifest("sha256:" + "ab" * 32, 4096), Store([local]))
@@ -172,7 +170,7 @@ def test_cubin_header_names_the_sm_it_was_built_for(cubins: dict[str, bytes]) ->
 
 def test_cubin_labelled_with_the_wrong_arch_is_refused_before_loading(cubins: dict[str, bytes]) -> None:
     data = cubins["sm_80"]
-    from cubinstore._core.digest import Digest
+    from cubinstore import Digest
 
     spec = _axpy_manifest(str(Digest.of(data)), len(data)).kernels[0]
     with pytest.raises(ManifestError, match=r"^kernel 'axpy/f32/vec4/sm_90a' \(sha256:[0-9a-f]{64}\): manifest says sm_90a, the CUBIN's ELF header says sm_80$"):
@@ -181,7 +179,7 @@ def test_cubin_labelled_with_the_wrong_arch_is_refused_before_loading(cubins: di
 
 @pytest.mark.parametrize(("data", "why"), [(b"\0" * 4096, "bad magic"), (b"\x7fELF\x01" + b"\0" * 100, "expected a 64-bit little-endian ELF")])
 def test_bytes_that_are_not_a_cubin_are_refused_before_loading(data: bytes, why: str) -> None:
-    from cubinstore._core.digest import Digest
+    from cubinstore import Digest
 
     spec = _axpy_manifest(str(Digest.of(data)), len(data)).kernels[0]
     with pytest.raises(ManifestError, match=r"^kernel 'axpy/f32/vec4/sm_90a' \(sha256:[0-9a-f]{64}\): .*" + why):

@@ -21,8 +21,8 @@ import pytest
 from helpers.gpu import hopper_manifest, manifest_path
 
 from cubinstore import launch
-from cubinstore._driver import device
 from cubinstore.errors import DriverVersionError
+from cubinstore.internals import device
 from cubinstore.manifest import Manifest
 from cubinstore.store import DirectorySource, LocalStore, Store
 

@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from cubinstore import _loader, launch
-from cubinstore._core.digest import Digest
-from cubinstore._driver import device
+from cubinstore import Digest, launch
 from cubinstore.errors import CubinFormatError, DriverVersionError, IncompatibleArchError
+from cubinstore.internals import device, loader as _loader
 from cubinstore.manifest import SCHEMA, Manifest, dumps_canonical
 
 pytestmark = pytest.mark.usefixtures("clean_env")

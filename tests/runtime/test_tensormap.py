@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from cubinstore._driver import cuda as _cuda
 from cubinstore.errors import BadArgumentError, CudaError
+from cubinstore.internals import cuda as _cuda
 from cubinstore.tensormap import DTYPES, check_tiled, encode_tiled, from_tensor
 
 # A 3-D bf16 tensor (4, 64, 128), dense, read in 1x32x64 boxes with a 128-byte swizzle.

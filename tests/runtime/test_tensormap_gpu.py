@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from cubinstore._driver import cuda as _cuda
-from cubinstore._driver import device
 from cubinstore.errors import BadArgumentError
+from cubinstore.internals import cuda as _cuda, device
 from cubinstore.tensormap import DTYPES, TENSORMAP_BYTES, check_tiled, encode_2d_bf16, encode_tiled, from_tensor
 
 pytestmark = pytest.mark.gpu

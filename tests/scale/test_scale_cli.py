@@ -20,9 +20,7 @@ import pytest
 from helpers.scale import assert_linear, count_work
 
 from cubinstore import Digest, Manifest, Store
-from cubinstore._release.bundle import pack, unpack
-from cubinstore._release.maint import gc, verify_store
-from cubinstore._release.prefetch import fetch_blobs
+from cubinstore.internals import fetch_blobs, gc, pack, unpack, verify_store
 from cubinstore.manifest import dumps_canonical
 from cubinstore.store import DiskCacheStore, HttpStore, LocalStore
 
@@ -358,10 +356,14 @@ def test_unpack_makes_staged_blobs_durable_with_one_sync_before_any_rename(tmp_p
     bundle = tmp_path / "r.tar"
     pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
     synced, filesystems, primitives = _count_syncs(monkeypatch)
-    target = LocalStore(tmp_path / "home", **primitives)
     renamed_after_sync: list[bool] = []
-    real_commit = target.commit_staged
-    monkeypatch.setattr(target, "commit_staged", lambda *a: renamed_after_sync.append(bool(filesystems)) or real_commit(*a))
+
+    class Target(LocalStore):  # a store that notes, at each staged blob's rename, whether a sync came first
+        def commit_staged(self, name: str, digest: Digest) -> None:
+            renamed_after_sync.append(bool(filesystems))
+            super().commit_staged(name, digest)
+
+    target = Target(tmp_path / "home", **primitives)
     unpack(bundle, target, expect=manifest.digest)
     assert filesystems == [target.root, target.root]  # staged bytes, then the renames
     assert all(renamed_after_sync) and len(renamed_after_sync) == 400
@@ -375,18 +377,19 @@ def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
     import io
     import tarfile
 
-    from cubinstore._release.bundle import MANIFEST_NAME, _member, _ustar_header
+    from cubinstore.internals import bundle as _bundle
 
     for name, size in [("manifest.json", 1), ("cas/" + "ab" * 32, 4096), ("cas/" + "0f" * 32, 511), ("x", 8**11 - 1)]:
-        assert _ustar_header(name, size) == _member(name, size).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+        assert _bundle._ustar_header(name, size) == _bundle._member(name, size).tobuf(
+            tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
     manifest, blobs = release(tmp_path / "src", 37)
     bundle = tmp_path / "r.tar"
     pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
     expected = io.BytesIO()
     with tarfile.open(fileobj=expected, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        tar.addfile(_member(MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
+        tar.addfile(_bundle._member(_bundle.MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
         for digest, _ in manifest.blobs:
-            tar.addfile(_member(f"cas/{digest.hex}", len(blobs[digest.hex])), io.BytesIO(blobs[digest.hex]))
+            tar.addfile(_bundle._member(f"cas/{digest.hex}", len(blobs[digest.hex])), io.BytesIO(blobs[digest.hex]))
     assert bundle.read_bytes() == expected.getvalue()
 
 
@@ -414,7 +417,7 @@ def test_pack_writes_the_bundle_in_small_pieces_even_a_large_manifest_or_blob(tm
     import io
     import tarfile
 
-    from cubinstore._release import bundle as _bundle
+    from cubinstore.internals import bundle as _bundle
 
     manifest, blobs = release(tmp_path / "src", 200, size=3 * _bundle._WRITE_CHUNK)
     assert len(manifest.raw) > 2 * _bundle._WRITE_CHUNK  # the manifest member is bigger than one piece too
@@ -450,8 +453,8 @@ def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -
     child = textwrap.dedent(f"""
         import sys
         from cubinstore import Manifest, Store
+        from cubinstore.internals import fetch_blobs
         from cubinstore.store import DiskCacheStore, LocalStore
-        from cubinstore._release.prefetch import fetch_blobs
         m = Manifest.from_path({str(tmp_path / "m.json")!r})
         store = Store([LocalStore({str(home)!r}), DiskCacheStore({str(tmp_path / "src")!r})], strict=True)
         seen = []

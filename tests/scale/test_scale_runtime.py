@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cubinstore import launch
-from cubinstore._driver import device
+from cubinstore.internals import device
 from cubinstore.manifest import Manifest, dumps_canonical
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -155,7 +155,7 @@ def test_a_blob_is_read_and_hashed_once_per_process_however_many_devices_load_it
     import hashlib
     import os
 
-    from cubinstore._core.digest import Digest
+    from cubinstore import Digest
     from cubinstore.store import LocalStore, MemoryStore, Store
 
     data = cubin_like(0)

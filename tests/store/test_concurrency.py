@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest, Store
-from cubinstore._release.maint import verify_store
+from cubinstore.internals import verify_store
 from cubinstore.store import HttpStore, LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")

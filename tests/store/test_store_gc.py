@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, LockTimeoutError, Manifest, Store
-from cubinstore._release.bundle import pack, unpack
-from cubinstore.store.local.lock import RANGE_LOCKS, file_lock
-from cubinstore._release.maint import gc, pin
+from cubinstore.internals import gc, pack, pin, unpack
 from cubinstore.store import LocalStore
+from cubinstore.store.local.lock import RANGE_LOCKS, file_lock
 
 from helpers.blobs import disk_cache_with
 
@@ -29,21 +28,20 @@ def present(local: LocalStore) -> set[str]:
 
 def test_gc_never_evicts_a_release_pinned_while_it_scans(make_release, tmp_path: Path) -> None:
     release = make_release(n=8, size=5000)
-    local = LocalStore(tmp_path / "home")
-    fill(local, release.blobs)
+    fill(LocalStore(tmp_path / "home"), release.blobs)
     manifest = Manifest.from_path(release.path)
     in_scan, resume = threading.Event(), threading.Event()
-    real_scan = local.scan
     calls = []
 
-    def slow_scan():  # the first scan of gc waits here: a slow scan of a big store
-        calls.append(1)
-        if len(calls) == 1:
-            in_scan.set()
-            assert resume.wait(30)
-        return real_scan()
+    class SlowScan(LocalStore):
+        def scan(self):  # the first scan of gc waits here: a slow scan of a big store
+            calls.append(1)
+            if len(calls) == 1:
+                in_scan.set()
+                assert resume.wait(30)
+            return super().scan()
 
-    local.scan = slow_scan  # type: ignore[method-assign]
+    local = SlowScan(tmp_path / "home")
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(gc(local, 0)))
     worker.start()
@@ -62,25 +60,28 @@ def test_unpack_with_pin_is_atomic_against_a_concurrent_gc(make_release, tmp_pat
     manifest = Manifest.from_path(release.path)
     bundle = tmp_path / "release.tar"
     pack(manifest, Store([source]), bundle)
-    target = LocalStore(tmp_path / "offline")
     written: list[object] = []
     gc_outcomes: list[str] = []
 
-    def then_gc(real):  # each way an entry enters the CAS (a write, or a staged file's rename)
-        def hooked(*args):
-            real(*args)
-            written.append(args)
-            if len(written) == len(manifest.blobs) + 1:  # every blob and the manifest are in, not yet pinned
-                try:
-                    gc(LocalStore(target.root, lock_timeout=0.2), 0)  # another process's gc
-                    gc_outcomes.append("ran")
-                except LockTimeoutError:
-                    gc_outcomes.append("waited")
-        return hooked
+    def then_gc(args: tuple[object, ...]) -> None:
+        written.append(args)
+        if len(written) == len(manifest.blobs) + 1:  # every blob and the manifest are in, not yet pinned
+            try:
+                gc(LocalStore(target.root, lock_timeout=0.2), 0)  # another process's gc
+                gc_outcomes.append("ran")
+            except LockTimeoutError:
+                gc_outcomes.append("waited")
 
-    target.write = then_gc(target.write)  # type: ignore[method-assign]
-    if hasattr(target, "commit_staged"):
-        target.commit_staged = then_gc(target.commit_staged)  # type: ignore[method-assign]
+    class Target(LocalStore):  # each way an entry enters the CAS (a write, or a staged file's rename)
+        def write(self, digest: Digest, data: bytes) -> None:
+            super().write(digest, data)
+            then_gc((digest, data))
+
+        def commit_staged(self, name: str, digest: Digest) -> None:
+            super().commit_staged(name, digest)
+            then_gc((name, digest))
+
+    target = Target(tmp_path / "offline")
     unpack(bundle, target, expect=manifest.digest, pin=True)
     assert gc_outcomes, "the hook never ran"
     assert set(release.blobs) | {manifest.digest.hex} <= present(target)

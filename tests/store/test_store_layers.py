@@ -8,7 +8,7 @@ import pytest
 from helpers.blobs import random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store
-from cubinstore._core import knobs as _env
+from cubinstore.internals import knobs as _env
 from cubinstore.store import DirectorySource, DiskCacheStore, HttpStore, LocalStore, MemoryStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -167,7 +167,7 @@ def test_a_build_tree_of_same_size_blobs_hashes_each_file_once(tmp_path, monkeyp
         (tmp_path / f"k{i}.cubin").write_bytes(data)
     hashed: list[int] = []
     real = _hashlib.sha256
-    monkeypatch.setattr(_hashlib, "sha256", lambda b=b"": hashed.append(len(b)) or real(b))
+    monkeypatch.setattr(_hashlib, "sha256", lambda b=b"": hashed.append(len(b)) or real(b))  # the standard library's
     source = DirectorySource(tmp_path)
     for digest, data in reversed(blobs):  # the worst order for a scan in directory order
         assert source.read(digest, len(data)) == data

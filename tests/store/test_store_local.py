@@ -16,9 +16,9 @@ import pytest
 from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, LockTimeoutError, MissingBlobError, Store, StoreError
-from cubinstore.store.local.lock import RANGE_LOCKS
-from cubinstore._release.maint import verify_store
+from cubinstore.internals import verify_store
 from cubinstore.store import LocalStore, MemoryStore
+from cubinstore.store.local.lock import RANGE_LOCKS
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 

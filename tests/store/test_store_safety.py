@@ -14,8 +14,7 @@ import pytest
 from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Manifest, Store, StoreError, UnsafeStoreError
-from cubinstore._release.bundle import pack, unpack
-from cubinstore._release.maint import gc, pin, unpin, verify_store
+from cubinstore.internals import gc, pack, pin, unpack, unpin, verify_store
 from cubinstore.store import LocalStore
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -174,7 +173,7 @@ def test_a_read_only_store_serves_what_it_has_and_fetches_the_rest_into_memory(t
 _WARNING_CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from cubinstore import Digest, Store, MissingBlobError
+    from cubinstore import Digest, MissingBlobError, Store
     from cubinstore.store import LocalStore
     local = LocalStore(sys.argv[1])
     digest = Digest("ab" * 32)

@@ -43,13 +43,13 @@ class ScanError(Exception):
     """The scan cannot go on (a file too large, too many files, an unreadable input)."""
 
 
-def _read(path: str) -> bytes:
+def _read(path: str, max_file_bytes: int) -> bytes:
     try:
         size = os.path.getsize(path)
-        if size > MAX_FILE_BYTES:
-            raise ScanError(f"{path}: {size} bytes, more than the {MAX_FILE_BYTES} a header may have")
+        if size > max_file_bytes:
+            raise ScanError(f"{path}: {size} bytes, more than the {max_file_bytes} a header may have")
         with open(path, "rb") as f:
-            return f.read(MAX_FILE_BYTES + 1)
+            return f.read(max_file_bytes + 1)
     except OSError as exc:
         raise ScanError(f"cannot read {path}: {exc}") from exc
 
@@ -124,9 +124,10 @@ def resolve(name: str, includer: str, quoted: bool, roots: list[str], declared: 
     return None
 
 
-def closure(src: str, roots: list[str], declared: set[str]) -> tuple[list[str], str | None]:
+def closure(src: str, roots: list[str], declared: set[str], *,
+            max_file_bytes: int = MAX_FILE_BYTES) -> tuple[list[str], str | None]:
     """The source and the declared headers it reaches, in discovery order; all of them where a
-    file says so (the second value: why).
+    file says so (the second value: why). A file over ``max_file_bytes`` is a ``ScanError``.
 
     A computed include (`#include CUDA_STD_HEADER(tuple)`, as CUTLASS writes them) is expanded
     with every `#define` of its macro to a `<...>` or `"..."` in the files reached, whichever
@@ -150,7 +151,7 @@ def closure(src: str, roots: list[str], declared: set[str]) -> tuple[list[str], 
     while todo:
         while todo:
             path = todo.pop()
-            text = _read(path)
+            text = _read(path, max_file_bytes)
             texts.append(text)
             refs = references(text)
             if refs.everything is not None:
