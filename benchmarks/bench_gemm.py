@@ -494,7 +494,6 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
     """Time each of LAYOUTS: ops.gemm as given (with its copies), ops.gemm on the same values in layouts it
     reads in place (rows K rounded up to 8 apart, D contiguous), and torch.mm as given. Returns wrong cases."""
     import cubinstore.ops as ops
-    from cubinstore.internals import gemm_staging as _gemm_staging
 
     print("\n== layouts ops.gemm copies (ratio = torch.mm / ops.gemm as given; copy = as given - in place)")
     print(f"{'case':28s} {'M x N x K':>16s} {'copies':>8s} {'ours us':>8s} {'in place':>9s} {'copy us':>8s} "
@@ -524,10 +523,13 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
         error = math.inf if bool(torch.isnan(d).any()) else float((d - ref).norm() / ref.norm())
         if not error < MAX_REL_ERROR:
             wrong.append(f"{what} {m}x{n}x{k}")
-        decided = _gemm_staging.staging(
-            g._describe("a", given_a[0]), g._describe("b", given_b[0]), g._describe("out", given_d[0]))
+        # What the launch runs and copies: the selection's kernel, or the skinny_any point standing in for it.
+        ran, decided = g.reads(library, g.select(library, 0, m, n, k)[0], g._describe("a", given_a[0]),
+                               g._describe("b", given_b[0]), g._describe("out", given_d[0]), chosen=True)
         copies = "+".join(name for name, on in (("A", decided.a.copy), ("B", decided.b.copy),
                                                 ("D", decided.copy_out)) if on) or "none"
+        if ran.startswith(g.SKINNY_ANY_FAMILY + "/"):
+            copies += "*"
         reps = _reps(torch, theirs, args)
         ours_t, place_t, torch_t = [], [], []
         for _ in range(args.rounds):
@@ -537,6 +539,7 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
         ours, place, their = (1e3 * statistics.median(t) for t in (ours_t, place_t, torch_t))
         print(f"{what:28s} {f'{m}x{n}x{k}':>16s} {copies:>8s} {ours:8.1f} {place:9.1f} {ours - place:8.1f} "
               f"{their:9.1f} {their / ours:7.1%} {error:8.1e}{'' if error < MAX_REL_ERROR else '  WRONG'}", flush=True)
+    print("* run by the skinny_any point of the selected skinny point's BM and BN, which reads rows off 16 bytes in place")
     return wrong
 
 

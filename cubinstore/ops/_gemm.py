@@ -36,6 +36,7 @@ from cubinstore.ops._gemm_config import (
     FAMILY,
     KEYS,
     MAX_SPLITS,
+    SKINNY_ANY_FAMILY,
     SKINNY_ENTRY,
     SKINNY_ENTRY_TYPES,
     SKINNY_FAMILY,
@@ -60,7 +61,9 @@ if TYPE_CHECKING:
 __all__ = [
     "cache_misses",
     "candidates",
+    "candidates_any",
     "cluster_slots",
+    "reads",
     "run",
     "select",
     "sm_count",
@@ -74,6 +77,7 @@ __all__ = [
     "MAX_SPLITS",
     "Operand",
     "Plan",
+    "SKINNY_ANY_FAMILY",
     "SKINNY_ENTRY",
     "SKINNY_ENTRY_TYPES",
     "SKINNY_FAMILY",
@@ -130,6 +134,7 @@ _CALL_CACHE: Final = 1024  # problem signatures
 _MAP_CACHE: Final = 16  # addresses per operand and signature (the caching allocator recycles few)
 _selections: dict[tuple[Any, ...], tuple[str, int]] = {}
 _candidates: dict[Library, frozenset[str]] = {}
+_candidates_any: dict[Library, tuple[str, ...]] = {}
 _calls: dict[tuple[Any, ...], _Call] = {}
 # Misses of each cache since start (a hit counts nothing): tests check repeats add none.
 _misses: dict[str, int] = {"selection": 0, "prepared": 0, "tensor_map": 0}
@@ -403,12 +408,12 @@ def _prepare(
     library = get_library()
     torch = sys.modules["torch"]
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if kernel_id is None:
+    chose = kernel_id is None
+    if chose:
         kernel_id, chosen_splits = select(library, device, m, n, k)
         splits = chosen_splits if splits is None else splits
     splits = 1 if splits is None else splits
-    config_of(kernel_id)  # a bad id is a BadArgumentError before anything is loaded
-    stage = staging(a_op, b_op, out_op)
+    kernel_id, stage = reads(library, kernel_id, a_op, b_op, out_op, chosen=chose)
     launch = plan(m, n, k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
     kernel = _kernel(library, kernel_id, device)
     co_resident = _co_resident(library, kernel, kernel_id, device)
@@ -451,6 +456,39 @@ def _prepare(
         copies,
     )
     return _remember(key, call)
+
+
+def reads(library: Library, kernel_id: str, a: Operand, b: Operand, out: Operand | None, *,
+          chosen: bool) -> tuple[str, Staging]:
+    """The kernel a launch of `kernel_id` runs and the copies it makes (`_gemm_staging`).
+
+    A skinny point the selection `chosen` whose operands have rows off 16 bytes gives way to the
+    skinny_any point of its BM and BN, where the library has one, which reads them in place; an
+    id the caller named runs as named. A bad id is a BadArgumentError before anything is loaded.
+    """
+    config = config_of(kernel_id)
+    skinny = isinstance(config, SkinnyConfig)
+    stage = staging(a, b, out, any_rows=skinny and config.any_rows)  # type: ignore[union-attr]
+    if not (chosen and skinny and (stage.a.copy or stage.b.copy)):
+        return kernel_id, stage
+    twin = next((i for i in candidates_any(library)
+                 if (c := SkinnyConfig.from_id(i)).bm == config.bm and c.bn == config.bn), None)
+    if twin is None:
+        return kernel_id, stage
+    in_place = staging(a, b, out, any_rows=True)
+    if (in_place.a.copy, in_place.b.copy) == (stage.a.copy, stage.b.copy):
+        return kernel_id, stage
+    return twin, in_place
+
+
+def candidates_any(library: Library) -> tuple[str, ...]:
+    """The ids of the library's skinny_any kernels for sm_90a, sorted (cached)."""
+    cached = _candidates_any.get(library)
+    if cached is not None:
+        return cached
+    ids = tuple(sorted(spec.id for spec in library.manifest.find(SKINNY_ANY_FAMILY) if spec.arch == ARCH))
+    with _lock:
+        return _candidates_any.setdefault(library, ids)
 
 
 def _remember(key: tuple[Any, ...] | None, call: _Call) -> _Call:

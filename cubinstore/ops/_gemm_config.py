@@ -27,6 +27,7 @@ __all__ = [
     "MAX_SPLITS",
     "Operand",
     "Plan",
+    "SKINNY_ANY_FAMILY",
     "SKINNY_ENTRY",
     "SKINNY_ENTRY_TYPES",
     "SKINNY_FAMILY",
@@ -63,15 +64,20 @@ STREAM_K: Final = 0
 KEYS: Final = ("bm", "bn", "bk", "stages", "cluster", "swap")
 
 SKINNY_FAMILY: Final = "skinny"
+#: The skinny kernel reading rows at any element address (kernels/skinny/README.md, "Rows at any
+#: address"): run in place of the selected skinny point where its operands' rows are off 16 bytes.
+SKINNY_ANY_FAMILY: Final = "skinny_any"
 SKINNY_ENTRY: Final = "skinny_bf16_tn"
 #: a, b, d, m, n, k, lda, ldb
 SKINNY_ENTRY_TYPES: Final = ("ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32")
-#: The kernel families ops.gemm selects among.
+#: The kernel families ops.gemm's selection model chooses among (skinny_any stands in for a
+#: chosen skinny point; it is never weighed itself).
 FAMILIES: Final = (FAMILY, SKINNY_FAMILY)
 #: The skinny grid's keys, in the order its ids render them.
 SKINNY_KEYS: Final = ("bm", "bn", "warps", "unroll")
 _SKINNY_CHUNK: Final = 32  # K elements a warp multiplies per chunk (two m16n8k16 mmas)
 _SKINNY_THREADS_PER_SM: Final = 512  # resident on an SM at least (kernels/skinny/README.md)
+_SKINNY_ANY_THREADS_PER_SM: Final = 256  # skinny_any: one CTA of 8 warps at least (up to 153 registers)
 
 
 @dataclass(frozen=True)
@@ -195,13 +201,15 @@ class SkinnyConfig:
     """One instantiation of ``kernels/skinny/sm90_bf16_skinny.cu`` and its launch contract.
 
     A CTA computes BM rows by BN columns of D over the whole of K: its warps take K's chunks
-    of 32 in turn, each loading `unroll` chunks at once, and add up in shared memory.
+    of 32 in turn, each loading `unroll` chunks at once, and add up in shared memory. With
+    `any_rows` (family ``skinny_any``), rows may start at any element address.
     """
 
     bm: int
     bn: int
     warps: int
     unroll: int
+    any_rows: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -213,17 +221,25 @@ class SkinnyConfig:
             problems.append(f"warps {self.warps} not in (8, 16)")
         if self.unroll not in (1, 2, 4, 8):
             problems.append(f"unroll {self.unroll} not in (1, 2, 4, 8)")
+        if self.any_rows and self.warps != 8:
+            problems.append(f"warps {self.warps}: skinny_any points have 8")
         if problems:
-            raise BadArgumentError(f"invalid skinny instantiation {self.params}: {'; '.join(problems)}")
+            raise BadArgumentError(f"invalid {self.family} instantiation {self.params}: {'; '.join(problems)}")
 
     @classmethod
     def from_id(cls, kernel_id: str) -> SkinnyConfig:
-        params = _int_params(kernel_id, SKINNY_FAMILY, SKINNY_KEYS)
+        any_rows = isinstance(kernel_id, str) and kernel_id.startswith(SKINNY_ANY_FAMILY + "/")
+        family = SKINNY_ANY_FAMILY if any_rows else SKINNY_FAMILY
+        params = _int_params(kernel_id, family, SKINNY_KEYS)
         if params is None:
             raise BadArgumentError(
-                f"invalid skinny kernel id {kernel_id!r}: expected 'skinny/bm<M>/bn<N>/warps<W>/unroll<U>/sm_90a'"
+                f"invalid skinny kernel id {kernel_id!r}: expected '{family}/bm<M>/bn<N>/warps<W>/unroll<U>/sm_90a'"
             )
-        return cls(**params)
+        return cls(**params, any_rows=any_rows)
+
+    @property
+    def family(self) -> str:
+        return SKINNY_ANY_FAMILY if self.any_rows else SKINNY_FAMILY
 
     @property
     def params(self) -> dict[str, int]:
@@ -232,7 +248,7 @@ class SkinnyConfig:
 
     @property
     def kernel_id(self) -> str:
-        return abi.kernel_id(SKINNY_FAMILY, self.params, ARCH)
+        return abi.kernel_id(self.family, self.params, ARCH)
 
     @property
     def threads(self) -> int:
@@ -240,8 +256,9 @@ class SkinnyConfig:
 
     @property
     def ctas_per_sm(self) -> int:
-        """CTAs an SM holds at least: 512 threads (the kernel uses at most 128 registers a thread; a GPU test checks)."""
-        return _SKINNY_THREADS_PER_SM // self.threads
+        """CTAs an SM holds at least: 512 threads (the kernel uses at most 128 registers a thread; a GPU test
+        checks), or for skinny_any 256 (one CTA)."""
+        return (_SKINNY_ANY_THREADS_PER_SM if self.any_rows else _SKINNY_THREADS_PER_SM) // self.threads
 
     @property
     def k_step(self) -> int:
@@ -271,7 +288,7 @@ def _int_params(kernel_id: object, family: str, keys: tuple[str, ...]) -> dict[s
 
 
 def _is_skinny(kernel_id: str) -> bool:
-    return isinstance(kernel_id, str) and kernel_id.startswith(SKINNY_FAMILY + "/")
+    return isinstance(kernel_id, str) and kernel_id.startswith((SKINNY_FAMILY + "/", SKINNY_ANY_FAMILY + "/"))
 
 
 def config_of(kernel_id: str) -> GemmConfig | SkinnyConfig:

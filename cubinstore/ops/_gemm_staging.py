@@ -12,6 +12,10 @@ copy's padding stays unwritten.
 D is written in place when it is row-major and, N even, 4-byte aligned (the kernel stores
 pairs of elements as words); otherwise into a fresh D, copied into ``out`` after the launch.
 
+A ``skinny_any`` point (``any_rows``) reads rows at any element address and any stride, so only
+an operand whose elements are not contiguous along K (or whose rows overlap) is copied for it:
+a contiguous operand with K off 8 is read in place.
+
 What each layout costs is in docs/gemm.md ("Layouts that copy"). Pure Python, no torch: CPU tests
 check every decision (tests/ops/test_gemm_staging.py).
 """
@@ -28,6 +32,7 @@ __all__ = ["ROW_ELEMS", "Feed", "Staging", "padded", "reads_in_place", "staging"
 #: bf16 elements in 16 bytes: the row-stride multiple the kernels need.
 ROW_ELEMS: Final = 8
 _ALIGN_BYTES: Final = 16  # the start of a TMA tensor, and of skinny's 16-byte loads
+_ELEM_BYTES: Final = 2  # a bf16 element: all skinny_any needs
 _I32_MAX: Final = 2**31 - 1  # skinny takes its row strides as int32
 
 
@@ -36,19 +41,20 @@ def padded(cols: int) -> int:
     return -(-cols // ROW_ELEMS) * ROW_ELEMS
 
 
-def reads_in_place(op: Operand, rows: int, cols: int) -> bool:
+def reads_in_place(op: Operand, rows: int, cols: int, *, any_rows: bool = False) -> bool:
     """Whether the kernels can read `op` (rows x cols, K-major) where it lies, at its address.
 
     Contiguous rows (any inner stride when there is one column), a row stride of at least
     `cols` and a multiple of 8 elements (any stride when there is one row: it never steps), and
-    a 16-byte aligned start.
+    a 16-byte aligned start; with `any_rows` (a ``skinny_any`` point) any row stride of at least
+    `cols` and any element address.
     """
     row_stride, col_stride = op.strides
     if cols > 1 and col_stride != 1:
         return False
-    if rows > 1 and not (cols <= row_stride <= _I32_MAX and row_stride % ROW_ELEMS == 0):
+    if rows > 1 and not (cols <= row_stride <= _I32_MAX and (any_rows or row_stride % ROW_ELEMS == 0)):
         return False
-    return op.address % _ALIGN_BYTES == 0
+    return op.address % (_ELEM_BYTES if any_rows else _ALIGN_BYTES) == 0
 
 
 def writes_in_place(out: Operand, m: int, n: int) -> bool:
@@ -81,16 +87,16 @@ class Staging:
         return self.a.copy or self.b.copy or self.copy_out
 
 
-def _feed(op: Operand, rows: int, k: int) -> Feed:
-    if not reads_in_place(op, rows, k):
+def _feed(op: Operand, rows: int, k: int, any_rows: bool) -> Feed:
+    if not reads_in_place(op, rows, k, any_rows=any_rows):
         return Feed(True, padded(k))
     # A single row's stride is never stepped over; a map still wants one of >= K and 16 bytes.
     return Feed(False, op.strides[0] if rows > 1 else padded(k))
 
 
-def staging(a: Operand, b: Operand, out: Operand | None) -> Staging:
+def staging(a: Operand, b: Operand, out: Operand | None, *, any_rows: bool = False) -> Staging:
     """The copies of a call whose operands passed `check_operands` (M, N, K >= 1), for a `skinny`
-    point or a `gemm` tile alike."""
+    point or a `gemm` tile alike, or with `any_rows` for a `skinny_any` point."""
     (m, k), n = a.shape, b.shape[0]
     copy_out = out is not None and not writes_in_place(out, m, n)
-    return Staging(_feed(a, m, k), _feed(b, n, k), copy_out)
+    return Staging(_feed(a, m, k, any_rows), _feed(b, n, k, any_rows), copy_out)

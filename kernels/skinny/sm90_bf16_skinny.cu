@@ -1,7 +1,8 @@
 // skinny_bf16_tn: D = A * B^T for few rows of A on Hopper, through mma.sync (see skinny.cuh
 // and kernels/skinny/README.md). One translation unit per instantiation: the defines BM, BN,
 // WARPS and UNROLL pick the CTA's rows of A (a multiple of 16) and of B (of 8), its warps and
-// the K chunks each warp loads at once.
+// the K chunks each warp loads at once; ANY_ROWS=1 (family `skinny_any`) reads rows at any
+// element address and stride.
 #include "kernels/skinny/skinny.cuh"
 
 #if !defined(BM) || !defined(BN) || !defined(WARPS) || !defined(UNROLL)
@@ -11,7 +12,11 @@
 #error "BM must be a multiple of 16 and BN of 8"
 #endif
 
-using SkinnyConfig = cubinstore::skinny::Config<BN / 8, BM / 16, WARPS, UNROLL>;
+#ifndef ANY_ROWS
+#define ANY_ROWS 0
+#endif
+
+using SkinnyConfig = cubinstore::skinny::Config<BN / 8, BM / 16, WARPS, UNROLL, ANY_ROWS != 0>;
 
 // Residency is part of the launch contract (the selection model counts waves with it): an SM
 // holds 512 threads of it, two CTAs of 8 warps or one of 16, which the registers allow while a
