@@ -42,13 +42,20 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gemm as bench  # noqa: E402  (the sibling script: timing, operands, loading)
 import gemm_shapes  # noqa: E402  (the tuning and held-out shape sets)
 
-from cubinstore.internals import ClusterSlots, MachineCosts, Model, TileCosts, gemm_model as _gemm_model  # noqa: E402
+from cubinstore.internals import (  # noqa: E402
+    ClusterSlots,
+    MachineCosts,
+    Model,
+    TileCosts,
+    gemm_calibration as _gemm_calibration,
+    gemm_model as _gemm_model,
+)
 
 ROOT = bench.ROOT
 CALIBRATION = ROOT / "cubinstore" / "ops" / "_gemm_calibration.py"
@@ -451,6 +458,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--judge-held-out", action="store_true",
                       help="time the same options on the held-out shapes and judge the shipped model's picks "
                            "against the measured best (never fitted, never written)")
+    mode.add_argument("--compare", type=Path, nargs=2, metavar=("CALIBRATION", "HELD_OUT_MEASUREMENTS"),
+                      help="how far a refit moves the held-out shapes: the picks of CALIBRATION (a module "
+                           "--calibrate or --refit wrote) against the shipped one's, each timed by the "
+                           "--judge-held-out timings saved in HELD_OUT_MEASUREMENTS (no GPU)")
     parser.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
     parser.add_argument("--home", type=Path, default=None, help="local store root (default: a fresh temp dir)")
     parser.add_argument("--measurements", type=Path, default=None, help="save the timings here (JSON)")
@@ -476,11 +487,56 @@ def main(argv: Sequence[str] | None = None) -> None:
         report(_gemm_model.calibrated_model(), timings, Gpu.of(provenance))
     elif args.refit:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
+    elif args.compare:
+        compare(*args.compare)
     else:
         timings, provenance = measure(args)
         if args.measurements:
             save(args.measurements, timings, provenance)
         sys.exit(calibrate(timings, provenance, args.write, args.force, args.cv_repeats))
+
+
+#: The issue's bound on how far a refit may move a held-out shape (its pick's measured time).
+REFIT_MOVE: Final = 0.05
+
+
+def compare(calibration: Path, held_out: Path) -> int:
+    """Print, per held-out shape, the shipped model's pick and `calibration`'s, each at its measured
+    time in `held_out` (--judge-held-out's timings); returns how many moved by more than REFIT_MOVE."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("refit_calibration", calibration)
+    if spec is None or spec.loader is None:
+        sys.exit(f"{calibration}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shipped, refit = _gemm_model.calibrated_model(), _gemm_model.calibrated_model(module)
+    timings, provenance = load(held_out)
+    gpu = Gpu.of(provenance)
+    by_shape: dict[tuple[int, int, int], dict[tuple[str, int], float]] = defaultdict(dict)
+    for t in timings:
+        by_shape[(t.m, t.n, t.k)][(t.kernel_id, t.splits)] = t.us
+    ids = frozenset(kid for options in by_shape.values() for kid, _ in options)
+    print(f"held-out timings: {provenance.get('gpu')}, {provenance.get('date')}; shipped calibration: "
+          f"{(_gemm_calibration.PROVENANCE or {}).get('gpu')}; "
+          f"refit: {(module.PROVENANCE or {}).get('gpu')}, {(module.PROVENANCE or {}).get('date')}")
+    print(f"{'M x N x K':>16s} {'shipped pick':>58s} {'us':>8s} {'refit pick':>58s} {'us':>8s} {'move':>7s}")
+    moved, moves = 0, []
+    for (m, n, k), options in sorted(by_shape.items()):
+        picks = [model.choose(m, n, k, gpu.sm_count, ids, cluster_slots=gpu.slots) for model in (shipped, refit)]
+        times = [options.get(pick) for pick in picks]
+        if None in times:
+            print(f"{f'{m}x{n}x{k}':>16s} a pick was not timed: {picks}")
+            continue
+        move = times[1] / times[0] - 1
+        moves.append(abs(move))
+        moved += abs(move) > REFIT_MOVE
+        if picks[0] != picks[1]:
+            print(f"{f'{m}x{n}x{k}':>16s} {f'{picks[0][0]} ({picks[0][1]})':>58s} {times[0]:8.1f} "
+                  f"{f'{picks[1][0]} ({picks[1][1]})':>58s} {times[1]:8.1f} {move:7.1%}")
+    print(f"{len(moves)} held-out shapes; the refit moves {moved} by more than {REFIT_MOVE:.0%} "
+          f"(largest {max(moves, default=0):.1%}); every other pick is the same or within it")
+    return moved
 
 
 def dry_run(args: argparse.Namespace) -> None:
