@@ -67,3 +67,37 @@ def test_what_is_not_contiguous_along_k_is_still_copied(strides: tuple[int, int]
     a, b = _op("a", 4, 1000, (1000, 1), 0), _op("b", 64, 1000, strides, 0)
     stage = staging(a, b, None, any_rows=True)
     assert stage.b.copy and not stage.a.copy, why
+
+
+def _library() -> object:
+    from cubinstore import launch
+    from helpers.gpu import manifest_path
+
+    path = manifest_path()
+    if not path.is_file():
+        pytest.skip(f"no manifest at {path}: run `bazel build //kernels:all`")
+    library = launch.open(path)
+    if not G.candidates_any(library):
+        pytest.skip(f"{path} has no skinny_any kernels")
+    return library
+
+
+@pytest.mark.parametrize(("a_strides", "b_strides", "b_address", "runs_any", "copies"), [
+    ((4095, 1), (4095, 1), 0, True, (False, False)),  # both contiguous, K off 8: B read in place
+    ((4095, 1), (4096, 1), 0, False, (True, False)),  # B padded: only the few rows of A are copied
+    ((4096, 1), (4096, 1), 2, True, (False, False)),  # B starts off 16 bytes
+    ((4096, 1), (4096, 1), 0, False, (False, False)),  # aligned: the selected point as it is
+    ((4095, 1), (1, 4095), 0, False, (True, True)),  # B not contiguous along K: copied whichever runs
+])
+def test_skinny_any_stands_in_where_b_would_be_copied(a_strides: tuple[int, int], b_strides: tuple[int, int],
+                                                      b_address: int, runs_any: bool,
+                                                      copies: tuple[bool, bool]) -> None:
+    library = _library()
+    k = 4095 if a_strides[0] == 4095 else 4096
+    a, b = _op("a", 16, k, a_strides, 0), _op("b", 8192, k, b_strides, b_address)
+    chosen = G.SkinnyConfig(16, 16, 8, 4).kernel_id
+    ran, stage = G.reads(library, chosen, a, b, None, chosen=True)
+    assert G.config_of(ran).any_rows is runs_any, ran
+    assert (stage.a.copy, stage.b.copy) == copies
+    # An id the caller names runs as named.
+    assert G.reads(library, chosen, a, b, None, chosen=False)[0] == chosen
