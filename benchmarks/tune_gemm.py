@@ -462,6 +462,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="how far a refit moves the held-out shapes: the picks of CALIBRATION (a module "
                            "--calibrate or --refit wrote) against the shipped one's, each timed by the "
                            "--judge-held-out timings saved in HELD_OUT_MEASUREMENTS (no GPU)")
+    parser.add_argument("--against", type=Path, default=None, metavar="CALIBRATION",
+                        help="--compare: judge against this calibration module instead of the shipped one")
     parser.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
     parser.add_argument("--home", type=Path, default=None, help="local store root (default: a fresh temp dir)")
     parser.add_argument("--measurements", type=Path, default=None, help="save the timings here (JSON)")
@@ -488,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.refit:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
     elif args.compare:
-        compare(*args.compare)
+        compare(*args.compare, against=args.against)
     else:
         timings, provenance = measure(args)
         if args.measurements:
@@ -500,27 +502,36 @@ def main(argv: Sequence[str] | None = None) -> None:
 REFIT_MOVE: Final = 0.05
 
 
-def compare(calibration: Path, held_out: Path) -> int:
-    """Print, per held-out shape, the shipped model's pick and `calibration`'s, each at its measured
-    time in `held_out` (--judge-held-out's timings); returns how many moved by more than REFIT_MOVE."""
+def _calibration_module(path: Path) -> Any:
+    """A calibration module --calibrate or --refit wrote, loaded from `path`."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("refit_calibration", calibration)
+    spec = importlib.util.spec_from_file_location(f"calibration_{path.stem}", path)
     if spec is None or spec.loader is None:
-        sys.exit(f"{calibration}: not a Python module")
+        sys.exit(f"{path}: not a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    shipped, refit = _gemm_model.calibrated_model(), _gemm_model.calibrated_model(module)
+    return module
+
+
+def compare(calibration: Path, held_out: Path, against: Path | None = None) -> int:
+    """Print, per held-out shape, the pick of the shipped model (or of `against`) and `calibration`'s,
+    each at its measured time in `held_out` (--judge-held-out's timings); returns how many moved by
+    more than REFIT_MOVE."""
+    module = _calibration_module(calibration)
+    base = _gemm_calibration if against is None else _calibration_module(against)
+    shipped, refit = _gemm_model.calibrated_model(base), _gemm_model.calibrated_model(module)
     timings, provenance = load(held_out)
     gpu = Gpu.of(provenance)
     by_shape: dict[tuple[int, int, int], dict[tuple[str, int], float]] = defaultdict(dict)
     for t in timings:
         by_shape[(t.m, t.n, t.k)][(t.kernel_id, t.splits)] = t.us
     ids = frozenset(kid for options in by_shape.values() for kid, _ in options)
-    print(f"held-out timings: {provenance.get('gpu')}, {provenance.get('date')}; shipped calibration: "
-          f"{(_gemm_calibration.PROVENANCE or {}).get('gpu')}; "
+    print(f"held-out timings: {provenance.get('gpu')}, {provenance.get('date')}; "
+          f"{'shipped calibration' if against is None else against}: {(base.PROVENANCE or {}).get('gpu')}; "
           f"refit: {(module.PROVENANCE or {}).get('gpu')}, {(module.PROVENANCE or {}).get('date')}")
-    print(f"{'M x N x K':>16s} {'shipped pick':>58s} {'us':>8s} {'refit pick':>58s} {'us':>8s} {'move':>7s}")
+    print(f"{'M x N x K':>16s} {'shipped pick' if against is None else 'pick before':>58s} {'us':>8s} "
+          f"{'refit pick':>58s} {'us':>8s} {'move':>7s}")
     moved, moves = 0, []
     for (m, n, k), options in sorted(by_shape.items()):
         picks = [model.choose(m, n, k, gpu.sm_count, ids, cluster_slots=gpu.slots) for model in (shipped, refit)]
