@@ -61,20 +61,6 @@ def _template(store: Any) -> Any:
                                 includes=["cutlass"], package="kernels/gemm")
 
 
-def _timing(module: Any, name: str, out: dict[str, Any], field: str) -> None:
-    """Wrap ``module.name`` so the seconds spent in it add up in ``out[field]``."""
-    inner = getattr(module, name)
-
-    def timed(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            out[field] = out.get(field, 0.0) + time.perf_counter() - t
-
-    setattr(module, name, timed)
-
-
 def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this (fresh) process; returns seconds."""
     from cubinstore.store import LocalStore, MemoryStore, Store
@@ -108,27 +94,18 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         _jitkey.host_compiler(local=local)
         out["seconds"] = time.perf_counter() - t
     elif kind in ("jit_cold", "jit_warm", "jit_warm_fullkey", "gpu_jit_warm", "gpu_jit_warm_fullkey"):
-        from cubinstore import jit
-        from cubinstore.internals import compiler  # the direct check's two steps, timed where they run
+        from cubinstore.internals import family
 
-        if kind.endswith("_fullkey"):
-            compiler.lookup = lambda *a: None  # type: ignore[assignment]  # the direct path off
-        _timing(compiler, "DirectRequest", out, "direct_check")
-        _timing(compiler, "lookup", out, "direct_check")
-        compile_ = jit.compile
-
-        def found_by(*a: Any, **k: Any) -> Any:
-            kernel = compile_(*a, **k)
-            out.setdefault("found_by", kernel.found_by)  # the first call's: direct, key or compile
-            return kernel
-
-        jit.compile = found_by  # type: ignore[assignment]  # compile_family_point calls it through the module
+        # compile_family_point, also returning the compiler's result: what found the kernel and how
+        # long the direct check (its request and lookup) took. The "fullkey" rows turn the direct path off.
+        direct = not kind.endswith("_fullkey")
         template = _template(store)  # the bundle's blob write is not timed
         t = time.perf_counter()
-        spec = jit.compile_family_point(template, GEMM_POINT, "sm_90a", store=store,
-                                        include_roots={"cutlass": args["cutlass"]})
+        spec, found = family.compile_point(template, GEMM_POINT, "sm_90a", store=store,
+                                           include_roots={"cutlass": args["cutlass"]}, direct=direct)
         out["key_index_fetch"] = time.perf_counter() - t
-        first_check = out.pop("direct_check", None)  # the first call's only
+        out["found_by"] = found.found_by  # the first call's: direct, key or compile
+        out["direct_check"] = found.direct_seconds  # the first call's only
         if gpu:
             import cubinstore
             from cubinstore.manifest import Manifest
@@ -137,11 +114,9 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         out["seconds"] = time.perf_counter() - t
         # The same point again in this process: trees, toolkit and host are known by now.
         t = time.perf_counter()
-        jit.compile_family_point(template, GEMM_POINT, "sm_90a", store=store, include_roots={"cutlass": args["cutlass"]})
+        family.compile_point(template, GEMM_POINT, "sm_90a", store=store, include_roots={"cutlass": args["cutlass"]},
+                             direct=direct)
         out["again"] = time.perf_counter() - t
-        out.pop("direct_check", None)
-        if first_check is not None:
-            out["direct_check"] = first_check
     elif kind == "aot_cpu":
         import cubinstore
 

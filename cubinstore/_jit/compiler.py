@@ -114,6 +114,7 @@ class Compiled:
     store: Store
     seconds: float  # the compile's, 0.0 for a hit
     found_by: str  # "direct": the included files checked; "key": the full key; "compile": nvcc ran
+    direct_seconds: float = 0.0  # the direct check's: its request and (unless ``direct=False``) its lookup
 
     @property
     def digest(self) -> Digest:
@@ -221,6 +222,8 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     nvcc: Callable[[list[str], Path], subprocess.CompletedProcess[str]] | None = None,
     program: str | None = None,
     kind: str = "cubin",
+    direct: bool = True,
+    make_index: Callable[[Any, float], JitIndex] = JitIndex,
 ) -> Compiled:
     """What ``cubinstore.jit.compile`` does (its docstring describes every argument), returning the
     index entry found or written and how; ``jit.compile`` wraps it in a ``JitKernel``.
@@ -230,7 +233,10 @@ def compile(  # noqa: A001 - the verb a kernel library expects
     runs when it is not the toolkit's own nvcc (``cubinstore-nvcc`` under ``CUBINSTORE_NVCC``):
     part of the key, so another compiler program never shares one. ``kind``: what nvcc writes,
     ``"cubin"`` (default), ``"ptx"`` or ``"fatbin"`` (``cubinstore-nvcc``'s calls); only a CUBIN
-    has kernels to declare ``entries`` of or to launch.
+    has kernels to declare ``entries`` of or to launch. ``direct``: try the direct key first
+    (default); False: the full key alone finds it (a benchmark's comparison; its hit or compile
+    still lists the key under the direct key). ``make_index``: what makes the index over the local layer and
+    the lock timeout (default ``JitIndex``; a test passes a subclass that stops at one step).
     """
     if kind not in OUTPUT_NAMES:
         raise BadArgumentError(f"kind: expected one of {', '.join(OUTPUT_NAMES)}, got {show(kind)}")
@@ -238,20 +244,24 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         raise BadArgumentError(f"entries: a {kind} has no kernels to declare; only a cubin does")
     if not isinstance(sealed, bool):
         raise BadArgumentError(f"sealed: expected True or False, got {show(sealed)}")
+    if not isinstance(direct, bool):
+        raise BadArgumentError(f"direct: expected True or False, got {show(direct)}")
     limit = _time_limit(timeout)
     store = store if store is not None else default_store()
     local = local_store(store)
-    index = JitIndex(local, _env.lock_timeout())
+    index = make_index(local, _env.lock_timeout())
     if entries is not None:
         entries = check_entries(entries)
     inputs = Inputs(source, include_dirs, arch)
     # The direct key first: only the files this TU included are checked (``_jitdirect``).
+    checking = time.perf_counter()
     dreq = DirectRequest(inputs.text, SOURCE_NAME, inputs.include_dirs, flags, inputs.arch, local, program, kind)
-    known = _direct_hit(index, store, dreq, entries, sealed)
+    known = _direct_hit(index, store, dreq, entries, sealed) if direct else None
+    checked = time.perf_counter() - checking
     if known is not None:
         k, found = known
         _log.debug("JIT %s: direct hit, %s", k, found.digest)
-        return Compiled(k, found, entries, False, store, 0.0, "direct")
+        return Compiled(k, found, entries, False, store, 0.0, "direct", checked)
     req = Request(inputs, flags, local, program, kind)
     base = req.key
     hit = _hit(index, store, base, entries, sealed)
@@ -259,7 +269,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         k, found = hit
         _log.debug("JIT %s: index hit, %s", k, found.digest)
         remember(index, dreq, k.hex)
-        return Compiled(k, found, entries, False, store, 0.0, "key")
+        return Compiled(k, found, entries, False, store, 0.0, "key", checked)
     if not (_env.jit() if jit is None else jit):
         index.put_parts(base.hex, base.parts)  # so `cubinstore explain` can say why it missed
         _record(local, base, req.arch, None, family, params, kind="miss")  # so CI can build it ahead
@@ -274,7 +284,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
         if hit is not None:
             k, found = hit
             remember(index, dreq, k.hex)
-            return Compiled(k, found, entries, False, store, 0.0, "key")
+            return Compiled(k, found, entries, False, store, 0.0, "key", checked)
         index.put_parts(base.hex, base.parts)
         started = time.perf_counter()
         token = _limit.set(limit)
@@ -312,7 +322,7 @@ def compile(  # noqa: A001 - the verb a kernel library expects
             record(index, dreq, k.hex, *deps)
     _log.info("JIT %s: compiled %s in %.2f s (%d bytes, %s)", k, req.arch, seconds, len(data), digest.short)
     _record(local, k, req.arch, digest, family, params)
-    return Compiled(k, found, entries, True, store, seconds, "compile")
+    return Compiled(k, found, entries, True, store, seconds, "compile", checked)
 
 
 def _time_limit(timeout: float | None) -> float:

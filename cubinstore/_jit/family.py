@@ -40,11 +40,12 @@ from cubinstore.manifest.flags import copt_problem, define_problem
 from cubinstore.manifest.toolkit import facts as toolkit_facts
 
 if TYPE_CHECKING:
+    from cubinstore._jit.compiler import Compiled
     from cubinstore.store import Store
 
 # FamilyTemplate, TEMPLATE_SCHEMA and EXTERNAL_ROOTS are re-exported: their home is cubinstore.manifest.family.
 __all__ = ["EXTERNAL_ROOTS", "SOURCES_SCHEMA", "TEMPLATE_SCHEMA", "FamilyTemplate", "compile_family_point",
-           "cutlass_include", "make_bundle", "resolve_miss", "template_for_sources"]
+           "compile_point", "cutlass_include", "make_bundle", "resolve_miss", "template_for_sources"]
 
 _log = get_logger(__name__)
 
@@ -268,6 +269,14 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
     ``include_roots`` overrides where external roots are (default: ``cutlass_include()``).
     Raises ``KernelNotFoundError`` when JIT is off and the point is not compiled yet.
     """
+    return compile_point(template, params, arch, store=store, include_roots=include_roots, jit=jit)[0]
+
+
+def compile_point(template: FamilyTemplate, params: Mapping[str, str | int], arch: str, *,
+                  store: Store | None = None, include_roots: Mapping[str, str | os.PathLike[str]] | None = None,
+                  jit: bool | None = None, direct: bool = True) -> tuple[KernelSpec, Compiled]:
+    """``compile_family_point``'s spec and the compiler's ``Compiled`` behind it (how it was found,
+    how long the direct check took); ``direct`` as ``compiler.compile``'s (benchmarks compare the two)."""
     try:
         # Imported here, not above: the compiler needs xxhash (the `jit` extra), and a host
         # without it still records a miss and names the nearest points (``resolve_miss``).
@@ -305,14 +314,15 @@ def compile_family_point(template: FamilyTemplate, params: Mapping[str, str | in
     # Sealed: a file read from outside the bundle, the include roots, the toolkit and the host
     # compiler's system headers fails the compile (an absolute #include, a define naming a host file).
     k = _compiler.compile(text, include_dirs=include_dirs, flags=flags, arch=parsed, entries=entries,
-                          family=template.family, params=ordered, store=store, jit=jit, sealed=True)
+                          family=template.family, params=ordered, store=store, jit=jit, sealed=True, direct=direct)
     rendered = [render_param(key, v) for key, v in ordered.items()]
     target = f"//{template.package}:{'_'.join([template.family, *rendered, str(parsed)])}" if template.package else \
         f"//jit:k{k.key.hex}"
     # The local toolkit that compiled it (its key names the version), as a release's kernel records it.
-    return KernelSpec(id=kernel_id(template.family, ordered, parsed), family=template.family, params=ordered,
+    spec = KernelSpec(id=kernel_id(template.family, ordered, parsed), family=template.family, params=ordered,
                       arch=str(parsed), digest=k.digest, size=k.size, entries=entries, target=target,
                       **toolkit_facts(k.key.parts.toolkit.get("version")))  # type: ignore[arg-type]
+    return spec, k
 
 
 def resolve_miss(manifest: Any, family: str, params: Mapping[str, str | int], arch: str, *,

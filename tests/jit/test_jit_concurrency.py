@@ -80,13 +80,14 @@ def test_sixteen_processes_missing_one_key_run_nvcc_once(tmp_path: Path) -> None
 
 
 # Where the child stops and waits to be killed. Each stage wraps one step of the compile: a
-# public method of the index or the CAS, or nvcc itself through ``compile(nvcc=...)`` (``kw``).
+# public method of the child's own index or CAS subclass, passed in through
+# ``compile(make_index=...)`` or ``compile(store=...)``, or nvcc itself through ``compile(nvcc=...)`` (``kw``).
 _STAGES = {
     "lock_held_before_nvcc": """
-orig = JitIndex.put_parts
-def put_parts(self, *a):
-    orig(self, *a); stop("lock_held_before_nvcc")
-JitIndex.put_parts = put_parts
+class Index(JitIndex):
+    def put_parts(self, *a):
+        super().put_parts(*a); stop("lock_held_before_nvcc")
+kw["make_index"] = Index
 """,
     "nvcc_running": """
 def run_nvcc(argv, work):
@@ -95,30 +96,32 @@ def run_nvcc(argv, work):
 kw["nvcc"] = run_nvcc
 """,
     "cubin_in_memory_not_stored": """
-def write(self, digest, data):  # the CUBIN is compiled, read back and checked; the CAS write is next
-    stop("cubin_in_memory_not_stored")
-LocalStore.write = write
+class Local(LocalStore):
+    def write(self, digest, data):  # the CUBIN is compiled, read back and checked; the CAS write is next
+        stop("cubin_in_memory_not_stored")
+kw["store"] = Store([Local(os.environ["CUBINSTORE_HOME"])])
 """,
     "cubin_stored_index_not_written": """
-orig = JitIndex.put
-def put(self, entry):
-    stop("cubin_stored_index_not_written")
-JitIndex.put = put
+class Index(JitIndex):
+    def put(self, entry):
+        stop("cubin_stored_index_not_written")
+kw["make_index"] = Index
 """,
     "index_half_written": """
 from cubinstore.manifest import dumps_canonical
-def put(self, entry):
-    data = dumps_canonical(entry.to_json())
-    with self.local.stream_file(*self._at("index", entry.key)) as f:
-        f.write(data[: len(data) // 2]); f.flush(); stop("index_half_written")
-JitIndex.put = put
+class Index(JitIndex):
+    def put(self, entry):
+        data = dumps_canonical(entry.to_json())
+        with self.local.stream_file(*self._at("index", entry.key)) as f:
+            f.write(data[: len(data) // 2]); f.flush(); stop("index_half_written")
+kw["make_index"] = Index
 """,
 }
 
 _CHILD = """
-import subprocess, sys
+import os, subprocess, sys
 from cubinstore.internals import ACTION_ENV, JitIndex, compiler
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalStore, Store
 kw = {}
 def stop(stage):
     print(stage, flush=True)

@@ -315,19 +315,19 @@ def test_parts_that_do_not_make_the_key_are_not_trusted(lib: SimpleNamespace) ->
 
 _KILL_AFTER_INDEX = """
 import sys
-from cubinstore import jit
-from cubinstore.internals import JitIndex
-def add_direct(*a, **k):  # the first step after the index entry: the direct entry
-    print("index_written", flush=True)
-    sys.stdin.readline()
-    raise SystemExit("not killed")
-JitIndex.add_direct = add_direct
+from cubinstore.internals import JitIndex, compiler
+class Index(JitIndex):
+    def add_direct(self, *a, **k):  # the first step after the index entry: the direct entry
+        print("index_written", flush=True)
+        sys.stdin.readline()
+        raise SystemExit("not killed")
 """
 
 
 def test_a_compile_killed_before_its_direct_entry_is_found_by_the_full_key_then_listed(lib: SimpleNamespace) -> None:
     code = _KILL_AFTER_INDEX + (
-        f"jit.compile({TU!r}, include_dirs=[{str(lib.include)!r}], arch={ARCH!r}, entries={ENTRIES!r})\n")
+        f"compiler.compile({TU!r}, include_dirs=[{str(lib.include)!r}], arch={ARCH!r}, entries={ENTRIES!r}, "
+        "make_index=Index)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(lib.home), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

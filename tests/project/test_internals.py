@@ -1,5 +1,6 @@
 """`cubinstore.internals` is the one door to the package's private modules: tests, benchmarks and
-tools import those through it (or the public API) alone, no package module imports it, and
+tools import those through it (or the public API) alone, replace no attribute of a cubinstore
+module or class (they inject through parameters instead), no package module imports it, and
 importing it loads neither torch nor the CUDA driver."""
 
 from __future__ import annotations
@@ -68,6 +69,90 @@ def test_tests_benchmarks_and_tools_reach_private_modules_through_internals_alon
                 found.append(f"{rel}:{line + offset}: {dotted}")
     assert found == [], ("import these from the public API or cubinstore.internals (add the name there if it "
                          "has none):\n" + "\n".join(found))
+
+
+def imported_names(tree: ast.AST) -> set[str]:
+    """The names an import of cubinstore binds (``import cubinstore.jit`` binds ``cubinstore``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names
+                      if alias.name.split(".")[0] == "cubinstore"}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            if node.module.split(".")[0] == "cubinstore":
+                names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def _root(node: ast.AST) -> str | None:
+    """``a`` of ``a.b.c`` (None unless the chain starts at a plain name)."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def code_strings(tree: ast.AST) -> Iterator[tuple[int, ast.AST]]:
+    """(first line, parsed) of each multi-line string that parses as Python: a child process's code."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\n" in node.value:
+            try:
+                yield node.lineno, ast.parse(node.value)
+            except SyntaxError:
+                continue
+
+
+def attribute_patches(tree: ast.AST, names: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, what) of each ``x.attr = ...``, ``del x.attr``, ``setattr(x, ...)`` or ``delattr(x, ...)``
+    whose ``x`` is a name in ``names`` (imported from cubinstore: a module, class or function of it)."""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for sub in ast.walk(target):  # a tuple target too
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)) and _root(sub) in names:
+                    yield node.lineno, ast.unparse(sub)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args and _root(node.args[0]) in names):
+            yield node.lineno, ast.unparse(node)
+
+
+def patches_in(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``attribute_patches`` of a source and of the child code in its strings, with the names the
+    source and those strings import (a child's stage may use a name its preamble imported)."""
+    strings = list(code_strings(tree))
+    names = imported_names(tree).union(*(imported_names(code) for _, code in strings))
+    yield from attribute_patches(tree, names)
+    for first, code in strings:
+        for line, what in attribute_patches(code, names):
+            yield first + line - 1, f"{what} (child code)"
+
+
+def test_tests_benchmarks_and_tools_replace_no_attribute_of_cubinstore() -> None:
+    found = [f"{rel}:{line + offset}: {what}" for rel, tree, offset in sources() for line, what in patches_in(tree)]
+    assert found == [], ("inject through a parameter (a subclass or factory passed in, a fake driver object) "
+                         "instead of replacing an attribute of a cubinstore module or class:\n" + "\n".join(found))
+
+
+def test_the_patch_scan_finds_replacements_not_a_tests_own_objects() -> None:
+    # One line a string (none multi-line), so the scan of this file does not read it as child code.
+    source = "\n".join([
+        "import cubinstore.jit",
+        "from cubinstore.internals import JitIndex, compiler as c",
+        'CHILD = """\nimport sys\nJitIndex.put = put\n"""',  # the stage of a child: lines 3-6
+        "c.lookup = None",
+        "cubinstore.jit.compile = wrapped",
+        "setattr(c, 'lookup', None)",
+        "class Index(JitIndex):",
+        "    def put(self, entry): ...",
+        "Index.put = put",  # the test's own subclass
+        "index = JitIndex(local)",
+        "index.local = other",  # the test's own instance
+        "kw = {}",
+        "kw['make_index'] = Index",
+    ])
+    assert [what for _, what in patches_in(ast.parse(source))] == [
+        "c.lookup", "cubinstore.jit.compile", "setattr(c, 'lookup', None)", "JitIndex.put (child code)"]
+    assert [line for line, _ in patches_in(ast.parse(source))] == [7, 8, 9, 5]
 
 
 def test_the_inline_python_of_the_shell_tools_is_scanned() -> None:
