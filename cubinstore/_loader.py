@@ -23,13 +23,14 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 from cubinstore._args import ParamSlot, check_layout
 from cubinstore._core.abi import Arch
-from cubinstore._core.cubin import header_problem, header_sm
+from cubinstore._core.cubin import header_is, header_problem, header_sm
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
+from cubinstore._driver import cuda as _cuda
 from cubinstore._driver import device as _device
 from cubinstore.errors import CubinFormatError, DriverVersionError, IncompatibleArchError, ManifestError
 from cubinstore.manifest import KernelSpec
@@ -45,6 +46,11 @@ logger = get_logger(__name__)
 
 # Above this a function must opt in through CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
 _DEFAULT_DYNAMIC_SMEM: Final = 48 * 1024
+_UNASKED: Final[Any] = object()  # _Loaded.driver_version before the first kernel that names a min_driver
+
+# (arch string, compute capability) -> the SM number a CUBIN of that arch must name in its ELF header,
+# or -1 for PTX: an arch seen to run on a device is not parsed and checked again (a per-process fact).
+_runnable: dict[tuple[str, tuple[int, int]], int] = {}
 
 
 class _Function:
@@ -109,13 +115,7 @@ class _Loaded:
         self.lock = threading.Lock()
         self.key_locks: dict[tuple[str, int], threading.Lock] = {}
         self.ptx: list[tuple[str, float]] = []  # (kernel id, load seconds) of each PTX module, for load_stats
-
-    def key_lock(self, key: tuple[str, int]) -> threading.Lock:
-        lock = self.key_locks.get(key)  # one per (digest, device), made once
-        if lock is None:
-            with self.lock:
-                lock = self.key_locks.setdefault(key, threading.Lock())
-        return lock
+        self.driver_version: Any = _UNASKED  # the driver's Devices.driver_version(), once a kernel asks
 
 
 # One per Devices, dropped with it (a test's fake); the last one asked for is found without a lookup.
@@ -177,60 +177,109 @@ def is_loaded(digest: Digest | str, device: int) -> bool:
 def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
          devices: _device.Devices | None = None) -> _Module:
     """The module of `spec` on `ordinal`, fetched, verified and loaded at most once through the
-    driver of `devices` (default: the `Devices` in use)."""
+    driver of `devices` (default: the `Devices` in use).
+
+    Every first load of a process passes here, between driver calls that leave the CPU's caches
+    cold: so the common case (a CUBIN whose arch was seen before, the real driver) is one straight
+    line of few calls, and anything else takes a helper that words what went wrong.
+    """
     if devices is None:
         devices = _device.current()
     last = _last  # _loaded_for, inlined: this is every Library.kernel() call
     loaded = last[1] if last is not None and last[0] is devices else _loaded_slow(devices)
-    key = (spec.digest.hex, ordinal)
+    digest = spec.digest
+    key = (digest.hex, ordinal)
     module = loaded.modules.get(key)
     if module is not None:
         return module
-    with loaded.key_lock(key):
+    lock = loaded.key_locks.get(key)  # one per (digest, device), made once
+    if lock is None:
+        with loaded.lock:
+            lock = loaded.key_locks.setdefault(key, threading.Lock())
+    with lock:
         module = loaded.modules.get(key)
         if module is not None:
             return module
         # The one path to the driver's loader: refuse a CUBIN the device cannot run before
         # it is fetched or any byte reaches the driver, with an error naming both archs.
-        ptx = spec.arch.startswith(_ptx.PTX_PREFIX)  # cubinstore.manifest.ptx.is_ptx, inlined
-        arch = _ptx.PtxArch.parse(spec.arch) if ptx else Arch.parse(spec.arch)  # cached per arch string
-        if not arch.runs_on(cc):
-            raise IncompatibleArchError(
-                f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
-                f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
-            )
+        sm = _runnable.get((spec.arch, cc))  # the SM its ELF header must name (-1: PTX), once per arch
+        if sm is None:
+            sm = _check_arch(spec, ordinal, cc)
         need = spec.min_driver
         if need is not None:
-            host = devices.driver_version()  # asked once per process
+            host = loaded.driver_version
+            if host is _UNASKED:
+                host = loaded.driver_version = devices.driver_version()  # asked once per process
             if host is not None and host < need:
                 _refuse_driver(spec, need, host)
         debug = logger.isEnabledFor(logging.DEBUG)
         started = time.perf_counter() if debug else 0.0
-        data = store.get(spec.digest, spec.size, name=spec.id)
+        size = spec.size
+        data = store.get(digest, size, name=spec.id)
         fetched = time.perf_counter()
         # Every message below names the kernel (_what): built only for an error, not per load.
-        if len(data) != spec.size:
-            raise ManifestError(f"{_what(spec)}: expected {spec.size} bytes, the store returned {len(data)}")
-        if ptx:
-            module = _load_ptx(devices.driver, spec, bytes(data), ordinal, cc)
+        if len(data) != size:
+            raise ManifestError(f"{_what(spec)}: expected {size} bytes, the store returned {len(data)}")
+        if data.__class__ is not bytes:
+            data = bytes(data)  # the driver gets an immutable copy of the verified bytes
+        if sm < 0:
+            module = _load_ptx(devices.driver, spec, data, ordinal, cc)
         else:
-            _check_cubin_header(spec, data)
-            module = _load_module(devices.driver, spec, bytes(data), ordinal)
+            # _check_cubin_header's accepting case in one call; anything else gets the full check,
+            # which words the error.
+            if not header_is(data, sm):
+                _check_cubin_header(spec, data)
+            cuda = devices.driver
+            if cuda.on_device is _cuda.on_device and cuda.library_function is _cuda.library_function:
+                # The real driver's context guard and functions: one call loads the module and gets
+                # every entry's function (a wrapped load_library, a benchmark's, is still called).
+                load_library = cuda.load_library
+                library, handles = _cuda.load_functions(
+                    data, spec.entries, ordinal, _Where((spec, ordinal)),
+                    None if load_library is _cuda.load_library else load_library)
+                functions: dict[str, _Function] = {}
+                for entry, func in zip(spec.entries, handles):
+                    if func is None:
+                        _no_function(spec, entry, ordinal)
+                    functions[entry] = _Function(func, (spec, entry, ordinal), cuda)
+                module = _Module(digest, ordinal, (library, data), functions, 0.0)  # timed below
+            else:
+                module = _load_module(cuda, spec, data, ordinal)
         module.load_seconds = time.perf_counter() - fetched
         if debug:
             logger.debug(
                 "loaded %s (%s) on device %d: fetch+verify %.3f ms, load %.3f ms",
-                spec.id, spec.digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
+                spec.id, digest.short, ordinal, (fetched - started) * 1e3, module.load_seconds * 1e3,
             )
         with loaded.lock:
             loaded.modules[key] = module
-            if ptx:
+            if sm < 0:
                 loaded.ptx.append((spec.id, module.load_seconds))
-        if ptx:  # `cubinstore stats` shows it too, across processes
+        if sm < 0:  # `cubinstore stats` shows it too, across processes
             local = getattr(store, "local", None)
             if local is not None:
                 local.add_stats({"ptx_loads": 1})
         return module
+
+
+def _check_arch(spec: KernelSpec, ordinal: int, cc: tuple[int, int]) -> int:
+    """``load``'s arch check where ``spec.arch`` was not seen to run on ``cc`` before: the SM number its
+    ELF header must name (-1 for PTX), remembered for the process; else ``IncompatibleArchError``."""
+    ptx = spec.arch.startswith(_ptx.PTX_PREFIX)  # cubinstore.manifest.ptx.is_ptx, inlined
+    arch = _ptx.PtxArch.parse(spec.arch) if ptx else Arch.parse(spec.arch)  # cached per arch string
+    if not arch.runs_on(cc):
+        raise IncompatibleArchError(
+            f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
+            f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
+        )
+    sm = -1 if ptx else arch.major * 10 + arch.minor  # type: ignore[union-attr]
+    _runnable[(spec.arch, cc)] = sm
+    return sm
+
+
+def _no_function(spec: KernelSpec, entry: str, ordinal: int) -> NoReturn:
+    raise ManifestError(f"{_what(spec)} entry {entry!r} on device {ordinal}: the manifest declares it, "
+                        "the CUBIN has no such function")
 
 
 def _what(spec: KernelSpec) -> str:
@@ -278,32 +327,29 @@ def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
         raise ManifestError(f"{_what(spec)}: manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}")
 
 
-class _Where:
+class _Where(tuple):  # type: ignore[type-arg]
     """"kernel <id> (<digest>) on device <n>" for the driver's error messages, worded only when one
-    is (an f-string of the digest costs about a microsecond, and every load passes one)."""
+    is (an f-string of the digest costs about a microsecond, and every load passes one). Made as
+    ``_Where((spec, ordinal))``: a tuple, so making one runs no Python code."""
 
-    __slots__ = ("_spec", "_ordinal")
-
-    def __init__(self, spec: KernelSpec, ordinal: int) -> None:
-        self._spec = spec
-        self._ordinal = ordinal
+    __slots__ = ()
 
     def __str__(self) -> str:
-        return f"{_what(self._spec)} on device {self._ordinal}"
+        return f"{_what(self[0])} on device {self[1]}"
 
 
 def _load_module(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int) -> _Module:
-    """Load ``data`` on ``ordinal`` through the driver ``cuda`` and get each entry's function."""
+    """Load ``data`` on ``ordinal`` through the driver ``cuda`` and get each entry's function, call by
+    call (``on_device``, ``load_library``, ``library_function``): PTX, and a test's fake driver."""
     started = time.perf_counter()
     functions: dict[str, _Function] = {}
-    where = _Where(spec, ordinal)  # the driver's messages add the entry
+    where = _Where((spec, ordinal))  # the driver's messages add the entry
     with cuda.on_device(ordinal):
         library = cuda.load_library(data, where)
         for entry in spec.entries:
             func = cuda.library_function(library, entry, where)
             if func is None:
-                raise ManifestError(f"{_what(spec)} entry {entry!r} on device {ordinal}: the manifest declares it, "
-                                    "the CUBIN has no such function")
+                _no_function(spec, entry, ordinal)
             functions[entry] = _Function(func, (spec, entry, ordinal), cuda)
     return _Module(spec.digest, ordinal, (library, data), functions, time.perf_counter() - started)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 # _core: the facts every layer shares (ABI, id and flag grammar, digests, ELF, environment knobs).
 from cubinstore._core import abi, geometry, knobs, nvcc
 from cubinstore._core.abi import DEFAULT_NVCC_FLAGS, Arch, param_layout, param_type, render_param
-from cubinstore._core.cubin import CubinImage
+from cubinstore._core.cubin import CubinImage, header_is, header_problem, header_sm
 from cubinstore._core.cxxnames import function_name, names_entry, normalize_name
 from cubinstore._core.digest import EMPTY_SHA256_HEX
 from cubinstore._core.mangled import MAX_SYMBOL_CHARS, MangledParam, decode_params, type_problem
@@ -68,7 +68,7 @@ from cubinstore.ops._timing import host_us_per_call
 
 __all__ = [
     "ACTION_ENV", "DEFAULT_NVCC_FLAGS", "EMPTY_SHA256_HEX", "MAX_SYMBOL_CHARS", "OCI_PREFIXES",
-    "ArgBuffer", "Arch", "Call", "ClusterSlots", "CubinImage", "Feed", "JitIndex", "MachineCosts",
+    "ArgBuffer", "Arch", "Call", "ClusterSlots", "CubinImage", "header_is", "header_problem", "header_sm", "Feed", "JitIndex", "MachineCosts",
     "MangledParam", "Model", "Operand", "PackedArgs", "ParamSlot", "PassThrough", "Staging", "TileCosts",
     "abi", "args", "bundle", "calls", "check_layout", "check_operands", "compiler", "cuda", "cutlass_include",
     "decode_params", "demangle", "device", "direct", "dlpack_data_pointer", "expected_layout", "explain_key",

@@ -111,10 +111,15 @@ class Library:
         `KernelNotFoundError` names the nearest points.
         """
         devices = _device.current()
-        ordinal = _device_ordinal(devices, device)
-        cc = devices.compute_capability(ordinal)
+        if device is None:  # _device_ordinal's commonest cases, inlined
+            ordinal, cc = devices.checked(devices.driver.current_device())
+        elif device.__class__ is int:
+            ordinal, cc = devices.checked(device)
+        else:
+            ordinal = _device_ordinal(devices, device)
+            cc = devices.compute_capability(ordinal)
         try:
-            key: tuple[Any, ...] | None = (id_or_family, cc, *sorted(params.items()))
+            key: tuple[Any, ...] | None = (id_or_family, cc, *sorted(params.items())) if params else (id_or_family, cc)
             spec = self._selected.get(key)  # type: ignore[arg-type]
         except TypeError:  # an unhashable value: select() words the error
             key, spec = None, None

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from cubinstore.errors import CubinFormatError
 
-__all__ = ["CubinImage", "KernelSymbol", "header_problem", "header_sm"]
+__all__ = ["CubinImage", "KernelSymbol", "header_is", "header_problem", "header_sm"]
 
 _ELF_MAGIC: Final = b"\x7fELF"
 _ELFCLASS64: Final = 2
@@ -61,6 +61,16 @@ def header_sm(data: bytes) -> int | None:
         return None
     (flags,) = struct.unpack_from("<I", data, 0x30)
     return (flags >> 8) & 0xFF
+
+
+_START: Final = _ELF_MAGIC + bytes((_ELFCLASS64, _ELFDATA2LSB))
+
+
+def header_is(data: bytes, sm: int) -> bool:
+    """Whether ``header_problem(data)`` is None and ``header_sm(data) == sm``, in one expression: the
+    loader's accepting case on every first load (anything else takes those two, which word why)."""
+    return (len(data) >= 64 and data.startswith(_START) and data[8] == _CUDA_ELF_ABI_V8
+            and data[0x12] == _EM_CUDA & 0xFF and data[0x13] == _EM_CUDA >> 8 and data[0x31] == sm)
 
 
 class CubinImage:

@@ -7,13 +7,16 @@ once, in `cubinstore._driver.device`; the queries here ask the driver each time.
 
 The functions below (with `driver` and `check`) are what the layers above ask of a driver: the
 loader and launcher reach them through `cubinstore._driver.device.Devices.driver`, which is this
-module unless a test substitutes a fake through `cubinstore._driver.device.use`.
+module unless a test substitutes a fake through `cubinstore._driver.device.use`. A first load is
+`load_functions`: `on_device`, `load_library` and `library_function` of every entry in one call.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -28,6 +31,23 @@ _driver: ModuleType | None = None
 _init_error: str | None = None
 _primary: dict[int, int] = {}  # device ordinal -> retained primary context handle
 _success: Any = None  # CUresult.CUDA_SUCCESS once the driver is initialised: the hot paths compare with it
+
+
+@contextmanager
+def use_bindings(bindings: Any, *, success: Any, primary: dict[int, int]) -> Iterator[None]:
+    """Within the block, this module's functions call `bindings` (initialised, its `success` the
+    CUresult of success, `primary` the retained primary contexts by ordinal) instead of
+    `cuda.bindings.driver`; the real state again after it. For tests of these wrappers on a host
+    without a GPU: a fake of the whole driver goes in through `device.use(Devices(fake))`."""
+    global _driver, _success, _primary
+    with _lock:
+        saved = _driver, _success, _primary
+        _driver, _success, _primary = bindings, success, dict(primary)
+    try:
+        yield
+    finally:
+        with _lock:
+            _driver, _success, _primary = saved
 
 
 def driver() -> ModuleType:
@@ -205,6 +225,53 @@ def library_function(library: int, entry: str, what: object) -> int | None:
     if err != _success:
         check((err,), f"cuKernelGetFunction({entry!r}) for {what}")
     return int(func)
+
+
+def load_functions(data: bytes, entries: Iterable[str], ordinal: int, what: object,
+                   load_library: Callable[[bytes, object], int] | None = None) -> tuple[int, list[int | None]]:
+    """``with on_device(ordinal)``: ``load_library(data, what)``, then ``library_function`` of each
+    entry, in one call: the loader's path for every first load (a load is three to four driver calls,
+    and Python calls between them cost more than usual, the CPU's caches cold after each).
+
+    Returns the CUlibrary handle and each entry's CUfunction, in order, the list ending at the
+    first entry the CUBIN lacks with a None (the caller names the kernel). Errors are worded as the
+    separate calls word them. ``load_library``: a stand-in for this module's (a benchmark's, that
+    records each handle), called as it is; the rest is this module's.
+    """
+    drv = _driver if _driver is not None else driver()
+    want = _primary.get(ordinal)
+    if want is None:
+        want = primary_context(ordinal)
+    err, before = drv.cuCtxGetCurrent()  # on_device, inlined
+    if err != _success:
+        check((err,), "cuCtxGetCurrent")
+    before_handle = 0 if before is None else int(before)
+    switch = before_handle != want
+    if switch:
+        check(drv.cuCtxSetCurrent(drv.CUcontext(want)), f"cuCtxSetCurrent to device {ordinal}")
+    try:
+        if load_library is None:
+            err, library = drv.cuLibraryLoadData(data, None, None, 0, None, None, 0)
+            if err != _success:
+                check((err,), f"cuLibraryLoadData for {what}")
+        else:
+            library = drv.CUlibrary(load_library(data, what))
+        functions: list[int | None] = []
+        for entry in entries:  # library_function, inlined
+            err, kernel = drv.cuLibraryGetKernel(library, entry.encode("ascii"))
+            if err != _success:
+                if err == drv.CUresult.CUDA_ERROR_NOT_FOUND:
+                    functions.append(None)
+                    break
+                check((err,), f"cuLibraryGetKernel({entry!r}) for {what}")
+            err, func = drv.cuKernelGetFunction(kernel)
+            if err != _success:
+                check((err,), f"cuKernelGetFunction({entry!r}) for {what}")
+            functions.append(int(func))
+        return int(library), functions
+    finally:
+        if switch:
+            check(drv.cuCtxSetCurrent(drv.CUcontext(before_handle)), "cuCtxSetCurrent (restore)")
 
 
 def function_attribute(func: int, name: str, what: str) -> int:

@@ -68,6 +68,16 @@ class Devices:
 
         raise BadArgumentError(f"invalid device {ordinal!r}: expected an ordinal in [0, {self.count()})")
 
+    def checked(self, ordinal: Any) -> tuple[int, tuple[int, int]]:
+        """``check_ordinal(ordinal)`` and its ``compute_capability``, in one call (every ``Library.kernel``)."""
+        count = self._count
+        if type(ordinal) is int and count is not None and 0 <= ordinal < count:
+            cc = self._capabilities.get(ordinal)
+            if cc is not None:
+                return ordinal, cc
+        ordinal = self.check_ordinal(ordinal)
+        return ordinal, self.compute_capability(ordinal)
+
     def attribute(self, ordinal: int, name: str) -> int:
         """``CU_DEVICE_ATTRIBUTE_<...>`` ``name`` of device ``ordinal`` (one that cannot change while the process runs)."""
         key = (ordinal, name)
@@ -122,7 +132,10 @@ def use(devices: Devices) -> Devices:
     names of ``cubinstore._driver.cuda``: ``device_count`` and ``device_attribute`` for facts;
     ``current_device`` for a kernel on the current device; ``on_device``, ``load_library`` and
     ``library_function`` for a load (``driver_version`` when it models the driver's version: see
-    ``Devices.driver_version``); ``param_info`` for the layout check of a first launch; then
+    ``Devices.driver_version``; where ``on_device`` and ``library_function`` are
+    ``cubinstore._driver.cuda``'s own, as in a copy of that module with other calls replaced, a
+    load is one call of its ``load_functions``, which still calls the fake's ``load_library``);
+    ``param_info`` for the layout check of a first launch; then
     ``driver``, ``check``, ``pointer_device``, ``primary_context`` and ``function_attribute`` for
     launches. A fresh ``Devices`` has loaded nothing (the loader keeps its modules per ``Devices``),
     as a new process: ``use(Devices())`` over the real driver gives a fresh load. Returns the

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.abi import MAX_BLOB_SIZE
-from cubinstore._core.digest import Digest, verify
+from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest, verify
 from cubinstore._core.text import show
 from cubinstore.store.layer import Layer, UNSIZED_LIMIT, limit_for
 from cubinstore.store.local.cas import LocalStore
@@ -144,16 +144,34 @@ class Store:
         ``IntegrityError`` when only bad bytes were found, ``RemoteUnavailableError`` when
         a remote could not answer, ``MissingBlobError`` when every layer missed.
         """
+        fast = self._fast
+        if (fast is not None and digest.__class__ is Digest and size.__class__ is int and 0 < size <= MAX_BLOB_SIZE  # type: ignore[operator]
+                and digest.hex != EMPTY_SHA256_HEX):
+            # The hit path, for a well-formed request (the checks below, passed): the trusted layers
+            # in front (in-process memory: bytes verified when stored), then one read and check of
+            # the local entry (``LocalStore.read_verified``). A None there takes the layered path
+            # below, which words what went wrong, quarantines bad bytes and fetches.
+            for layer in self._front:
+                data = layer.read(digest, size)
+                if data is not None:
+                    with self._counts_lock:  # an in-process memory hit stays in-process
+                        self._counts["hits"] += 1
+                    return data
+            data = fast.read_verified(digest, size)  # type: ignore[arg-type]
+            if data is not None:
+                if self._front and self.backfill:
+                    self._backfill(digest, data, self._lock_at, name)
+                with self._counts_lock:  # _count_hit, inlined
+                    self._counts["hits"] += 1
+                fast.add_hit()
+                if _log.isEnabledFor(logging.DEBUG):
+                    _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), fast.name, len(data))
+                return data
         digest = Digest.parse(digest)
         if digest.is_empty_blob:
             raise BadArgumentError(f"{digest}{_for(name)} is the digest of zero bytes, which is not a CUBIN")
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOB_SIZE):
             raise BadArgumentError(f"invalid size {show(size)} for {digest}{_for(name)}: expected 1..{MAX_BLOB_SIZE} bytes")
-
-        if size is not None and self._fast is not None:
-            data = self._hit(digest, size, name)
-            if data is not None:
-                return data
 
         outcomes: list[str] = []
         errors: list[CubinstoreError] = []
@@ -197,26 +215,6 @@ class Store:
         return data
 
     # -- internals ------------------------------------------------------------------------------
-
-    def _hit(self, digest: Digest, size: int, name: str | None) -> bytes | None:
-        """``get``'s hit path: the trusted layers in front, then one read and one sha256 of the local
-        entry (``LocalStore.read_verified``); None sends ``get`` down the layered path, which
-        words what went wrong, quarantines bad bytes and fetches."""
-        for layer in self._front:  # in-process memory: bytes verified when stored
-            data = layer.read(digest, size)
-            if data is not None:
-                self._count_hit(None)
-                return data
-        local = self._fast
-        data = local.read_verified(digest, size)  # type: ignore[union-attr]
-        if data is None:
-            return None
-        if self._front and self.backfill:
-            self._backfill(digest, data, self._lock_at, name)
-        self._count_hit(local)
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), local.name, len(data))  # type: ignore[union-attr]
-        return data
 
     def _count_hit(self, local: LocalStore | None) -> None:
         """One hit: in this Store's counters, and in ``local``'s persistent ones unless None (memory hits)."""

@@ -111,8 +111,11 @@ def attribute_patches(tree: ast.AST, names: set[str]) -> Iterator[tuple[int, str
             for sub in ast.walk(target):  # a tuple target too
                 if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)) and _root(sub) in names:
                     yield node.lineno, ast.unparse(sub)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
-                and node.args and _root(node.args[0]) in names):
+        if isinstance(node, ast.Call) and node.args and _root(node.args[0]) in names and (
+                (isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"))
+                # pytest's monkeypatch.setattr(module, "name", ...) is the same replacement
+                or (isinstance(node.func, ast.Attribute) and node.func.attr in ("setattr", "delattr")
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "monkeypatch")):
             yield node.lineno, ast.unparse(node)
 
 
@@ -149,10 +152,13 @@ def test_the_patch_scan_finds_replacements_not_a_tests_own_objects() -> None:
         "index.local = other",  # the test's own instance
         "kw = {}",
         "kw['make_index'] = Index",
+        "monkeypatch.setattr(c, '_driver', None)",
+        "monkeypatch.setattr(os, 'fsync', None)",  # the standard library's: allowed
     ])
     assert [what for _, what in patches_in(ast.parse(source))] == [
-        "c.lookup", "cubinstore.jit.compile", "setattr(c, 'lookup', None)", "JitIndex.put (child code)"]
-    assert [line for line, _ in patches_in(ast.parse(source))] == [7, 8, 9, 5]
+        "c.lookup", "cubinstore.jit.compile", "setattr(c, 'lookup', None)",
+        "monkeypatch.setattr(c, '_driver', None)", "JitIndex.put (child code)"]
+    assert [line for line, _ in patches_in(ast.parse(source))] == [7, 8, 9, 17, 5]
 
 
 def test_the_inline_python_of_the_shell_tools_is_scanned() -> None:

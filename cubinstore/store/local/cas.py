@@ -95,6 +95,7 @@ class LocalStore(Counters, Layer):
                  write_temp: Callable[..., str] = write_temp_at,
                  clock: Clock = time, flush_events: int = FLUSH_EVENTS) -> None:
         self.root = Path(root).expanduser()
+        self._stats_key = str(self.root)  # its pending counts' key (stats.py)
         self.v1 = self.root / "v1"
         self.cas_dir = self.v1 / "cas"
         self.quarantine_dir = self.v1 / "quarantine"
@@ -291,30 +292,45 @@ class LocalStore(Counters, Layer):
         hex_ = digest.hex
         name = hex_[:2]
         shard = self._shards.get(name)
-        if shard is None and name in self._shards_read:
-            shard = self._hold_shard(name)  # its second hit: held from now on
-            if shard is None:
-                return None
-        path = f"{self._cas_text}/{name}/{hex_}"
-        try:
-            if shard is not None:
-                got = read_entry_at(shard, hex_, size, path=path)
+        opened = shard is None
+        if opened:
+            if name in self._shards_read:
+                shard = self._hold_shard(name)  # its second hit: held from now on
+                if shard is None:
+                    return None
+                opened = False
             else:  # its first hit: open and close the shard (see __init__)
                 self._shards_read.add(name)
-                got = self._read_first(name, hex_, size, path)
+                shard = self._open_shard(name)
+                if shard is None:
+                    return None
+        try:
+            got = read_entry_at(shard, hex_, size, path=f"{self._cas_text}/{name}/{hex_}")
         except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
             return None
+        finally:
+            if opened:
+                os.close(shard)
         if got is None:
             return None
         data, st, record = got
         if len(data) != size:
             return None
         trusts = self._trusts
-        trusted = (trusts if trusts is not None else self.trusts_records()) and \
-            self._shard_owned.get(name, False) and owned_entry(st)
-        if trusted and record is not None and _record.matches(record, hex_, data):
-            self.checks["xxh3"] += 1
-            return data
+        # The ownership rule for the store (decided once), the shard (as opened) and the entry; then
+        # the record (version, sha256, xxh3-128).
+        if (trusts if trusts is not None else self.trusts_records()) and self._shard_owned.get(name, False) \
+                and owned_entry(st):
+            if record is not None and _record.matches(record, hex_, data):
+                self.checks["xxh3"] += 1
+                return data
+            return self._check_by_sha256(name, hex_, data, st, record, trusted=True)
+        return self._check_by_sha256(name, hex_, data, st, record, trusted=False)
+
+    def _check_by_sha256(self, name: str, hex_: str, data: bytes, st: os.stat_result, record: bytes | None, *,
+                         trusted: bool) -> bytes | None:
+        """``read_verified``'s check where no record vouches for ``data``: sha256; an entry of ours
+        (``trusted``) that passes gets its record, for the next process's first load."""
         if hashlib.sha256(data).hexdigest() != hex_:
             return None
         self.checks["sha256"] += 1
@@ -334,21 +350,23 @@ class LocalStore(Counters, Layer):
                             and self._fs.owned("v1", "cas"))
         return self._trusts
 
-    def _read_first(self, name: str, hex_: str, size: int, path: str) -> tuple[bytes, os.stat_result, bytes | None] | None:
-        """``read_entry_at`` through a shard directory opened for this read (its ownership noted once)."""
+    def _open_shard(self, name: str) -> int | None:
+        """``cas/<name>`` opened below the held ``cas`` without following a link, its ownership noted
+        once; None if absent or a link (Store.get's layered read logs that). The caller closes it."""
         cas = self._fs.held_dir("v1", "cas")
         if cas is None:
             return None
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=cas)
-        except OSError:  # absent, or a link (Store.get's layered read logs that)
+        except OSError:
             return None
-        try:
-            if name not in self._shard_owned:
+        if name not in self._shard_owned:
+            try:
                 self._shard_owned[name] = not unsafe_reasons(os.fstat(fd))
-            return read_entry_at(fd, hex_, size, path=path)
-        finally:
-            os.close(fd)
+            except OSError:
+                os.close(fd)
+                return None
+        return fd
 
     def read_entry_and_record(self, digest: Digest, limit: int) -> tuple[bytes, os.stat_result, bytes | None] | None:
         """For ``verify``: at most ``limit + 1`` bytes of the entry (unverified, gc's clock untouched),

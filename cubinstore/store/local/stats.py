@@ -39,6 +39,7 @@ class Counters:
 
     root: Path
     stats_path: Path
+    _stats_key: str  # str(root): the pending counts' key (a Path hashes and compares in Python, a str in C)
     # A flush is due after this many counts, or FLUSH_SECONDS by this clock's ``monotonic``
     # (``LocalStore``'s ``flush_events`` and ``clock``; the first store of a root in a process sets its root's).
     _flush_events: int = FLUSH_EVENTS
@@ -86,13 +87,24 @@ class Counters:
             self.flush_stats()
 
     def add_hit(self) -> None:
-        """``add_stats({"hits": 1})``, the hot path's count: no mapping to walk."""
-        if _pending.add_hit(self):
+        """``add_stats({"hits": 1})``, the hot path's count: no mapping to walk, and one increment
+        where the root already has pending counts (``_PendingStats.add``, inlined)."""
+        pending = _pending
+        with pending._lock:
+            item = pending._by_root.get(self._stats_key)
+            if item is not None:
+                item[1]["hits"] += 1
+                batch = item[2]
+                batch[1] += 1
+                due = batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
+        if item is None:
+            due = pending.add(self, {"hits": 1})
+        if due:
             self.flush_stats()
 
     def flush_stats(self) -> None:
         """Add this process's pending counts to stats.json. Best effort: counting must never make a load fail."""
-        delta = _pending.take(self.root)
+        delta = _pending.take(self._stats_key)
         if delta is None:
             return
         try:
@@ -111,16 +123,18 @@ class _PendingStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # root -> (the store, its counts, [start, counts since, its flush_events, its clock's monotonic])
-        self._by_root: dict[Path, tuple[Counters, dict[str, int], list[Any]]] = {}
+        # root (its str: hashed in C) -> (the store, its counts, [start, counts since, its flush_events,
+        # its clock's monotonic])
+        self._by_root: dict[str, tuple[Counters, dict[str, int], list[Any]]] = {}
         self._registered = False
 
     def add(self, local: Counters, delta: Mapping[str, int]) -> bool:
         """Record ``delta``; True when the root's batch is due for a flush."""
+        root = local._stats_key
         with self._lock:
-            item = self._by_root.get(local.root)
+            item = self._by_root.get(root)
             if item is None:
-                item = self._by_root[local.root] = (local, dict.fromkeys(STAT_KEYS, 0), _batch(local))
+                item = self._by_root[root] = (local, dict.fromkeys(STAT_KEYS, 0), _batch(local))
                 if not self._registered:
                     atexit.register(self.flush_all)
                     self._registered = True
@@ -130,27 +144,17 @@ class _PendingStats:
             batch[1] += 1
             return batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
 
-    def add_hit(self, local: Counters) -> bool:
-        """``add(local, {"hits": 1})``: one increment where the root already has pending counts."""
-        with self._lock:
-            item = self._by_root.get(local.root)
-            if item is not None:
-                item[1]["hits"] += 1
-                batch = item[2]
-                batch[1] += 1
-                return batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
-        return self.add(local, {"hits": 1})
-
-    def take(self, root: Path) -> dict[str, int] | None:
+    def take(self, root: str) -> dict[str, int] | None:
         with self._lock:
             item = self._by_root.pop(root, None)
         return None if item is None or not any(item[1].values()) else item[1]
 
     def put_back(self, local: Counters, delta: dict[str, int]) -> None:
+        root = local._stats_key
         with self._lock:
-            item = self._by_root.get(local.root)
+            item = self._by_root.get(root)
             if item is None:
-                self._by_root[local.root] = (local, dict(delta), _batch(local))
+                self._by_root[root] = (local, dict(delta), _batch(local))
             else:
                 for key, value in delta.items():
                     item[1][key] = item[1].get(key, 0) + value
