@@ -148,10 +148,10 @@ def open_library(manifest_path: Path, home: Path) -> Any:
     filled from the directory the manifest sits in (as after a local build)."""
     from cubinstore import launch
     from cubinstore.manifest import Manifest
-    from cubinstore.store import DirectorySource, LocalStore, Store
+    from cubinstore.store import DirectorySource, LocalLayer, Store
 
     manifest = Manifest.from_path(manifest_path)
-    store = Store([LocalStore(home), DirectorySource(manifest_path.parent)])
+    store = Store([LocalLayer(home), DirectorySource(manifest_path.parent)])
     return launch.open(manifest, store)
 
 
@@ -613,12 +613,12 @@ def run(args: argparse.Namespace) -> int:
 def every_instantiation(torch: Any, library: Any, home: Path, l2: int, args: argparse.Namespace) -> None:
     """Every instantiation at 4096^3, unsplit, next to torch on the same tensors, with its load time."""
     from cubinstore import launch
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
     specs = gemm_specs(library)
     for spec in specs:  # fill the local store first, then load through it alone
         library.store.get(spec.digest, spec.size, name=spec.id)
-    local_only = launch.open(library.manifest, Store([LocalStore(home)]))
+    local_only = launch.open(library.manifest, Store([LocalLayer(home)]))
     m = n = k = 4096
     data = Operands(torch, m, n, k, ROTATE_L2 * l2)
     torch_ms = time_ms(torch, torch_mm(torch, data), data.sets, args.reps, args.warmup)

@@ -63,9 +63,9 @@ def _template(store: Any) -> Any:
 
 def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this (fresh) process; returns seconds."""
-    from cubinstore.store import LocalStore, MemoryStore, Store
+    from cubinstore.store import LocalLayer, MemoryLayer, Store
 
-    store = Store([MemoryStore(1 << 28), LocalStore(args["home"])])
+    store = Store([MemoryLayer(1 << 28), LocalLayer(args["home"])])
     out: dict[str, Any] = {}
     gpu = kind.startswith("gpu_")
     if not gpu:  # the CPU rows compare lookups, not imports: both sides get these before the timer
@@ -80,12 +80,12 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         from cubinstore.internals import key as _jitkey
 
         t = time.perf_counter()
-        _jitkey.tree(args["cutlass"], local=LocalStore(args["home"]))
+        _jitkey.tree(args["cutlass"], local=LocalLayer(args["home"]))
         out["seconds"] = time.perf_counter() - t
     elif kind in ("identity_statcached", "core_statcached"):
         from cubinstore.internals import key as _jitkey
 
-        local = LocalStore(args["home"])
+        local = LocalLayer(args["home"])
         t = time.perf_counter()
         if kind == "identity_statcached":
             _jitkey.find_toolkit(local=local)  # the whole include tree, for the full key
@@ -130,7 +130,7 @@ def _child(kind: str, args: dict[str, Any]) -> dict[str, Any]:
         from cubinstore.manifest import KernelSpec, Manifest
 
         t = time.perf_counter()
-        entry = JitIndex(LocalStore(args["home"]), _env.lock_timeout()).get(args["key"])
+        entry = JitIndex(LocalLayer(args["home"]), _env.lock_timeout()).get(args["key"])
         spec = KernelSpec(id=args["spec"]["id"], family="gemm", params=args["spec"]["params"], arch="sm_90a",
                           digest=entry.digest, size=entry.size, entries=GEMM_ENTRY, target=args["spec"]["target"])
         cubinstore.open(Manifest.build([spec]), store).kernel(spec.id, device=0)
@@ -286,15 +286,15 @@ def prepare(out: Path, cutlass: Path) -> dict[str, Any]:
     """Compile the GEMM point into ``out/home`` and write a one-kernel AOT manifest of the same CUBIN."""
     from cubinstore import jit
     from cubinstore.manifest import SCHEMA, dumps_canonical
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
-    store = Store([LocalStore(out / "home")])
+    store = Store([LocalLayer(out / "home")])
     spec = jit.compile_family_point(_template(store), GEMM_POINT, "sm_90a", store=store,
                                     include_roots={"cutlass": str(cutlass)})
     (out / "manifest.json").write_bytes(dumps_canonical({"schema": SCHEMA, "kernels": [spec.to_json()]}))
     from cubinstore.internals import warmset as _warmset
 
-    rec = next(r for r in _warmset.records(LocalStore(out / "home")) if r.digest == spec.digest)
+    rec = next(r for r in _warmset.records(LocalLayer(out / "home")) if r.digest == spec.digest)
     desc = {"key": rec.key, "spec": {"id": spec.id, "params": dict(spec.params), "target": spec.target},
             "digest": str(spec.digest)}
     (out / "bench.json").write_text(json.dumps(desc, indent=2) + "\n")

@@ -91,20 +91,20 @@ def import_time(runs: int) -> dict[str, Any]:
 
 def fill_store(manifest_path: Path, home: Path, cc: tuple[int, int] | None) -> tuple[Any, list[Any]]:
     from cubinstore.manifest import Manifest, arch_compatible
-    from cubinstore.store import DirectorySource, LocalStore, Store
+    from cubinstore.store import DirectorySource, LocalLayer, Store
 
     manifest = Manifest.from_path(manifest_path)
     specs = [k for k in manifest if cc is None or arch_compatible(k.arch, cc)]
-    filler = Store([LocalStore(home), DirectorySource(manifest_path.parent)])
+    filler = Store([LocalLayer(home), DirectorySource(manifest_path.parent)])
     for spec in specs:
         filler.get(spec.digest, spec.size, name=spec.id)
     return manifest, specs
 
 
 def reads(home: Path, specs: list[Any], samples: int) -> list[dict[str, Any]]:
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
-    local = LocalStore(home)
+    local = LocalLayer(home)
     store_ = Store([local])
     rows = []
     for spec in specs:
@@ -215,12 +215,12 @@ def host_loads(manifest: Any, home: Path, specs: list[Any], samples: int, cc: tu
     from cubinstore import launch
     from cubinstore.internals import device
     from cubinstore.manifest import arch_compatible
-    from cubinstore.store import LocalStore, MemoryStore, Store
+    from cubinstore.store import LocalLayer, MemoryLayer, Store
 
     specs = [s for s in specs if arch_compatible(s.arch, cc)]
-    local = LocalStore(home)
+    local = LocalLayer(home)
     store = Store([local])  # no memory layer: every sample reads and verifies, as a first load does
-    warm = Store([MemoryStore(), local])  # Store.from_env's layers: a blob verified before is a memory hit
+    warm = Store([MemoryLayer(), local])  # Store.from_env's layers: a blob verified before is a memory hit
     # The driver's three load calls stubbed; with no GPU, the device facts as a GPU of `cc` answers them.
     stubs: dict[str, Any] = dict(on_device=lambda ordinal: contextlib.nullcontext(),
                                  load_library=lambda data, what: 1, library_function=lambda library, entry, what: 1)
@@ -340,12 +340,12 @@ def direct_unload(library: Any) -> None:
 
 def full_mode_store(home: Path) -> Any:
     """A Store over ``home`` whose first loads hash by sha256 (``CUBINSTORE_VERIFY=full``), decided now."""
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
     saved = os.environ.get("CUBINSTORE_VERIFY")
     os.environ["CUBINSTORE_VERIFY"] = "full"
     try:
-        local = LocalStore(home)
+        local = LocalLayer(home)
         assert not local.trusts_records()
     finally:
         if saved is None:
@@ -359,20 +359,20 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
     """Per kernel, fresh loads on GPU 0 (p50 / p99 ms), interleaved: raw | read + sha256 + load |
     Library.kernel() from the owned store (records) | the same with CUBINSTORE_VERIFY=full |
     Library.kernel() of bytes verified before in the process | the layout check alone. Also what the
-    owned store's first loads checked (``LocalStore.checks``)."""
+    owned store's first loads checked (``LocalLayer.checks``)."""
     from cubinstore import launch
     from cubinstore.internals import device, loader as _loader
-    from cubinstore.store import LocalStore, MemoryStore, Store
+    from cubinstore.store import LocalLayer, MemoryLayer, Store
 
     _make_primary_current()
     loads = Loads()
     recorded = driver_with(load_library=loads.load)  # the real driver, its loads remembered to unload them
     before = device.current()
-    local = LocalStore(home)
+    local = LocalLayer(home)
     store = Store([local])  # no memory layer: every first load reads and checks
     full = full_mode_store(home)
     # Store.from_env's layers: a blob this process verified before is a memory hit (no read, no hash).
-    warm = Store([MemoryStore(), local])
+    warm = Store([MemoryLayer(), local])
 
     rows = []
     try:
@@ -446,17 +446,17 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     """Median us per fresh load of each part (and of the rest: each sample's total less its parts),
     for the peer (read + sha256, then bare cuLibraryLoadData, cuLibraryGetKernel + cuKernelGetFunction)
     and for Library.kernel() from the owned store, whose parts are timed inside it: the read and check
-    (``LocalStore.read_verified``) and the same driver functions, timed where ``cuda.bindings`` is
+    (``LocalLayer.read_verified``) and the same driver functions, timed where ``cuda.bindings`` is
     called, so every line of cubinstore's own code (its driver wrappers and context guard included)
     is in "rest". Medians: a load now and then takes the driver's deferred work of earlier unloads."""
     from cuda.bindings import driver as drv
 
     from cubinstore import launch
     from cubinstore.internals import device
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
     _make_primary_current()
-    local = LocalStore(home)
+    local = LocalLayer(home)
     store = Store([local])
     loads = Loads()
     inside: dict[str, float] = {"read + check": 0.0, "load": 0.0, "function": 0.0}
@@ -536,7 +536,7 @@ def print_load_breakdown(parts: dict[str, dict[str, float]], kernels: int, sampl
         r = parts[key]
         print(f"| {label} | {r['read + check']:.1f} | {r['load']:.1f} | {r['function']:.1f} | {r['rest']:.1f} "
               f"| {r['total']:.1f} |")
-    print("\nLibrary.kernel()'s parts are timed inside it: the read and check (LocalStore.read_verified: size "
+    print("\nLibrary.kernel()'s parts are timed inside it: the read and check (LocalLayer.read_verified: size "
           "and the xxh3-128 record) and the driver's functions where cuda.bindings is called, so its rest is every "
           "line of cubinstore's own (selection, Store.get's layering, ELF check, driver wrappers, context guard, "
           "module and Kernel objects). Medians of each part do not add up to the median total exactly.")
@@ -604,9 +604,9 @@ LOAD_PHASES = (
 
 def concurrent(manifest_path: Path, home: Path, procs: int, specs: list[Any]) -> dict[str, Any]:
     """Per path of LOAD_PHASES: one fresh process (median of 3), then `procs` started together."""
-    from cubinstore.store import LocalStore
+    from cubinstore.store import LocalLayer
 
-    local = LocalStore(home)
+    local = LocalLayer(home)
     raw_arg = json.dumps([[str(local.path_for(s.digest)), s.digest.hex, list(s.entries)] for s in specs])
 
     def run(n: int, code: str, arg: str, mode: str) -> list[float]:

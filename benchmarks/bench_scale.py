@@ -219,9 +219,9 @@ def measure(n: int, opts: argparse.Namespace, base: Path, template: bytes, real:
             row["prefetch_par_s"] = cli(["prefetch", str(path), "--remote", server.url], home,
                                         CUBINSTORE_FETCH_JOBS=str(opts.jobs))
         else:  # fill the store without the network: unpack is measured below anyway
-            from cubinstore.store import LocalStore
+            from cubinstore.store import LocalLayer
 
-            local = LocalStore(home)
+            local = LocalLayer(home)
             with local.batch():
                 for hex_, _ in blobs:
                     local.write_verified(__import__("cubinstore").Digest(hex_), (cas / hex_).read_bytes())

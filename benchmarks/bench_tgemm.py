@@ -330,11 +330,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         from cubinstore import launch
         from cubinstore.manifest import Manifest
-        from cubinstore.store import DirectorySource, LocalStore, Store
+        from cubinstore.store import DirectorySource, LocalLayer, Store
 
         # A fresh local store filled from the build tree the manifest sits in (bazel-bin/kernels).
         manifest = Manifest.from_path(args.manifest)
-        store = Store([LocalStore(tempfile.mkdtemp(prefix="bench-tgemm-")), DirectorySource(args.manifest.parent)])
+        store = Store([LocalLayer(tempfile.mkdtemp(prefix="bench-tgemm-")), DirectorySource(args.manifest.parent)])
         library = launch.open(manifest, store)
         for spec in manifest.find(FAMILY):
             point = Point(**{key: spec.params[key] for key in ("dtype", "bm", "bn", "bk", "stages")})

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
 import cubinstore  # noqa: E402
 from cubinstore.internals import cuda as _cuda, device as _device, gemm_launch as gemm  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
-from cubinstore.store import DirectorySource, LocalStore, Store  # noqa: E402
+from cubinstore.store import DirectorySource, LocalLayer, Store  # noqa: E402
 
 SHAPE = (8192, 8192, 8192)  # enough tiles that every instantiation fills the GPU
 
@@ -39,7 +39,7 @@ def main() -> int:
     manifest = Path(args.manifest)
     home = tempfile.mkdtemp(prefix="gemm-occupancy-")
     # The blobs come from the directory the manifest sits in (as after a local build).
-    lib = cubinstore.open(Manifest.from_path(manifest), Store([LocalStore(home), DirectorySource(manifest.parent)]))
+    lib = cubinstore.open(Manifest.from_path(manifest), Store([LocalLayer(home), DirectorySource(manifest.parent)]))
     drv = _cuda.driver()
     sms = _device.sm_count(args.device)
     ids = sorted(spec.id for spec in lib.manifest.kernels if spec.id.startswith("gemm/"))

@@ -146,9 +146,9 @@ def _nvcc_seconds(nvcc: str, spec: Any, cutlass: str | None, repeats: int, work:
 def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list[dict[str, Any]]:
     from cubinstore import launch
     from cubinstore.internals import cuda as _cuda, device
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
-    local = LocalStore(home)
+    local = LocalLayer(home)
     before = device.current()
 
     def plain(spec: Any) -> None:
@@ -168,13 +168,13 @@ def _in_process(manifest: Any, home: Path, ids: list[str], repeats: int) -> list
         devices.compute_capability(0)
         device.use(devices)
         launch.loaded_module_count()
-        lib = launch.Library(manifest, Store([LocalStore(home)]))  # no memory layer: read the disk
+        lib = launch.Library(manifest, Store([LocalLayer(home)]))  # no memory layer: read the disk
         t = time.perf_counter()
         lib.kernel(spec.id, device=0)
         return time.perf_counter() - t
 
     def fetch_only(spec: Any) -> float:
-        store = Store([LocalStore(home)])
+        store = Store([LocalLayer(home)])
         t = time.perf_counter()
         store.get(spec.digest, spec.size, name=spec.id)
         return time.perf_counter() - t
@@ -224,7 +224,7 @@ def main() -> None:
 
     from cubinstore.internals import cuda as _cuda, device
     from cubinstore.manifest import Manifest
-    from cubinstore.store import DirectorySource, LocalStore, Store
+    from cubinstore.store import DirectorySource, LocalLayer, Store
 
     manifest_path = str(Path(opts.manifest).resolve())
     manifest = Manifest.from_path(manifest_path)
@@ -238,7 +238,7 @@ def main() -> None:
     home = work / "home"
     cas = work / "http" / "cas"
     cas.mkdir(parents=True)
-    filler = Store([LocalStore(home), DirectorySource(Path(manifest_path).parent)])
+    filler = Store([LocalLayer(home), DirectorySource(Path(manifest_path).parent)])
     for kid in runnable:
         spec = manifest.by_id(kid)
         data = filler.get(spec.digest, spec.size, name=kid)

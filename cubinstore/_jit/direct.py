@@ -72,7 +72,7 @@ from cubinstore._jit.index import check_key
 
 if TYPE_CHECKING:
     from cubinstore._jit.index import JitIndex
-    from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.local.cas import LocalLayer
 
 __all__ = ["DEPS_NAME", "DirectRequest", "Deps", "Roots", "classify", "clear", "forget", "lookup", "observe", "outside_match",
            "parse_deps", "put_deps", "record", "remember"]
@@ -132,7 +132,7 @@ class DirectRequest:
     include the files those identities were taken from."""
 
     def __init__(self, text: str, source_name: str, include_dirs: Sequence[str], flags: Sequence[str], arch: Arch,
-                 local: LocalStore, program: str | None = None, kind: str = "cubin") -> None:
+                 local: LocalLayer, program: str | None = None, kind: str = "cubin") -> None:
         self.local = local
         self.flags: Flags = normalize_flags(flags, local=local, key_dirs=False)
         self.toolkit_root, _ = locate_toolkit()
@@ -342,7 +342,7 @@ def hash_deps(deps: Sequence[tuple[str, str]], roots: Roots) -> list[tuple[str, 
     return out
 
 
-def shapes_of(roots: Roots, local: LocalStore | None) -> dict[str, Any]:
+def shapes_of(roots: Roots, local: LocalLayer | None) -> dict[str, Any]:
     return {label: shape(tree, local=local, what=f"JIT root {label}") for label, tree in zip(roots.labels, roots.tree)}
 
 

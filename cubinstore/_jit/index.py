@@ -52,7 +52,7 @@ from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, CubinstoreError
 
 if TYPE_CHECKING:
-    from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.local.cas import LocalLayer
 
 __all__ = ["IndexEntry", "JitIndex"]
 
@@ -100,7 +100,7 @@ class IndexEntry:
 class JitIndex:
     """The JIT files of one local store."""
 
-    def __init__(self, local: LocalStore, lock_timeout: float | None = None) -> None:
+    def __init__(self, local: LocalLayer, lock_timeout: float | None = None) -> None:
         self.local = local
         self.dir = Path(local.root) / "v1" / "jit"  # for messages; files go through ``local``
         self.lock_timeout = lock_timeout

@@ -48,7 +48,7 @@ from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, StoreError
 
 if TYPE_CHECKING:
-    from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.local.cas import LocalLayer
 
 __all__ = [
     "ACTION_ENV",
@@ -280,7 +280,7 @@ class StatCache:
     Best effort: an unreadable or stale entry only means the files are hashed again.
     """
 
-    def __init__(self, local: LocalStore | None) -> None:
+    def __init__(self, local: LocalLayer | None) -> None:
         self.local = local
 
     @staticmethod
@@ -322,14 +322,14 @@ def _tree_file(key: str) -> tuple[tuple[str, ...], str]:
     return ("jit", "trees", hex_[:2]), f"{hex_}.json"
 
 
-def _has_tree(local: LocalStore, key: str) -> bool:
+def _has_tree(local: LocalLayer, key: str) -> bool:
     try:
         return local.read_file(*_tree_file(key), 0) is not None
     except Exception:  # noqa: BLE001 - a link or unreadable file: not kept
         return False
 
 
-def store_tree(local: LocalStore | None, t: Tree) -> None:
+def store_tree(local: LocalLayer | None, t: Tree) -> None:
     """Keep a tree's listing (content-addressed, written once) so ``explain`` can diff two trees."""
     if local is None or t.files is None or not t.key.startswith("xxh3:") or _has_tree(local, t.key):
         return
@@ -339,7 +339,7 @@ def store_tree(local: LocalStore | None, t: Tree) -> None:
         _log.warning("cannot keep the listing of tree %s: %s", t.key, exc)
 
 
-def load_tree(local: LocalStore, key: str) -> Tree | None:
+def load_tree(local: LocalLayer, key: str) -> Tree | None:
     """A stored listing, checked against its key; None when absent or damaged."""
     if not isinstance(key, str) or not _TREE_KEY_RE.fullmatch(key):
         return None
@@ -357,7 +357,7 @@ def load_tree(local: LocalStore, key: str) -> Tree | None:
     return Tree(key, files) if isinstance(files, dict) else None
 
 
-def _known_tree(local: LocalStore, key: object) -> Tree | None:
+def _known_tree(local: LocalLayer, key: object) -> Tree | None:
     """The tree a stat-cache entry names, if its listing is still kept (not re-read: a fresh
     process pays for a stat walk, not for parsing the listing)."""
     if not isinstance(key, str) or not _TREE_KEY_RE.fullmatch(key):
@@ -370,7 +370,7 @@ def _tree_from_files(files: Sequence[tuple[str, str, os.stat_result]], algo: str
     return Tree(xxh3(_listing_bytes(listing)), listing)
 
 
-def tree(root: str | os.PathLike[str], *, local: LocalStore | None = None, algo: str = "xxh3",
+def tree(root: str | os.PathLike[str], *, local: LocalLayer | None = None, algo: str = "xxh3",
          cached: bool = True, what: str = "include root") -> Tree:
     """The content key of the directory ``root`` (computed once per process when ``cached``).
 
@@ -508,7 +508,7 @@ def shape_key(files: Iterable[str]) -> str:
     return xxh3(_SHAPE_TAG + "\0".join(sorted(files)).encode("utf-8", "surrogateescape"))
 
 
-def shape(root: str, *, local: LocalStore | None = None, what: str = "include root") -> Shape:
+def shape(root: str, *, local: LocalLayer | None = None, what: str = "include root") -> Shape:
     """The shape of the directory ``root`` (a real path). With ``local``, a fresh process that
     finds every probe's stat unchanged reuses the key without listing a directory."""
     stat_cache = StatCache(local)
@@ -620,7 +620,7 @@ def _toolkit_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
     return _tool_files(root, TOOL_TREES)
 
 
-def find_toolkit(*, local: LocalStore | None = None) -> Toolkit:
+def find_toolkit(*, local: LocalLayer | None = None) -> Toolkit:
     """The toolkit and its identity, once per process (and once per machine with ``local``)."""
     root, source = locate_toolkit()
     with _cache_lock:
@@ -683,7 +683,7 @@ def _core_files(root: Path) -> list[tuple[str, str, os.stat_result]]:
     return _tool_files(root, ("nvvm/libdevice",))
 
 
-def toolkit_core(*, local: LocalStore | None = None) -> ToolkitCore:
+def toolkit_core(*, local: LocalLayer | None = None) -> ToolkitCore:
     """The toolkit's programs and their identity, once per process (and per machine with ``local``)."""
     root, _ = locate_toolkit()
     with _cache_lock:
@@ -796,7 +796,7 @@ def _cached_dirs(doc: Mapping[str, Any] | None) -> tuple[str, ...] | None:
     return None
 
 
-def host_compiler(*, local: LocalStore | None = None) -> HostCompiler:
+def host_compiler(*, local: LocalLayer | None = None) -> HostCompiler:
     """``$CUBINSTORE_HOST_CC`` (default gcc) on /usr/bin:/bin and its identity, like the repository rule."""
     name = _env.host_cc()
     if not name or "/" in name:
@@ -894,7 +894,7 @@ def _option_of(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def normalize_flags(flags: Sequence[str], *, local: LocalStore | None, key_dirs: bool = True) -> Flags:
+def normalize_flags(flags: Sequence[str], *, local: LocalLayer | None, key_dirs: bool = True) -> Flags:
     """Check the caller's flags and replace every absolute path by the content key of what it names.
 
     Raises ``BadArgumentError`` naming the flag for a reserved option (the JIT sets it), a

@@ -24,7 +24,7 @@ from cubinstore.store.action_result import ActionResult, OutputFile, action_dige
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
-    from cubinstore.store.http import HttpStore
+    from cubinstore.store.http import HttpLayer
 
 __all__ = ["SCHEME", "fetch", "publish", "remotes"]
 
@@ -38,10 +38,10 @@ RECORD_PATH = "call.json"
 _INLINE = 1 << 20  # a record up to this size is inlined in the result too (well within its 4 MiB)
 
 
-def remotes(store: Store) -> list[HttpStore]:
-    from cubinstore.store.http import HttpStore
+def remotes(store: Store) -> list[HttpLayer]:
+    from cubinstore.store.http import HttpLayer
 
-    return [layer for layer in store.layers if isinstance(layer, HttpStore)]
+    return [layer for layer in store.layers if isinstance(layer, HttpLayer)]
 
 
 def fetch(store: Store, key: str, where: dict[str, str], kind: str = "cubin") -> tuple[dict, bytes] | None:

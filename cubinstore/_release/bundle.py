@@ -24,7 +24,7 @@ from cubinstore._core.digest import Digest
 from cubinstore._core.text import show
 from cubinstore._core.userfile import open_regular
 from cubinstore.store.local.files import atomic_file
-from cubinstore.store.local.cas import LocalStore
+from cubinstore.store.local.cas import LocalLayer
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BundleError, ManifestError, StoreError
 from cubinstore.manifest import Manifest
@@ -138,7 +138,7 @@ def pack(manifest: Manifest, store: Store, out: Path, *, progress: Progress | No
         pad = -len(raw) % block
         parts += (_ustar_header(MANIFEST_NAME, len(raw)), raw, pads[pad])
         pending += block + len(raw) + pad
-        # A whole local entry in one read and one hash (LocalStore.read_verified_entries); anything
+        # A whole local entry in one read and one hash (LocalLayer.read_verified_entries); anything
         # else through get, which quarantines a bad entry and fetches from the other layers.
         found = local.read_verified_entries(blobs) if local is not None else repeat(None)
         done_bytes = 0
@@ -254,7 +254,7 @@ def _read_manifest(tar: tarfile.TarFile, path: Path, expect: Digest | None) -> M
     return manifest
 
 
-def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: LocalStore,
+def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: LocalLayer,
                  staged: list[tuple[str, Digest]], progress: Progress | None) -> None:
     """Stream each blob member into a staged temp file, verifying size and hash as it goes."""
     needed = {digest.hex: (digest, size) for digest, size in manifest.blobs}
@@ -296,7 +296,7 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
                 hasher.update(chunk)
                 out.write(chunk)
                 got += len(chunk)
-            out.flush()  # made durable with all the others before any rename (LocalStore.sync_staged)
+            out.flush()  # made durable with all the others before any rename (LocalLayer.sync_staged)
         if got != size:
             raise BundleError(f"bundle {path}: member {show(member.name)} truncated: {got} of {size} bytes")
         if hasher.hexdigest() != hex_:
@@ -311,7 +311,7 @@ def _stage_blobs(tar: tarfile.TarFile, path: Path, manifest: Manifest, local: Lo
         raise BundleError(f"bundle {path}: missing blob {digest} ({', '.join(manifest.ids_of(digest))})")
 
 
-def unpack(path: str | Path, local: LocalStore, *, expect: Digest | None = None,
+def unpack(path: str | Path, local: LocalLayer, *, expect: Digest | None = None,
            progress: Progress | None = None, pin: bool = False) -> Manifest:
     """Verify the bundle at ``path`` member by member, then store the manifest and every blob in ``local``.
 

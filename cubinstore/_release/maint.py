@@ -11,7 +11,7 @@ from pathlib import Path
 from cubinstore._core.abi import MAX_BLOB_SIZE, MAX_MANIFEST_BYTES
 from cubinstore._core.digest import Digest, verify
 from cubinstore.store.local.files import NotRegularFile
-from cubinstore.store.local.cas import Entry, LocalStore
+from cubinstore.store.local.cas import Entry, LocalLayer
 from cubinstore._core.log import get_logger
 from cubinstore.errors import CubinstoreError, IntegrityError, StoreError
 from cubinstore.manifest import Manifest
@@ -27,12 +27,12 @@ _PIN_RE = re.compile(r"([0-9a-f]{64})\.json", re.ASCII)
 # Pins and gc are serialised by one lock (v1/pins.lock): gc re-reads the pins and evicts while
 # holding it, so a pin that returned is honoured by every eviction that follows.
 
-def pins_lock(local: LocalStore) -> AbstractContextManager[None]:
+def pins_lock(local: LocalLayer) -> AbstractContextManager[None]:
     """The lock ``pin``, ``unpin``, ``unpack --pin`` and ``gc``'s eviction hold."""
     return local.file_lock((), "pins.lock", what="pins (gc or pin running)")
 
 
-def pin(local: LocalStore, manifest: Manifest, *, locked: bool = False) -> Path:
+def pin(local: LocalLayer, manifest: Manifest, *, locked: bool = False) -> Path:
     """Protect ``manifest`` and its closure from ``gc``. The pin file is the manifest itself,
     so its closure is known even if the manifest's CAS entry is lost. ``locked``: the caller
     already holds ``pins_lock``."""
@@ -42,12 +42,12 @@ def pin(local: LocalStore, manifest: Manifest, *, locked: bool = False) -> Path:
     return local.pins_dir / f"{manifest.digest.hex}.json"
 
 
-def unpin(local: LocalStore, digest: Digest) -> bool:
+def unpin(local: LocalLayer, digest: Digest) -> bool:
     with pins_lock(local):
         return local.remove_file(("pins",), f"{digest.hex}.json")
 
 
-def pinned(local: LocalStore) -> list[Manifest]:
+def pinned(local: LocalLayer) -> list[Manifest]:
     """Every pinned manifest. A damaged pin raises ``StoreError``: GC must not guess a closure."""
     manifests: list[Manifest] = []
     for name, _st in local.list_dir(("pins",)):
@@ -84,7 +84,7 @@ class GcResult:
     locks_removed: int = 0
 
 
-def gc(local: LocalStore, max_bytes: int) -> GcResult:
+def gc(local: LocalLayer, max_bytes: int) -> GcResult:
     """Evict least recently used entries (mtime, bumped on every read) until the CAS uses at most
     ``max_bytes``; entries referenced by pinned manifests (and the manifests) are never evicted,
     and entries the warm set names are evicted after all others.
@@ -136,7 +136,7 @@ class VerifyReport:
     corrupt: list[tuple[Digest, str, Path | None]] = field(default_factory=list)  # digest, reason, quarantined to
     missing: list[Digest] = field(default_factory=list)
     strays: list[Path] = field(default_factory=list)
-    # Of the ok entries, their records (LocalStore.check_record): matching, written now, replaced
+    # Of the ok entries, their records (LocalLayer.check_record): matching, written now, replaced
     # (stale), or none kept (such entries load with sha256).
     records: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("ok", "recorded", "re-recorded", "none"), 0))
 
@@ -145,7 +145,7 @@ class VerifyReport:
         return bool(self.corrupt or self.missing)
 
 
-def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] | None = None) -> VerifyReport:
+def verify_store(local: LocalLayer, blobs: Sequence[tuple[Digest, int | None]] | None = None) -> VerifyReport:
     """Re-hash every entry (or just ``blobs``), quarantining corrupt ones; write the record of a
     sound entry that lacks one or whose record is stale."""
     report = VerifyReport()
@@ -160,7 +160,7 @@ def verify_store(local: LocalStore, blobs: Sequence[tuple[Digest, int | None]] |
     return report
 
 
-def _verify_each(local: LocalStore, targets: list[tuple[Digest, int | None]], report: VerifyReport) -> None:
+def _verify_each(local: LocalLayer, targets: list[tuple[Digest, int | None]], report: VerifyReport) -> None:
     for digest, size in targets:
         report.checked += 1
         path = local.path_for(digest)

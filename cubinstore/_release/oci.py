@@ -40,7 +40,7 @@ from cubinstore.store.oci.artifact import (
 )
 from cubinstore.store.oci.layout import OciLayout, parse_layout_ref
 from cubinstore.store.oci.reference import LAYOUT_SCHEME, RegistryRef
-from cubinstore.store.oci.remote import OciStore
+from cubinstore.store.oci.remote import OciLayer
 
 if TYPE_CHECKING:
     from cubinstore._release.publish import Published
@@ -61,7 +61,7 @@ def release_artifact(manifest: Manifest) -> bytes:
 
 
 def push_release(result: Published, manifest: Manifest, sources: Store, to: str, *, jobs: int,
-                 progress: Progress | None = None, extra: Sequence[tuple[Digest, bytes, str]] = ()) -> OciStore:
+                 progress: Progress | None = None, extra: Sequence[tuple[Digest, bytes, str]] = ()) -> OciLayer:
     """Push ``manifest``'s release to ``to`` (``oci://HOST/REPO[:TAG]``), filling ``result``.
 
     ``extra`` blobs (digest, bytes, what) go up with the closure (a channel's record and
@@ -71,7 +71,7 @@ def push_release(result: Published, manifest: Manifest, sources: Store, to: str,
     if target.digest is not None:
         raise BadArgumentError(f"--to {target}: name a repository (and a tag), not a digest: the artifact's "
                                "digest is what publish prints")
-    registry = OciStore(target, push=True)
+    registry = OciLayer(target, push=True)
     result.url = target.base
     blobs: list[tuple[Digest, int]] = [*manifest.blobs, (manifest.digest, len(manifest.raw))]
     known = {manifest.digest: manifest.raw, **{d: data for d, data, _ in extra}}
@@ -134,7 +134,7 @@ def push_release(result: Published, manifest: Manifest, sources: Store, to: str,
 
 # -- opening ------------------------------------------------------------------------------------------
 
-Source = OciStore | OciLayout
+Source = OciLayer | OciLayout
 
 
 def reach(store: Store, source: Source) -> Source:
@@ -144,7 +144,7 @@ def reach(store: Store, source: Source) -> Source:
     verified as any remote's is, so widening the store changes where bytes may come from, never
     what is accepted. With ``CUBINSTORE_OFFLINE`` no registry is added."""
     for layer in store.layers:
-        if isinstance(layer, (OciStore, OciLayout)) and layer.url == source.url:
+        if isinstance(layer, (OciLayer, OciLayout)) and layer.url == source.url:
             return layer
     if isinstance(source, OciLayout) or not knobs.offline():
         store.layers = (*store.layers, source)
@@ -162,11 +162,11 @@ def _artifact_bytes(store: Store, source: Source, digest: Digest, where: str) ->
             raw = None
         if raw is not None and len(raw) <= MAX_ARTIFACT_BYTES and Digest.of(raw) == digest:
             return raw
-    if knobs.offline() and isinstance(source, OciStore):
+    if knobs.offline() and isinstance(source, OciLayer):
         raise MissingBlobError(f"artifact {where} is not in the local store and CUBINSTORE_OFFLINE is set")
     candidates: list[Source] = []
-    if isinstance(source, OciStore):
-        candidates = [layer for layer in store.layers if isinstance(layer, OciStore)
+    if isinstance(source, OciLayer):
+        candidates = [layer for layer in store.layers if isinstance(layer, OciLayer)
                       and layer.ref.repository == source.ref.repository]
     if all(layer.url != source.url for layer in candidates):
         candidates.append(source)
@@ -203,7 +203,7 @@ def open_artifact(ref: str, store: Store) -> Manifest:
     else:
         target = RegistryRef.parse(ref, what="release reference")
         digest, tag = target.digest, target.tag
-        source = OciStore(target.base)
+        source = OciLayer(target.base)
     if digest is None and tag is None:
         raise BadArgumentError(f"release reference {ref}: name the artifact: {source.url}@sha256:<artifact "
                                "digest> (what publish printed), or a channel")
@@ -252,7 +252,7 @@ def _check_layers(artifact: Artifact, manifest: Manifest, at: str) -> None:
                              f"first {digest} ({size} bytes, {blob_names(manifest, digest)})")
 
 
-def publish_channel(registry: OciStore, sources: Store, name: str, pointer: Digest, record: Digest) -> str | None:
+def publish_channel(registry: OciLayer, sources: Store, name: str, pointer: Digest, record: Digest) -> str | None:
     """Push channel ``name``'s record and signature as blobs (each read back), then point the tag
     ``channel-NAME`` at an artifact naming them; the problem, if any. Readers trust none of it
     but the signature (``trust.channel``)."""

@@ -16,9 +16,9 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, TypeVar
 
 from cubinstore._core.digest import Digest
-from cubinstore.store.local.cas import LocalStore
+from cubinstore.store.local.cas import LocalLayer
 from cubinstore._core.log import get_logger
-from cubinstore.store.memory import MemoryStore
+from cubinstore.store.memory import MemoryLayer
 from cubinstore.errors import CubinstoreError, LockTimeoutError, StoreError, UnsafeStoreError
 from cubinstore.store import Store
 
@@ -56,11 +56,11 @@ def blob_names(manifest: Manifest, digest: Digest) -> str:
 
 def without_memory(store: Store) -> Store:
     """``store`` minus its in-process memory layer: a prefetch never reads a blob twice."""
-    return Store([layer for layer in store.layers if not isinstance(layer, MemoryStore)], strict=store.strict,
+    return Store([layer for layer in store.layers if not isinstance(layer, MemoryLayer)], strict=store.strict,
                  backfill=store.backfill)
 
 
-def store_failure(local: LocalStore | None, exc: CubinstoreError) -> StoreError | None:
+def store_failure(local: LocalLayer | None, exc: CubinstoreError) -> StoreError | None:
     """The error to stop on when ``exc``, raised for one blob, is about the store itself, so that
     every blob after it would fail the same way; None when it is about that blob alone.
 
@@ -194,7 +194,7 @@ def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Cal
     A failure about the store rather than one blob (``store_failure``) is raised once, as a
     ``StoreError`` naming the store, and no further blob is tried.
 
-    Writes are grouped (``LocalStore.batch(grouped=True)``): one filesystem sync per group of
+    Writes are grouped (``LocalLayer.batch(grouped=True)``): one filesystem sync per group of
     blobs, then their renames; every blob is durable and in place when this returns.
     """
     local = store.local
@@ -206,7 +206,7 @@ def fetch_blobs(store: Store, blobs: Sequence[tuple[Digest, int]], *, names: Cal
     # Each blob is durable before it is visible (no power loss leaves a short entry at a final
     # path: an offline host may have nowhere to refetch it from), one sync per group of blobs
     # rather than one fsync each; each directory is fsynced once when the batch ends (see
-    # LocalStore.batch).
+    # LocalLayer.batch).
     with local.batch(grouped=True) if local is not None else nullcontext():
         results = run_each(blobs, one, jobs=jobs, progress=progress,
                            fatal=lambda exc: store_failure(local, exc))

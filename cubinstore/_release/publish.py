@@ -22,10 +22,10 @@ from cubinstore._release.prefetch import blob_names, run_each
 from cubinstore._release.refs import CHANNEL_PREFIX, build_trees, load_manifest
 from cubinstore.errors import BadArgumentError, CubinstoreError
 from cubinstore.manifest import Manifest
-from cubinstore.store import DirectorySource, DiskCacheStore, LocalStore, Store
+from cubinstore.store import DirectorySource, DiskCacheLayer, LocalLayer, Store
 
 if TYPE_CHECKING:
-    from cubinstore.store.http import HttpStore
+    from cubinstore.store.http import HttpLayer
     from cubinstore.store.layer import Layer
 
 __all__ = ["Published", "publish", "publish_sources"]
@@ -53,7 +53,7 @@ class Published:
         return not self.problems
 
 
-def publish_sources(ref: str, dirs: Sequence[str | Path], local: LocalStore) -> list[Layer]:
+def publish_sources(ref: str, dirs: Sequence[str | Path], local: LocalLayer) -> list[Layer]:
     """Where the blobs of ``ref`` are found: the local store, ``CUBINSTORE_DISK_CACHE``, the
     directories ``dirs`` (a build tree or a Bazel disk cache each), the build tree the manifest
     path lies in, and ``./bazel-bin``; a ``dirs`` entry that is a remote URL (``http://``,
@@ -65,7 +65,7 @@ def publish_sources(ref: str, dirs: Sequence[str | Path], local: LocalStore) -> 
     sources: list[Layer] = [local]
     disk_cache = knobs.disk_cache()
     if disk_cache is not None:
-        sources.append(DiskCacheStore(disk_cache))
+        sources.append(DiskCacheLayer(disk_cache))
     paths = [Path(d) for d in dirs]
     # A manifest under bazel-bin/ names its build tree; found by content, not by label.
     paths.extend(build_trees(ref))
@@ -77,12 +77,12 @@ def publish_sources(ref: str, dirs: Sequence[str | Path], local: LocalStore) -> 
     for directory in unique.values():
         if not directory.is_dir():
             raise BadArgumentError(f"--from {directory}: not a directory")
-        sources.append(DiskCacheStore(directory) if (directory / "cas").is_dir() else DirectorySource(directory))
+        sources.append(DiskCacheLayer(directory) if (directory / "cas").is_dir() else DirectorySource(directory))
     sources.extend(remote_layer(url) for url in remotes)
     return sources
 
 
-def publish(ref: str, to: str, dirs: Sequence[str | Path] = (), *, local: LocalStore | None = None,
+def publish(ref: str, to: str, dirs: Sequence[str | Path] = (), *, local: LocalLayer | None = None,
             jobs: int | None = None, progress: Progress | None = None) -> Published:
     """Publish the release ``ref`` (a manifest path, ``sha256:``, or ``channel:NAME``: the release
     signed here last) to the HTTP CAS ``to``, or as an artifact to the registry repository ``to``
@@ -91,11 +91,11 @@ def publish(ref: str, to: str, dirs: Sequence[str | Path] = (), *, local: LocalS
     Raises for a bad URL or directory, or a manifest that cannot be read; a blob that fails to go
     up, or to read back, is one line of ``problems`` (and then the manifest is not uploaded).
     """
-    from cubinstore.store.http import HttpStore
+    from cubinstore.store.http import HttpLayer
     from cubinstore.store.oci.reference import is_oci_url
 
-    remote = None if is_oci_url(to) else HttpStore(to)
-    local = local if local is not None else LocalStore(knobs.home())
+    remote = None if is_oci_url(to) else HttpLayer(to)
+    local = local if local is not None else LocalLayer(knobs.home())
     sources = Store(publish_sources(ref, dirs, local), backfill=False)
     jobs = knobs.fetch_jobs() if jobs is None else jobs
     channel = None
@@ -158,7 +158,7 @@ def publish(ref: str, to: str, dirs: Sequence[str | Path] = (), *, local: LocalS
     return result
 
 
-def _channel_release(ref: str, sources: Store, local: LocalStore) -> tuple[str, Digest, Digest, Digest]:
+def _channel_release(ref: str, sources: Store, local: LocalLayer) -> tuple[str, Digest, Digest, Digest]:
     """(channel, signature digest, record digest, manifest digest) of the release signed here last."""
     from cubinstore.trust.channel import local_pointer
     from cubinstore.trust.records import ReleaseRecord, SignatureBlob, channel_name
@@ -172,7 +172,7 @@ def _channel_release(ref: str, sources: Store, local: LocalStore) -> tuple[str, 
     return name, pointer, record.digest, record.manifest
 
 
-def _publish_channel(remote: HttpStore, sources: Store, name: str, pointer: Digest, record: Digest) -> str | None:
+def _publish_channel(remote: HttpLayer, sources: Store, name: str, pointer: Digest, record: Digest) -> str | None:
     """Upload the record and signature, then point ``channels/NAME`` at the signature; the problem, if any."""
     # Record and signature before the pointer, so a published pointer never names a missing blob.
     for digest, what in ((record, "release record"), (pointer, "signature")):
@@ -188,7 +188,7 @@ def _publish_channel(remote: HttpStore, sources: Store, name: str, pointer: Dige
     return None
 
 
-def _check_remote(remote: HttpStore, digest: Digest, size: int, name: str) -> str | None:
+def _check_remote(remote: HttpLayer, digest: Digest, size: int, name: str) -> str | None:
     try:
         data = remote.read(digest, size)
         if data is None:

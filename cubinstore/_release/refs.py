@@ -92,9 +92,9 @@ def with_build_trees(store: Store, ref: str) -> Store:
     verified like any layer's bytes (size, then sha256)."""
     from cubinstore.store import (
         DirectorySource,
-        DiskCacheStore,
-        LocalStore,
-        MemoryStore,
+        DiskCacheLayer,
+        LocalLayer,
+        MemoryLayer,
         Store,
     )
 
@@ -102,7 +102,7 @@ def with_build_trees(store: Store, ref: str) -> Store:
     if not trees:
         return store
     layers = list(store.layers)
-    at = next((i for i, layer in enumerate(layers) if not isinstance(layer, (MemoryStore, LocalStore, DiskCacheStore))),
+    at = next((i for i, layer in enumerate(layers) if not isinstance(layer, (MemoryLayer, LocalLayer, DiskCacheLayer))),
               len(layers))
     return Store([*layers[:at], *trees, *layers[at:]], strict=store.strict, backfill=store.backfill)
 

@@ -10,7 +10,7 @@ from typing import TextIO
 
 from cubinstore._core import knobs
 from cubinstore.errors import BadArgumentError
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalLayer
 
 __all__ = ["Progress", "archs", "human", "local_store", "parse_bytes", "usable"]
 
@@ -66,12 +66,12 @@ def parse_bytes(text: str) -> int:
     return int(number) * units[suffix]
 
 
-def local_store() -> LocalStore:
+def local_store() -> LocalLayer:
     """The local store of this host (``CUBINSTORE_HOME`` or the user cache directory)."""
-    return LocalStore(knobs.home())
+    return LocalLayer(knobs.home())
 
 
-def usable(local: LocalStore, *, check: bool = False, create: bool = False) -> LocalStore:
+def usable(local: LocalLayer, *, check: bool = False, create: bool = False) -> LocalLayer:
     """``local``, once its root opens; ``check``: once the directories down to ``v1/cas`` that
     exist pass the ownership checks every write makes; ``create``: once they all exist (made
     here) and pass them. A store that cannot be used at all (its root a file, a directory

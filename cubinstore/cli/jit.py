@@ -117,9 +117,9 @@ def _cmd_export_nvcc(args: argparse.Namespace) -> int:
 def _cmd_publish(args: argparse.Namespace) -> int:
     from cubinstore._nvcc import export
     from cubinstore.store import Store
-    from cubinstore.store.http import HttpStore
+    from cubinstore.store.http import HttpLayer
 
-    to = HttpStore(args.to)
+    to = HttpLayer(args.to)
     store = Store([local_store(), to])
     report = export.publish(store, Path(args.nvcc), Path(args.bazel_bin))
     for skipped in report.skipped:

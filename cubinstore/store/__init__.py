@@ -20,10 +20,10 @@ from cubinstore._core.abi import MAX_BLOB_SIZE
 from cubinstore._core.digest import EMPTY_SHA256_HEX, Digest, verify
 from cubinstore._core.text import show
 from cubinstore.store.layer import Layer, UNSIZED_LIMIT, limit_for
-from cubinstore.store.local.cas import LocalStore
+from cubinstore.store.local.cas import LocalLayer
 from cubinstore._core.log import get_logger
-from cubinstore.store.memory import MemoryStore
-from cubinstore.store.sources import DirectorySource, DiskCacheStore
+from cubinstore.store.memory import MemoryLayer
+from cubinstore.store.sources import DirectorySource, DiskCacheLayer
 from cubinstore.errors import (
     BadArgumentError,
     CubinstoreError,
@@ -35,16 +35,16 @@ from cubinstore.errors import (
 )
 
 if TYPE_CHECKING:
-    from cubinstore.store.http import HttpStore
+    from cubinstore.store.http import HttpLayer
 
 __all__ = [
     "default_store",
     "DirectorySource",
-    "DiskCacheStore",
-    "HttpStore",
+    "DiskCacheLayer",
+    "HttpLayer",
     "Layer",
-    "LocalStore",
-    "MemoryStore",
+    "LocalLayer",
+    "MemoryLayer",
     "Store",
     "StoreStats",
     "UNSIZED_LIMIT",
@@ -53,12 +53,19 @@ __all__ = [
 _log = get_logger(__name__)
 
 
+# The layers' names before 2026-12-06, when "store" meant both the whole (Store) and a layer:
+# still importable, the same classes.
+LocalStore = LocalLayer
+MemoryStore = MemoryLayer
+DiskCacheStore = DiskCacheLayer
+
+
 def __getattr__(name: str) -> Any:
     # http.client pulls in ssl and email: a process with no remote never imports them.
-    if name == "HttpStore":
-        from cubinstore.store.http import HttpStore
+    if name in ("HttpLayer", "HttpStore"):
+        from cubinstore.store.http import HttpLayer
 
-        return HttpStore
+        return HttpLayer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -89,12 +96,12 @@ class Store:
         self.backfill = backfill
         # Fixed with the layers: the first one that locks, and the local store that keeps the counts.
         self._lock_at = next((i for i, layer in enumerate(self.layers) if layer.lockable), len(self.layers))
-        self._local = next((layer for layer in self.layers if isinstance(layer, LocalStore)), None)
+        self._local = next((layer for layer in self.layers if isinstance(layer, LocalLayer)), None)
         self._counts = {"hits": 0, "misses": 0, "bytes_fetched": 0, "verification_failures": 0}
         self._counts_lock = threading.Lock()
         # The hit path: the local store when only trusted in-process layers (memory) come before it.
         front = self.layers[:self._lock_at]
-        self._fast: LocalStore | None = None
+        self._fast: LocalLayer | None = None
         if self._local is not None and self.layers.index(self._local) == self._lock_at and all(layer.trusted for layer in front):
             self._fast = self._local
         self._front = front
@@ -105,11 +112,11 @@ class Store:
         ``extra_remotes`` + CUBINSTORE_REMOTE, the remotes left out when CUBINSTORE_OFFLINE is set."""
         layers: list[Layer] = []
         if _env.memory_bytes() > 0:
-            layers.append(MemoryStore(_env.memory_bytes()))
-        layers.append(LocalStore(_env.home()))
+            layers.append(MemoryLayer(_env.memory_bytes()))
+        layers.append(LocalLayer(_env.home()))
         disk_cache = _env.disk_cache()
         if disk_cache is not None:
-            layers.append(DiskCacheStore(disk_cache))
+            layers.append(DiskCacheLayer(disk_cache))
         remotes = [*extra_remotes, *_env.remotes()]
         if remotes:
             from cubinstore.store.http import redact
@@ -128,7 +135,7 @@ class Store:
         return Store(self.layers, strict=self.strict, backfill=self.backfill)
 
     @property
-    def local(self) -> LocalStore | None:
+    def local(self) -> LocalLayer | None:
         """The first local directory layer, if any."""
         return self._local
 
@@ -149,7 +156,7 @@ class Store:
                 and digest.hex != EMPTY_SHA256_HEX):
             # The hit path, for a well-formed request (the checks below, passed): the trusted layers
             # in front (in-process memory: bytes verified when stored), then one read and check of
-            # the local entry (``LocalStore.read_verified``). A None there takes the layered path
+            # the local entry (``LocalLayer.read_verified``). A None there takes the layered path
             # below, which words what went wrong, quarantines bad bytes and fetches.
             for layer in self._front:
                 data = layer.read(digest, size)
@@ -203,7 +210,7 @@ class Store:
     def get_local(self, digest: Digest, size: int) -> bytes | None:
         """The verified bytes of ``digest`` if the local store has them whole, else None; counted as a hit.
 
-        A bulk reader's fast path: one read and one hash (``LocalStore.read_verified``), none of
+        A bulk reader's fast path: one read and one hash (``LocalLayer.read_verified``), none of
         ``get``'s layering. Anything else (a miss, a link, bad bytes) is None and changes nothing:
         the caller then calls ``get``, which quarantines a bad entry and fetches the blob from
         the other layers.
@@ -216,7 +223,7 @@ class Store:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _count_hit(self, local: LocalStore | None) -> None:
+    def _count_hit(self, local: LocalLayer | None) -> None:
         """One hit: in this Store's counters, and in ``local``'s persistent ones unless None (memory hits)."""
         with self._counts_lock:  # the hot path: no keyword dicts
             self._counts["hits"] += 1

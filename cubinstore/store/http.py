@@ -30,7 +30,7 @@ from cubinstore.store.layer import Layer, limit_for
 from cubinstore._core.log import get_logger
 from cubinstore.errors import BadArgumentError, IntegrityError, RemoteUnavailableError
 
-__all__ = ["RETRY_STATUS", "HttpStore", "NoResponse", "Transient", "redact"]
+__all__ = ["RETRY_STATUS", "HttpLayer", "NoResponse", "Transient", "redact"]
 
 _log = get_logger(__name__)
 
@@ -67,7 +67,7 @@ def redact(url: object) -> str:
     return show(text)
 
 
-class HttpStore(Layer):
+class HttpLayer(Layer):
     """A remote CAS at ``url`` (``http://`` or ``https://``; a path prefix is allowed)."""
 
     remote = True

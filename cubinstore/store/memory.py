@@ -8,10 +8,10 @@ from collections import OrderedDict
 from cubinstore._core.digest import Digest
 from cubinstore.store.layer import Layer
 
-__all__ = ["MemoryStore"]
+__all__ = ["MemoryLayer"]
 
 
-class MemoryStore(Layer):
+class MemoryLayer(Layer):
     """Holds only bytes the store has verified; they are immutable ``bytes``, so no re-hash."""
 
     cache = True

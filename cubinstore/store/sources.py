@@ -13,7 +13,7 @@ from cubinstore.store.local.files import NotRegularFile, read_regular
 from cubinstore.store.layer import Layer, limit_for
 from cubinstore._core.log import get_logger
 
-__all__ = ["BUILD_TREE_SUFFIXES", "DirectorySource", "DiskCacheStore"]
+__all__ = ["BUILD_TREE_SUFFIXES", "DirectorySource", "DiskCacheLayer"]
 
 _log = get_logger(__name__)
 
@@ -23,7 +23,7 @@ _log = get_logger(__name__)
 BUILD_TREE_SUFFIXES: tuple[str, ...] = (".cubin", ".ptx", ".sources.json")
 
 
-class DiskCacheStore(Layer):
+class DiskCacheLayer(Layer):
     """Read-only view of a Bazel ``--disk_cache``: ``cas/<2 hex>/<hex>`` (Bazel >= 4) or flat ``cas/<hex>``.
 
     Bazel owns this directory: a corrupt entry is reported and skipped, never modified.

@@ -52,9 +52,9 @@ from cubinstore.trust.verify import Candidate, check_floor, decide, refusal
 
 if TYPE_CHECKING:
     from cubinstore.store import Store
-    from cubinstore.store.http import HttpStore
-    from cubinstore.store.local.cas import LocalStore
-    from cubinstore.store.oci.remote import OciStore
+    from cubinstore.store.http import HttpLayer
+    from cubinstore.store.local.cas import LocalLayer
+    from cubinstore.store.oci.remote import OciLayer
 
 __all__ = ["local_pointer", "read_state", "resolve_channel", "write_state"]
 
@@ -63,7 +63,7 @@ _log = get_logger(__name__)
 
 # -- the host's memory of each channel (rollback protection) ----------------------------------------
 
-def read_state(local: LocalStore, channel: str) -> ChannelState | None:
+def read_state(local: LocalLayer, channel: str) -> ChannelState | None:
     """The state of ``channel`` in ``local`` (None: this host never signed or accepted a release of it).
 
     Read strictly: a link on the way is an error, never "no state", since reading it as absent
@@ -86,7 +86,7 @@ def read_state(local: LocalStore, channel: str) -> ChannelState | None:
     return state
 
 
-def _state_v1(local: LocalStore, channel: str, accepted: Accepted, where: str) -> ChannelState:
+def _state_v1(local: LocalLayer, channel: str, accepted: Accepted, where: str) -> ChannelState:
     """A version 1 state (one version, one signature): its signer is read from the signature blob."""
     kid = ""
     try:
@@ -99,14 +99,14 @@ def _state_v1(local: LocalStore, channel: str, accepted: Accepted, where: str) -
     return ChannelState(channel, {kid: accepted})
 
 
-def write_state(local: LocalStore, state: ChannelState) -> None:
+def write_state(local: LocalLayer, state: ChannelState) -> None:
     data = state.to_bytes()
     if len(data) > MAX_STATE_BYTES:  # MAX_STATE_KEYS entries fit: a bug, not an input
         raise StoreError(f"channel state of {state.channel}: {len(data)} bytes, over {MAX_STATE_BYTES}")
     local.write_file(("channels",), f"{state.channel}.json", data)
 
 
-def local_pointer(local: LocalStore, channel: str) -> Digest | None:
+def local_pointer(local: LocalLayer, channel: str) -> Digest | None:
     """The signature blob of the highest release this host signed or accepted for ``channel`` (for ``publish``)."""
     state = read_state(local, channel_name(channel))
     top = state.floor(None) if state is not None else None
@@ -118,10 +118,10 @@ def local_pointer(local: LocalStore, channel: str) -> Digest | None:
 def _small_document(store: Store, digest: Digest, what: str) -> bytes:
     """The verified bytes of ``digest``, a record or a signature: read no further than
     ``MAX_SMALL_BLOB`` bytes from any layer, and stored nowhere (``_remember`` stores what is accepted)."""
-    from cubinstore.store.http import HttpStore
-    from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.http import HttpLayer
+    from cubinstore.store.local.cas import LocalLayer
     from cubinstore.store.oci.layout import OciLayout
-    from cubinstore.store.oci.remote import OciStore
+    from cubinstore.store.oci.remote import OciLayer
 
     outcomes: list[str] = []
     # Kinds only, never the exceptions: a traceback would keep a refused download's socket open.
@@ -129,11 +129,11 @@ def _small_document(store: Store, digest: Digest, what: str) -> bytes:
     for layer in store.layers:
         data: bytes | None = None
         try:
-            if isinstance(layer, LocalStore):
+            if isinstance(layer, LocalLayer):
                 data = layer.read_entry(digest, MAX_SMALL_BLOB)
-            elif isinstance(layer, HttpStore):
+            elif isinstance(layer, HttpLayer):
                 data = layer.get_named(f"cas/{digest.hex}", MAX_SMALL_BLOB)  # the blob's URL, capped
-            elif isinstance(layer, (OciStore, OciLayout)):
+            elif isinstance(layer, (OciLayer, OciLayout)):
                 data = layer.read_capped(digest, MAX_SMALL_BLOB)
             else:  # in-process memory, a build tree: nothing is downloaded
                 data = layer.read(digest, None)
@@ -170,7 +170,7 @@ def _fetch_candidate(store: Store, pointer: Digest, origin: str) -> Candidate:
     return Candidate(ReleaseRecord.from_bytes(record_raw, source=f"{signature.record} ({origin})"), signature, origin)
 
 
-def _pointer_at(remote: HttpStore, channel: str) -> tuple[Digest, str] | None:
+def _pointer_at(remote: HttpLayer, channel: str) -> tuple[Digest, str] | None:
     """The signature an HTTP remote's ``channels/NAME`` names, and where it was read."""
     where = f"channel pointer {remote.url}/channels/{channel}"
     too_long = ""
@@ -188,7 +188,7 @@ def _pointer_at(remote: HttpStore, channel: str) -> tuple[Digest, str] | None:
         raise TrustError(f"{where} is malformed: {exc}") from None
 
 
-def _registry_pointer(registry: OciStore, channel: str) -> tuple[Digest, str] | None:
+def _registry_pointer(registry: OciLayer, channel: str) -> tuple[Digest, str] | None:
     """The signature the registry's tag ``channel-NAME`` names: the config of a channel artifact
     (``store.oci.artifact``), read at most ``MAX_ARTIFACT_BYTES``. Only its shape is checked here;
     whether it is acceptable is the signature's business, as for an HTTP pointer."""
@@ -211,7 +211,7 @@ def _registry_pointer(registry: OciStore, channel: str) -> tuple[Digest, str] | 
     return artifact.config.digest, f"{registry.url}:{tag}"
 
 
-def _remember(local: LocalStore, channel: str, best: Candidate, policy: TrustPolicy) -> None:
+def _remember(local: LocalLayer, channel: str, best: Candidate, policy: TrustPolicy) -> None:
     """Accept ``best``: one compare-and-set on the channel's state, under its lock.
 
     The state is read again under the lock and the decision made against it, so of two
@@ -244,8 +244,8 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
     and becomes the host's new floor. ``policy`` defaults to ``CUBINSTORE_TRUST_POLICY``.
     """
     from cubinstore.store import default_store as _default_store
-    from cubinstore.store.http import HttpStore
-    from cubinstore.store.oci.remote import OciStore
+    from cubinstore.store.http import HttpLayer
+    from cubinstore.store.oci.remote import OciLayer
 
     channel = channel_name(name[len(CHANNEL_PREFIX):] if name.startswith(CHANNEL_PREFIX) else name)
     if policy is None:
@@ -263,7 +263,7 @@ def resolve_channel(name: str, store: Store | None = None, policy: TrustPolicy |
     problems: list[CubinstoreError] = []
     for layer in store.layers:
         # Each kind of remote keeps a channel's pointer its own way: a file, or a registry's tag.
-        read = _pointer_at if isinstance(layer, HttpStore) else _registry_pointer if isinstance(layer, OciStore) else None
+        read = _pointer_at if isinstance(layer, HttpLayer) else _registry_pointer if isinstance(layer, OciLayer) else None
         if read is None:
             continue
         try:

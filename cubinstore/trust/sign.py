@@ -28,7 +28,7 @@ from cubinstore.trust.records import (
 )
 
 if TYPE_CHECKING:
-    from cubinstore.store.local.cas import LocalStore
+    from cubinstore.store.local.cas import LocalLayer
 
 __all__ = ["generate_key", "public_line", "sign_release"]
 
@@ -71,7 +71,7 @@ def public_line(path: Path) -> tuple[str, str]:
     return PUBLIC_PREFIX + base64.b64encode(public).decode("ascii"), key_id(public)
 
 
-def sign_release(local: LocalStore, manifest: Digest, key_path: Path, channel: str, version: int,
+def sign_release(local: LocalLayer, manifest: Digest, key_path: Path, channel: str, version: int,
                  expires_in: float) -> tuple[ReleaseRecord, SignatureBlob]:
     """Sign ``manifest`` as ``channel`` version ``version``; store record and signature in ``local``'s
     CAS and point the local channel at them. Refuses a version not above the one signed here last."""

@@ -12,7 +12,7 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
 from cubinstore import Digest, jit  # noqa: E402
 from cubinstore.jit import FamilyTemplate  # noqa: E402
-from cubinstore.store import DiskCacheStore, LocalStore, Store  # noqa: E402
+from cubinstore.store import DiskCacheLayer, LocalLayer, Store  # noqa: E402
 
 from ._workspace import BazelError, Workspace, seed_disk_cache  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_points_compile_from_the_bundle_in_the_build_cache(built) -> None:
     ws, disk_cache, _, base = built
     template = FamilyTemplate.from_json(json.loads((ws.root / "bazel-bin" / "kernels" / "axpy" / "axpy_jit.json").read_text()))
     # Production: an empty local store, the bundle fetched by digest from the cache CI filled.
-    store = Store([LocalStore(base / "production"), DiskCacheStore(disk_cache)])
+    store = Store([LocalLayer(base / "production"), DiskCacheLayer(disk_cache)])
     have = jit.compile_family_point(template, {"dtype": "f32", "vec": 4}, "sm_90a", store=store)
     aot = (ws.root / "bazel-bin" / "kernels" / "axpy" / "axpy_f32_vec4_sm_90a.cubin").read_bytes()
     assert have.digest == Digest.of(aot)  # the release's own sources, the rule's command: the same bytes

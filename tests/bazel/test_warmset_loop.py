@@ -18,7 +18,7 @@ from cubinstore import jit  # noqa: E402
 from cubinstore.errors import KernelNotFoundError  # noqa: E402
 from cubinstore.internals import template_for_sources  # noqa: E402
 from cubinstore.manifest import Manifest  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 from ._workspace import REPO_ROOT, Workspace, seed_disk_cache  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_a_production_miss_is_in_the_next_release_and_loads_with_no_compile(baze
             release1.select("axpy", (9, 0), dtype="f32", vec=2)
 
         # Production meets the point and compiles it from the family's sources.
-        store = Store([LocalStore(prod_home)])
+        store = Store([LocalLayer(prod_home)])
         files = {p: (ws.root / p).read_text() for p in ("kernels/axpy/axpy.cu", "kernels/axpy/axpy.cuh")}
         template = template_for_sources(
             "axpy", ["dtype", "vec"], "kernels/axpy/axpy.cu", files, store,

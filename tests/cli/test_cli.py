@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from cubinstore import Digest, Manifest
-from cubinstore.store import HttpStore, LocalStore
+from cubinstore.store import HttpLayer, LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def upload(url: str, blobs: dict[str, bytes]) -> None:
-    remote = HttpStore(url)
+    remote = HttpLayer(url)
     for hex_, data in blobs.items():
         remote.put(Digest(hex_), data)
 
@@ -34,8 +34,8 @@ def one_error_line(stderr: str) -> str:
     return lines[0]
 
 
-def fill_local(home: Path, blobs: dict[str, bytes]) -> LocalStore:
-    local = LocalStore(home)
+def fill_local(home: Path, blobs: dict[str, bytes]) -> LocalLayer:
+    local = LocalLayer(home)
     for hex_, data in blobs.items():
         local.write(Digest(hex_), data)
     return local
@@ -111,7 +111,7 @@ def test_prefetch_only_the_requested_arch(nginx, make_release, cli, cli_env, cle
     out = cli(["prefetch", str(release.path), "--remote", url, "--arch", "sm_80"], cli_env)
     assert out.returncode == 0, out.stderr
     manifest = Manifest.from_path(release.path)
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     for k in manifest.kernels:
         assert local.status(k.digest, k.size) == ("ok" if k.arch == "sm_80" else "missing")
     out = cli(["prefetch", str(release.path), "--remote", url, "--arch", "sm_75"], cli_env)
@@ -290,7 +290,7 @@ def test_publish_then_prefetch_on_a_second_store_root(nginx, make_release, cli, 
     second = dict(cli_env, CUBINSTORE_HOME=str(tmp_path / "second-root"))
     out = cli(["prefetch", str(digest), "--remote", url], second)
     assert out.returncode == 0, out.stderr
-    local = LocalStore(tmp_path / "second-root")
+    local = LocalLayer(tmp_path / "second-root")
     for hex_, data in release.blobs.items():
         assert local.path_for(Digest(hex_)).read_bytes() == data
     assert local.path_for(digest).read_bytes() == release.raw

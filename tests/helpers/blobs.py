@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from cubinstore import Digest
-from cubinstore.store import DiskCacheStore
+from cubinstore.store import DiskCacheLayer
 
 
 def random_blob(n: int, seed: int | None = 0) -> tuple[Digest, bytes]:
@@ -14,10 +14,10 @@ def random_blob(n: int, seed: int | None = 0) -> tuple[Digest, bytes]:
     return Digest.of(data), data
 
 
-def disk_cache_with(root: Path, blobs: list[tuple[Digest, bytes]]) -> DiskCacheStore:
+def disk_cache_with(root: Path, blobs: list[tuple[Digest, bytes]]) -> DiskCacheLayer:
     """A real Bazel --disk_cache directory (layout `cas/<2 hex>/<hex>`) holding `blobs`."""
     for digest, data in blobs:
         path = root / "cas" / digest.hex[:2] / digest.hex
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
-    return DiskCacheStore(root)
+    return DiskCacheLayer(root)

@@ -15,7 +15,7 @@ import pytest
 from cubinstore import launch
 from cubinstore.internals import cuda as _cuda, device
 from cubinstore.manifest import Manifest
-from cubinstore.store import DirectorySource, LocalStore, Store
+from cubinstore.store import DirectorySource, LocalLayer, Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def family_library(family: str, tmp_path_factory: pytest.TempPathFactory) -> lau
     # The local store CUBINSTORE_HOME names (e.g. filled by `cubinstore unpack`), else a fresh one,
     # backed by the build tree the manifest sits in (bazel-bin/kernels).
     home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
-    return launch.open(manifest, Store([LocalStore(home), DirectorySource(path.parent)]))
+    return launch.open(manifest, Store([LocalLayer(home), DirectorySource(path.parent)]))
 
 
 def gemm_operands(torch: Any, m: int, n: int, k: int) -> tuple[Any, Any]:
@@ -84,3 +84,14 @@ def check_gemm(torch: Any, d: Any, a: Any, b: Any, what: str) -> None:
     assert unwritten == 0, f"{what}: {unwritten} of {d.numel()} output elements not written (still NaN)"
     rel = gemm_rel_error(torch, d, a, b)
     assert rel < GEMM_MAX_REL_ERROR, f"{what}: relative error {rel:.3g}"
+
+
+def resident_ctas(library: Any, kernel_id: str, entry: str, threads: int) -> tuple[int, int]:
+    """(registers a thread, CTAs of `threads` an SM holds) of `kernel_id`'s `entry` on GPU 0, as the driver says."""
+    fn = library.kernel(kernel_id, device=0)._function(entry)
+    drv = _cuda.driver()
+    with _cuda.on_device(0):
+        regs = _cuda.function_attribute(fn.handle, "CU_FUNC_ATTRIBUTE_NUM_REGS", fn.what)
+        resident = _cuda.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(drv.CUfunction(fn.handle), threads, 0),
+                               f"occupancy of {fn.what}")
+    return int(regs), int(resident)

@@ -15,7 +15,7 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from helpers.jit import ENTRIES, TU, child_env, make_library, toolkit_copy_with_changed_header  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 ARCH = "sm_90a"
 
@@ -34,7 +34,7 @@ def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     jit.clear_caches()
     home = tmp_path / "home"
     include = make_library(tmp_path / "lib")
-    store = Store([LocalStore(home)])
+    store = Store([LocalLayer(home)])
     first = jit.compile(TU, include_dirs=[include], arch=ARCH, entries=ENTRIES, store=store)
     yield home, include, store, first
     jit.clear_caches()

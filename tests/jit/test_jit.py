@@ -20,13 +20,13 @@ from helpers.jit import ENTRIES, TU, child_env, make_library, run_child, toolkit
 from cubinstore import Digest, jit  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
 from cubinstore.internals import JitIndex, compiler, cutlass_include  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 ARCH = "sm_90a"
 
 
 def _store(home: Path) -> Store:
-    return Store([LocalStore(home)])
+    return Store([LocalLayer(home)])
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,9 @@ def _compile(env: SimpleNamespace, source: str = TU, include: Path | None = None
 def test_first_compile_runs_nvcc_and_stores_the_cubin_under_its_sha256(env: SimpleNamespace) -> None:
     k = env.first
     assert k.compiled is True and k.kernels == ("scale",) and k.arch == ARCH
-    blob = LocalStore(env.home).path_for(k.digest).read_bytes()
+    blob = LocalLayer(env.home).path_for(k.digest).read_bytes()
     assert Digest.of(blob) == k.digest and len(blob) == k.size
-    assert JitIndex(LocalStore(env.home)).get(k.key.hex).digest == k.digest
+    assert JitIndex(LocalLayer(env.home)).get(k.key.hex).digest == k.digest
 
 
 def test_same_library_at_a_deeper_prefix_hits_without_compiling(env: SimpleNamespace) -> None:
@@ -222,7 +222,7 @@ def test_broken_tu_raises_with_nvccs_message_and_caches_nothing(env: SimpleNames
     assert "cubinstore_jit.cu" in message
     assert str(env.base) not in message and "/usr/local/cuda" not in message
     k = jit.key(broken, include_dirs=[env.shallow], arch=ARCH, store=env.store)
-    assert JitIndex(LocalStore(env.home)).get(k.hex) is None
+    assert JitIndex(LocalLayer(env.home)).get(k.hex) is None
     assert not list((env.home / "v1" / "jit" / "tmp").glob(f"{k.hex}.*"))
 
 
@@ -236,7 +236,7 @@ def test_declared_types_that_disagree_with_the_cubin_are_refused(env: SimpleName
     with pytest.raises(BadArgumentError, match=r"entry 'scale': declared \['i32', 'f64', 'ptr'\]"):
         _compile(env, source=source, entries={"scale": ["i32", "f64", "ptr"]})
     k = jit.key(source, include_dirs=[env.shallow], arch=ARCH, store=env.store)
-    assert JitIndex(LocalStore(env.home)).get(k.hex) is None
+    assert JitIndex(LocalLayer(env.home)).get(k.hex) is None
 
 
 def test_jit_off_serves_hits_and_refuses_misses(env: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,7 +246,7 @@ def test_jit_off_serves_hits_and_refuses_misses(env: SimpleNamespace, monkeypatc
         _compile(env, flags=["-DFACTOR=7"], family="axpy", params={"dtype": "f32"})
     from cubinstore.internals import warmset as _warmset
 
-    (rec,) = [r for r in _warmset.records(LocalStore(env.home)) if r.family == "axpy" and r.params == {"dtype": "f32"}]
+    (rec,) = [r for r in _warmset.records(LocalLayer(env.home)) if r.family == "axpy" and r.params == {"dtype": "f32"}]
     assert (rec.kind, rec.digest, rec.count) == ("miss", None, 1)  # recorded, so CI can build it ahead
     monkeypatch.setenv("CUBINSTORE_JIT", "1")
     with pytest.raises(KernelNotFoundError):
@@ -264,9 +264,9 @@ def test_damaged_index_entry_recompiles_and_is_rewritten(env: SimpleNamespace) -
 
 def test_cubin_gone_from_the_cas_recompiles(env: SimpleNamespace) -> None:
     k = _compile(env, flags=["-DFACTOR=6"])
-    LocalStore(env.home).path_for(k.digest).unlink()
+    LocalLayer(env.home).path_for(k.digest).unlink()
     again = _compile(env, flags=["-DFACTOR=6"])
-    assert again.compiled is True and LocalStore(env.home).path_for(k.digest).is_file()
+    assert again.compiled is True and LocalLayer(env.home).path_for(k.digest).is_file()
 
 
 def test_a_kernel_without_entries_cannot_be_launched(env: SimpleNamespace) -> None:
@@ -317,14 +317,14 @@ def test_a_header_edited_during_the_compile_caches_nothing(env: SimpleNamespace,
     with pytest.raises(JitCompileError, match=r"^include_dirs\[0\] \(.*\) changed after JIT key xxh3:[0-9a-f]{32} was computed"):
         compiler.compile(TU, include_dirs=[include], flags=flags, arch=ARCH, entries=ENTRIES, store=env.store,
                          nvcc=edit_then_run)
-    assert JitIndex(LocalStore(env.home)).get(k.hex) is None
+    assert JitIndex(LocalLayer(env.home)).get(k.hex) is None
     again = jit.compile(TU, include_dirs=[include], flags=flags, arch=ARCH, entries=ENTRIES, store=env.store)
     assert again.compiled is True and again.key != k  # the new content, under its own key
 
 
 def test_a_corrupted_cubin_in_the_cas_is_quarantined_and_recompiled_not_loaded(env: SimpleNamespace) -> None:
     k = _compile(env, flags=["-DFACTOR=12"])
-    path = LocalStore(env.home).path_for(k.digest)
+    path = LocalLayer(env.home).path_for(k.digest)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))

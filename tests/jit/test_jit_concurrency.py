@@ -19,7 +19,7 @@ from helpers.jit import ENTRIES, TU, child_env, counting_toolkit, make_library  
 
 from cubinstore import Digest, jit  # noqa: E402
 from cubinstore.internals import JitIndex  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 ARCH = "sm_90a"
 PROCESSES = 16
@@ -96,7 +96,7 @@ def run_nvcc(argv, work):
 kw["nvcc"] = run_nvcc
 """,
     "cubin_in_memory_not_stored": """
-class Local(LocalStore):
+class Local(LocalLayer):
     def write(self, digest, data):  # the CUBIN is compiled, read back and checked; the CAS write is next
         stop("cubin_in_memory_not_stored")
 kw["store"] = Store([Local(os.environ["CUBINSTORE_HOME"])])
@@ -121,7 +121,7 @@ kw["make_index"] = Index
 _CHILD = """
 import os, subprocess, sys
 from cubinstore.internals import ACTION_ENV, JitIndex, compiler
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 kw = {}
 def stop(stage):
     print(stage, flush=True)
@@ -145,12 +145,12 @@ def test_compile_killed_at_each_stage_leaves_no_entry_and_recovers(stage: str, t
         proc.communicate()
     assert proc.returncode == -signal.SIGKILL
 
-    store = Store([LocalStore(home)])
+    store = Store([LocalLayer(home)])
     key = jit.key(TU, include_dirs=[include], flags=[f"-DFACTOR={factor}"], arch=ARCH, store=store)
-    index = JitIndex(LocalStore(home))
+    index = JitIndex(LocalLayer(home))
     assert index.get(key.hex) is None
     assert not (home / "v1" / "jit" / "index" / key.hex[:2] / f"{key.hex}.json").exists()
-    local = LocalStore(home)
+    local = LocalLayer(home)
     entries, _ = local.scan()
     for entry in entries:  # whatever reached a final CAS path is complete
         assert Digest.of(entry.path.read_bytes()) == entry.digest

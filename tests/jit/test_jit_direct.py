@@ -21,7 +21,7 @@ from helpers.jit import ENTRIES, TU, child_env, make_library, run_child, toolkit
 from cubinstore import jit  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.internals import JitIndex, compiler, cutlass_include, direct as _jitdirect, key as _jitkey  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 ARCH = "sm_90a"
 
@@ -51,7 +51,7 @@ def lib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNames
     jit.clear_caches()
     home = tmp_path / "home"
     include = make_library(tmp_path / "lib")
-    store = Store([LocalStore(home)])
+    store = Store([LocalLayer(home)])
     yield SimpleNamespace(tmp=tmp_path, home=home, include=include, store=store)
     jit.clear_caches()
 
@@ -345,10 +345,10 @@ def test_a_compile_killed_before_its_direct_entry_is_found_by_the_full_key_then_
 
 def test_an_evicted_cubin_under_a_direct_hit_compiles_again(lib: SimpleNamespace) -> None:
     first = _compile(lib)
-    LocalStore(lib.home).path_for(first.digest).unlink()
+    LocalLayer(lib.home).path_for(first.digest).unlink()
     k = _again(lib)
     assert k.compiled is True and k.digest == first.digest
-    assert JitIndex(LocalStore(lib.home)).get(first.key.hex).digest == first.digest
+    assert JitIndex(LocalLayer(lib.home)).get(first.key.hex).digest == first.digest
 
 
 # -- the pieces ------------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def test_an_evicted_cubin_under_a_direct_hit_compiles_again(lib: SimpleNamespace
 def test_the_direct_key_holds_no_path(lib: SimpleNamespace) -> None:
     deep = make_library(lib.tmp / "a" / "much" / "deeper" / "prefix")
     keys = {_jitdirect.DirectRequest(TU, compiler.SOURCE_NAME, [str(d)], [f"-I{d}"], jit.Arch.parse(ARCH),
-                                     LocalStore(lib.home)).key for d in (lib.include, deep)}
+                                     LocalLayer(lib.home)).key for d in (lib.include, deep)}
     assert len(keys) == 1
 
 

@@ -17,7 +17,7 @@ from helpers.jit import child_env, run_child  # noqa: E402
 from cubinstore import jit  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.internals import demangle  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 ARCH = "sm_90a"
 # Two namespaces with a template kernel of one name: `scale<128, float>` alone is ambiguous.
@@ -57,7 +57,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
         home = base / "home"
         mp.setenv("CUBINSTORE_HOME", str(home))
         jit.clear_caches()
-        store = Store([LocalStore(home)])
+        store = Store([LocalLayer(home)])
         first = jit.compile(TU, include_dirs=[], arch=ARCH, entries={NAME: TYPES}, store=store)
         (symbol,) = [s for s in first.kernels if s.startswith(MYLIB_PREFIX)]
         yield SimpleNamespace(home=home, store=store, first=first, symbol=symbol)

@@ -11,7 +11,7 @@ from cubinstore.errors import BadArgumentError, KernelNotFoundError, ManifestErr
 from cubinstore.internals import family as jit_family, make_bundle, template_for_sources, warmset as _warmset
 from cubinstore.jit import FamilyTemplate
 from cubinstore.manifest import Manifest
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 
 REPO = Path(__file__).resolve().parents[2]
 AXPY = ["kernels/axpy/axpy.cu", "kernels/axpy/axpy.cuh"]
@@ -20,7 +20,7 @@ AXPY = ["kernels/axpy/axpy.cu", "kernels/axpy/axpy.cuh"]
 @pytest.fixture(scope="module")
 def axpy(tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("jitfam") / "home"
-    store = Store([LocalStore(home)])
+    store = Store([LocalLayer(home)])
     template = template_for_sources(
         "axpy", ["dtype", "vec"], "kernels/axpy/axpy.cu", {p: (REPO / p).read_text() for p in AXPY}, store,
         defines=["DTYPE_{dtype}", "VEC={vec}"], entries={"axpy_{dtype}": ["i32", "{dtype}", "ptr", "ptr"]},
@@ -35,10 +35,10 @@ def test_missing_point_compiles_to_the_spec_the_manifest_would_have(axpy) -> Non
     assert spec.id == "axpy/f32/vec2/sm_80" and spec.family == "axpy" and list(spec.params) == ["dtype", "vec"]
     assert spec.target == "//kernels/axpy:axpy_f32_vec2_sm_80"
     assert dict(spec.entries) == {"axpy_f32": ("i32", "f32", "ptr", "ptr")}
-    assert Digest.of(LocalStore(home).path_for(spec.digest).read_bytes()) == spec.digest
+    assert Digest.of(LocalLayer(home).path_for(spec.digest).read_bytes()) == spec.digest
     # It loads like any manifest entry: a one-kernel manifest of it validates.
     assert Manifest.build([spec]).by_id(spec.id).digest == spec.digest
-    (rec,) = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 2}]
+    (rec,) = [r for r in _warmset.records(LocalLayer(home)) if r.params == {"dtype": "f32", "vec": 2}]
     assert (rec.kind, rec.family, rec.arch, rec.digest) == ("jit", "axpy", "sm_80", spec.digest)
 
 
@@ -64,7 +64,7 @@ def test_arch_outside_the_template_and_wrong_params_are_refused(axpy) -> None:
 
 
 def test_bundle_with_a_path_outside_it_is_refused(tmp_path: Path) -> None:
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     raw = make_bundle({"kernels/a.cu": "x"}).replace(b'"kernels/a.cu"', b'"../../etc/x"')
     digest = Digest.of(raw)
     store.local.write(digest, raw)
@@ -95,7 +95,7 @@ def test_resolve_miss_records_it_and_compiles_from_the_template(axpy, make_relea
     manifest = Manifest.from_path(make_release(n=8, archs=("sm_80",)).path)
     spec = jit_family.resolve_miss(manifest, "axpy", {"dtype": "f32", "vec": 3}, "sm_80", template=template, store=store)
     assert spec.id == "axpy/f32/vec3/sm_80"
-    misses = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 3}]
+    misses = [r for r in _warmset.records(LocalLayer(home)) if r.params == {"dtype": "f32", "vec": 3}]
     assert [(r.kind, r.count) for r in misses] == [("jit", 2)]  # the miss, then the compile
 
 
@@ -111,7 +111,7 @@ def test_resolve_miss_with_jit_off_names_the_nearest_points(axpy, make_release) 
     assert "run-time compilation is off (CUBINSTORE_JIT=0 or jit=False)" in str(info.value)
     with pytest.raises(KernelNotFoundError, match="family axpy has no JIT template"):
         jit_family.resolve_miss(manifest, "axpy", {"dtype": "f32", "vec": 5}, "sm_80", template=None, store=store)
-    (rec,) = [r for r in _warmset.records(LocalStore(home)) if r.params == {"dtype": "f32", "vec": 5}]
+    (rec,) = [r for r in _warmset.records(LocalLayer(home)) if r.params == {"dtype": "f32", "vec": 5}]
     assert (rec.kind, rec.count) == ("miss", 2)
 
 
@@ -122,9 +122,9 @@ def test_a_miss_without_the_jit_extra_is_recorded_and_names_what_is_missing(tmp_
     code = (
         "import sys\nsys.modules['xxhash'] = None  # the jit extra is not installed\n"
         "from cubinstore._jit import family as _jitfamily\nfrom cubinstore._release import warmset as _warmset\nfrom cubinstore.manifest import Manifest\n"
-        "from cubinstore.store import LocalStore, Store\nfrom cubinstore.errors import KernelNotFoundError\n"
+        "from cubinstore.store import LocalLayer, Store\nfrom cubinstore.errors import KernelNotFoundError\n"
         f"m = Manifest.from_path({str(release.path)!r})\n"
-        f"store = Store([LocalStore({str(tmp_path / 'home')!r})])\n"
+        f"store = Store([LocalLayer({str(tmp_path / 'home')!r})])\n"
         "t = _jitfamily.FamilyTemplate.from_json({'schema': 'cubinstore/jit-family/v1', 'family': 'axpy', "
         "'grid_keys': ['dtype', 'vec'], 'source': 'a.cu', 'bundle': {'digest': 'sha256:' + 'ab' * 32, 'size': 1}, "
         "'entries': {'k': ['i32']}})\n"

@@ -22,7 +22,7 @@ from cubinstore.internals import (  # noqa: E402
     cutlass_include, gemm_launch, locate_toolkit, ops_library, template_for_sources,
 )
 from cubinstore.manifest import Manifest  # noqa: E402
-from cubinstore.store import DirectorySource, LocalStore, MemoryStore, Store  # noqa: E402
+from cubinstore.store import DirectorySource, LocalLayer, MemoryLayer, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 GEMM_FILES = ["kernels/gemm/sm90_bf16_gemm.cu", "kernels/gemm/sm90_bf16_gemm.cuh", "kernels/gemm/sm90_ptx.cuh"]
@@ -39,7 +39,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
         pytest.skip(f"no nvcc for the JIT: {exc}")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"needs a Hopper GPU (9.0), got {torch.cuda.get_device_capability()}")
-    return Store([MemoryStore(1 << 28), LocalStore(tmp_path_factory.mktemp("jitgpu") / "home")])
+    return Store([MemoryLayer(1 << 28), LocalLayer(tmp_path_factory.mktemp("jitgpu") / "home")])
 
 
 @pytest.fixture(scope="module")
@@ -122,13 +122,13 @@ def test_a_point_the_release_lacks_compiles_from_the_manifests_own_template(
     if "gemm" not in manifest.jit_templates:
         pytest.skip("the manifest's gemm family has no JIT template")
     assert not manifest.find("gemm", **POINT), "the point must be one the release lacks"
-    build = Store([MemoryStore(1 << 28), LocalStore(tmp_path_factory.mktemp("release") / "home"),
+    build = Store([MemoryLayer(1 << 28), LocalLayer(tmp_path_factory.mktemp("release") / "home"),
                    DirectorySource(path.parent), DirectorySource(path.parent, suffix=".sources.json")])
     lib = cubinstore.open(manifest, build)
     kernel = lib.kernel("gemm", jit=True, **POINT)
     assert dict(kernel.spec.params) == POINT and kernel.spec.arch == "sm_90a"
     with pytest.raises(cubinstore.KernelNotFoundError, match=r"^no kernel gemm bm=128 .* run-time compilation is off"):
-        cubinstore.open(manifest, Store([MemoryStore(1 << 20)])).kernel("gemm", jit=False, bm=128, bn=128, bk=64, stages=3, cluster=1)
+        cubinstore.open(manifest, Store([MemoryLayer(1 << 20)])).kernel("gemm", jit=False, bm=128, bn=128, bk=64, stages=3, cluster=1)
     previous = ops_library._library
     ops.set_library(cubinstore.open(Manifest.build([kernel.spec]), build))
     try:

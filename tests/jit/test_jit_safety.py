@@ -24,7 +24,7 @@ from helpers.jit import ENTRIES, TU, child_env, make_library, run_child  # noqa:
 from cubinstore import errors, jit  # noqa: E402
 from cubinstore.errors import BadArgumentError, JitCompileError, KernelNotFoundError  # noqa: E402
 from cubinstore.internals import JitIndex  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 ARCH = "sm_90a"
 CHILD_TIMEOUT_S = 300  # only bounds a broken child (a regression that blocks), never a measurement
@@ -37,7 +37,7 @@ def lib(tmp_path: Path, clean_env: Path) -> Iterator[SimpleNamespace]:
     include = make_library(tmp_path / "lib")
     host = tmp_path / "host"  # a directory outside every root: "the host's files"
     host.mkdir()
-    yield SimpleNamespace(tmp=tmp_path, home=home, include=include, host=host, store=Store([LocalStore(home)]))
+    yield SimpleNamespace(tmp=tmp_path, home=home, include=include, host=host, store=Store([LocalLayer(home)]))
     jit.clear_caches()
 
 
@@ -92,7 +92,7 @@ def test_one_reported_key_never_names_two_cubins(lib: SimpleNamespace) -> None:
     for home, text in (("a", "2"), ("a", "5"), ("b", "5"), ("b", "2"), ("a", "2")):  # two stores, both contents
         header.write_text(f"#define FACTOR {text}\n")
         jit.clear_caches()
-        k = _compile(lib, source, store=Store([LocalStore(lib.tmp / home)]))
+        k = _compile(lib, source, store=Store([LocalLayer(lib.tmp / home)]))
         assert seen.setdefault(str(k.key), str(k.digest)) == str(k.digest), f"{k.key} names two CUBINs"
     assert len(seen) == 2
 
@@ -122,7 +122,7 @@ def test_a_sealed_compile_that_reads_a_host_file_fails_naming_it_and_caches_noth
     assert message.startswith("sealed JIT compile of key xxh3:") and f" read {secret}: expected only files" in message
     assert "host-secret-line-4242" not in message
     assert type(info.value) is JitCompileError
-    local = LocalStore(lib.home)
+    local = LocalLayer(lib.home)
     assert list(local.scan()[0]) == []  # no CUBIN in the CAS
     for kind in ("index", "deps", "direct", "outside"):
         assert _jit_files(lib.home, kind) == [], kind
@@ -176,7 +176,7 @@ def test_an_index_entry_rewritten_to_name_another_kernels_cubin_is_never_loaded(
         k = _compile(lib)
     assert k.digest != second.digest
     assert (k.key, k.digest, k.compiled) == (first.key, first.digest, True)
-    assert JitIndex(LocalStore(lib.home)).get(first.key.hex).digest == first.digest  # rewritten by the compile
+    assert JitIndex(LocalLayer(lib.home)).get(first.key.hex).digest == first.digest  # rewritten by the compile
     if "kernels" not in fields:
         assert any(str(first.key) in r.getMessage() and str(second.digest) in r.getMessage() for r in caplog.records)
 
@@ -341,7 +341,7 @@ def test_a_compile_past_its_time_limit_is_killed_with_its_group_and_releases_its
         assert _live_in_group(pgid) == [], f"process group {pgid} still runs"
     assert _processes_in(work_root) == {}
     assert list(work_root.iterdir()) == []  # the compile directory is gone
-    assert JitIndex(LocalStore(lib.home)).get(key.hex) is None
+    assert JitIndex(LocalLayer(lib.home)).get(key.hex) is None
 
     os.unlink(fifo)  # the same key (the base key does not cover the header) compiles now: the lock is free
     fifo.write_text("#define FACTOR 4\n")

@@ -20,7 +20,7 @@ from cubinstore.internals import DEFAULT_NVCC_FLAGS, make_bundle, template_for_s
 from cubinstore.jit import FamilyTemplate  # noqa: E402
 from cubinstore.manifest import Manifest, dumps_canonical  # noqa: E402
 from cubinstore.manifest.flags import copt_problem, define_problem  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 AXPY = {p: (REPO / p).read_text() for p in ("kernels/axpy/axpy.cu", "kernels/axpy/axpy.cuh")}
@@ -65,7 +65,7 @@ def _script(marker: Path) -> str:
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    return Store([LocalStore(tmp_path / "outer" / "home")])
+    return Store([LocalLayer(tmp_path / "outer" / "home")])
 
 
 # -- attacks through copts and defines, refused at open -------------------------------------------
@@ -190,7 +190,7 @@ def test_the_built_release_opens(tmp_path: Path) -> None:
 
 
 def test_placeholder_filled_into_a_refused_flag_is_refused_before_nvcc(tmp_path: Path) -> None:
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     template = template_for_sources("axpy", ["dtype", "vec"], "kernels/axpy/axpy.cu", AXPY, store,
                                     defines=["DTYPE_{dtype}", "VEC={vec}"], copts=["-maxrregcount={vec}"],
                                     entries={"axpy_{dtype}": ["i32", "{dtype}", "ptr", "ptr"]})
@@ -201,7 +201,7 @@ def test_placeholder_filled_into_a_refused_flag_is_refused_before_nvcc(tmp_path:
 
 
 def test_bundle_with_duplicate_keys_is_refused(tmp_path: Path) -> None:
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     raw = make_bundle({"kernels/a.cu": "x", "kernels/b.cu": "y"}).replace(b'"kernels/b.cu"', b'"kernels/a.cu"')
     store.local.write(Digest.of(raw), raw)
     template = FamilyTemplate.from_json(_template(raw, grid_keys=[], source="kernels/a.cu", defines=[],
@@ -227,7 +227,7 @@ def _nothing_cached(store: Store, template: FamilyTemplate) -> None:
 def test_template_including_an_absolute_host_file_fails_the_compile(tmp_path: Path) -> None:
     host = tmp_path / "host_cfg.h"
     host.write_text("#define HOST_VALUE 3\n")
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     template = _sealed_template(store, f'#include "{host}"\nextern "C" __global__ void k(int n) {{ (void)n; }}\n', [])
     with pytest.raises(JitCompileError, match=re.escape(str(host))):
         jit.compile_family_point(template, {}, "sm_80", store=store)
@@ -238,7 +238,7 @@ def test_template_including_an_absolute_host_file_fails_the_compile(tmp_path: Pa
 def test_define_naming_a_host_header_fails_the_compile(tmp_path: Path) -> None:
     host = tmp_path / "host_cfg.h"
     host.write_text("#define HOST_VALUE 3\n")
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     template = _sealed_template(store, '#include CFG\nextern "C" __global__ void k(int n) { (void)n; }\n',
                                 [f'CFG="{host}"'])
     with pytest.raises(JitCompileError, match=re.escape(str(host))):
@@ -256,7 +256,7 @@ def _axpy(store: Store) -> FamilyTemplate:
 
 @pytest.mark.parametrize("fresh_process", [False, True])
 def test_edited_materialised_header_is_rewritten_from_the_bundle(tmp_path: Path, fresh_process: bool) -> None:
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     template = _axpy(store)
     jit.compile_family_point(template, {"dtype": "f32", "vec": 1}, "sm_80", store=store)
     header = tmp_path / "home" / "v1" / "jit" / "sources" / template.bundle.hex / "kernels" / "axpy" / "axpy.cuh"
@@ -264,14 +264,14 @@ def test_edited_materialised_header_is_rewritten_from_the_bundle(tmp_path: Path,
     if fresh_process:  # nothing of the tree hashed in this process: what the next process sees
         jit.clear_caches()
     edited = jit.compile_family_point(template, {"dtype": "f32", "vec": 2}, "sm_80", store=store)
-    clean_store = Store([LocalStore(tmp_path / "clean")])
+    clean_store = Store([LocalLayer(tmp_path / "clean")])
     clean = jit.compile_family_point(_axpy(clean_store), {"dtype": "f32", "vec": 2}, "sm_80", store=clean_store)
     assert edited.digest == clean.digest
     assert header.read_text() == AXPY["kernels/axpy/axpy.cuh"]
 
 
 def test_extra_header_that_would_shadow_an_include_is_removed(tmp_path: Path) -> None:
-    store = Store([LocalStore(tmp_path / "home")])
+    store = Store([LocalLayer(tmp_path / "home")])
     template = _axpy(store)
     jit.compile_family_point(template, {"dtype": "f32", "vec": 1}, "sm_80", store=store)
     sources = tmp_path / "home" / "v1" / "jit" / "sources" / template.bundle.hex

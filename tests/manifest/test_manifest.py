@@ -23,7 +23,7 @@ from cubinstore import (
     arch_compatible,
 )
 from cubinstore.manifest import dumps_canonical, fast, kernel_id
-from cubinstore.store import MemoryStore
+from cubinstore.store import MemoryLayer
 from helpers.manifest_paths import full_checker as full_checker_of, outcome
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -270,7 +270,7 @@ def test_a_fifo_as_manifest_is_refused_without_blocking(tmp_path: Path) -> None:
 
 def test_from_digest_pins_the_manifest_bytes() -> None:
     raw = dumps_canonical(doc_with())
-    memory = MemoryStore()
+    memory = MemoryLayer()
     digest = Digest.of(raw)
     memory.write(digest, raw)
     m = Manifest.from_digest(str(digest), Store([memory]))

@@ -22,8 +22,8 @@ import xxhash  # noqa: E402
 from cubinstore import Digest  # noqa: E402
 from cubinstore.errors import BadArgumentError  # noqa: E402
 from cubinstore.internals import Call, calls, export, remote, warm  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
-from cubinstore.store.http import HttpStore  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
+from cubinstore.store.http import HttpLayer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 BUILDIFIER = REPO / "node_modules" / ".bin" / "buildifier"
@@ -73,7 +73,7 @@ def _note(store: Store, key: str, text: bytes, includes: list[Path], flags: tupl
 
 @pytest.fixture
 def store(clean_env: Path) -> Store:
-    return Store([LocalStore(clean_env)])
+    return Store([LocalLayer(clean_env)])
 
 
 @pytest.fixture
@@ -264,13 +264,13 @@ def ci(store: Store, workspace: Path, tmp_path: Path) -> SimpleNamespace:
 
 
 def _remote_store(url: str) -> Store:
-    return Store([LocalStore(Path(os.environ["CUBINSTORE_HOME"])), HttpStore(url)])
+    return Store([LocalLayer(Path(os.environ["CUBINSTORE_HOME"])), HttpLayer(url)])
 
 
 def test_publish_uploads_bazels_cubin_under_the_call_key_with_the_record_naming_it(ci: SimpleNamespace, faulty) -> None:
     report = export.publish(_remote_store(faulty.url), ci.out, ci.bazel_bin)
     assert (report.published, report.skipped, report.failed) == ([ci.key], [], [])
-    fresh = Store([LocalStore(ci.out.parent / "fresh"), HttpStore(faulty.url)])
+    fresh = Store([LocalLayer(ci.out.parent / "fresh"), HttpLayer(faulty.url)])
     found = remote.fetch(fresh, ci.key, {"inc/0": str(ci.root), "cuda": "/nonexistent"})
     assert found is not None
     record, data = found

@@ -19,7 +19,7 @@ from helpers.kernel_library import BY_NAME  # noqa: E402
 import cubinstore  # noqa: E402
 from cubinstore import Digest  # noqa: E402
 from cubinstore.manifest import KernelSpec, Manifest  # noqa: E402
-from cubinstore.store import LocalStore, MemoryStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, MemoryLayer, Store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STAGED = Path(os.environ.get("CUBINSTORE_TEST_NVCC_DIR", REPO / ".device" / "nvcc"))
@@ -40,7 +40,7 @@ def library(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(f"no kernels staged in {STAGED} (tools/stage_device.sh)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper GPU (sm_90a)")
-    local = LocalStore(tmp_path_factory.mktemp("nvccgpu") / "home")
+    local = LocalLayer(tmp_path_factory.mktemp("nvccgpu") / "home")
     specs = []
     for name, file in sorted(staged.items()):
         data = (STAGED / file).read_bytes()
@@ -49,7 +49,7 @@ def library(tmp_path_factory: pytest.TempPathFactory):
         inst = BY_NAME[name]
         specs.append(KernelSpec(id=f"mylib/{name}/sm_90a", family="mylib", params={"name": name}, arch="sm_90a",
                                 digest=digest, size=len(data), entries=inst.entries, target=f"//mylib:{name}"))
-    return cubinstore.open(Manifest.build(specs, source="cubinstore-nvcc fixture"), Store([MemoryStore(1 << 26), local]))
+    return cubinstore.open(Manifest.build(specs, source="cubinstore-nvcc fixture"), Store([MemoryLayer(1 << 26), local]))
 
 
 @pytest.mark.parametrize("name", sorted(_staged()) or ["none-staged"])

@@ -15,8 +15,8 @@ import pytest
 
 import cubinstore.ops as ops
 from cubinstore import launch
-from cubinstore.internals import cuda as _cuda, gemm_launch as G
-from helpers.gpu import check_gemm, family_ids, family_library
+from cubinstore.internals import gemm_launch as G
+from helpers.gpu import check_gemm, family_ids, family_library, resident_ctas
 
 pytestmark = pytest.mark.gpu
 
@@ -66,13 +66,8 @@ def test_every_instantiation_reads_rows_at_any_address(
 @pytest.mark.parametrize("kernel_id", family_ids(G.SKINNY_ANY_FAMILY))
 def test_an_sm_holds_the_ctas_the_contract_states(lib: launch.Library, torch: Any, kernel_id: str) -> None:
     cfg = G.SkinnyConfig.from_id(kernel_id)
-    fn = lib.kernel(kernel_id, device=0)._function(G.SKINNY_ENTRY)
-    drv = _cuda.driver()
-    with _cuda.on_device(0):
-        regs = _cuda.function_attribute(fn.handle, "CU_FUNC_ATTRIBUTE_NUM_REGS", fn.what)
-        resident = _cuda.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(drv.CUfunction(fn.handle), cfg.threads, 0),
-                               f"occupancy of {fn.what}")
-    assert int(resident) >= cfg.ctas_per_sm, f"{kernel_id}: {regs} registers a thread, {resident} CTAs an SM"
+    regs, resident = resident_ctas(lib, kernel_id, G.SKINNY_ENTRY, cfg.threads)
+    assert resident >= cfg.ctas_per_sm, f"{kernel_id}: {regs} registers a thread, {resident} CTAs an SM"
 
 
 @pytest.mark.parametrize("kernel_id", family_ids(G.SKINNY_ANY_FAMILY))

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from cubinstore import Digest
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalLayer
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -164,7 +164,7 @@ def test_cpu_block_runs(block: Block, make_release, tmp_path: Path) -> None:
     (cwd / "bazel-bin" / "kernels").mkdir(parents=True)
     (cwd / "bazel-bin" / "kernels" / "manifest.json").write_bytes(release.raw)
     home = tmp_path / "home"
-    local = LocalStore(home)
+    local = LocalLayer(home)
     for data in release.blobs.values():
         local.write(Digest.of(data), data)
     run_block(block, cwd, home, timeout=120)

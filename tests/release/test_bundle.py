@@ -12,7 +12,7 @@ import pytest
 
 from cubinstore import BundleError, CubinstoreError, Digest, Manifest, Store
 from cubinstore.internals import pack, unpack
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 @pytest.fixture
 def packed(make_release, tmp_path: Path):
     release = make_release(n=4, size=3000, seed=11)
-    source = LocalStore(tmp_path / "source")
+    source = LocalLayer(tmp_path / "source")
     for hex_, data in release.blobs.items():
         source.write(Digest(hex_), data)
     manifest = Manifest.from_path(release.path)
@@ -49,7 +49,7 @@ def entries(root: Path) -> list[Path]:
 
 def test_pack_unpack_round_trip_on_a_second_store(packed, tmp_path: Path) -> None:
     release, manifest, out = packed
-    target = LocalStore(tmp_path / "target")
+    target = LocalLayer(tmp_path / "target")
     got = unpack(out, target, expect=manifest.digest)
     assert got.digest == manifest.digest
     for digest, size in manifest.blobs:
@@ -61,7 +61,7 @@ def test_pack_unpack_round_trip_on_a_second_store(packed, tmp_path: Path) -> Non
 def test_pack_is_deterministic(packed, tmp_path: Path) -> None:
     _, manifest, out = packed
     again = tmp_path / "again.tar"
-    pack(manifest, Store([LocalStore(tmp_path / "source")]), again)
+    pack(manifest, Store([LocalLayer(tmp_path / "source")]), again)
     assert again.read_bytes() == out.read_bytes()
     names = [m.name for m, _ in members(out)]
     assert names[0] == "manifest.json" and all(n.startswith("cas/") for n in names[1:]) and len(names) == 5
@@ -73,7 +73,7 @@ def test_pack_never_bundles_a_bad_local_entry_it_quarantines_and_refetches_it(pa
     from helpers.blobs import disk_cache_with
 
     release, manifest, out = packed
-    local = LocalStore(tmp_path / "source")
+    local = LocalLayer(tmp_path / "source")
     digest, size = manifest.blobs[1]
     path = local.path_for(digest)
     good = path.read_bytes()
@@ -105,7 +105,7 @@ def test_pack_counts_a_hit_per_local_blob_and_bumps_old_entries_for_gc(packed, t
     from cubinstore.store.local.root import TOUCH_AFTER
 
     _, manifest, out = packed
-    local = LocalStore(tmp_path / "source")
+    local = LocalLayer(tmp_path / "source")
     before = local.read_stats()["hits"]
     old = local.path_for(manifest.blobs[0][0])
     recent = local.path_for(manifest.blobs[1][0])
@@ -125,7 +125,7 @@ def test_pack_of_an_incomplete_store_fails_without_leaving_a_bundle(make_release
     release = make_release(n=2)
     out = tmp_path / "out.tar"
     with pytest.raises(CubinstoreError):
-        pack(Manifest.from_path(release.path), Store([LocalStore(tmp_path / "empty")]), out)
+        pack(Manifest.from_path(release.path), Store([LocalLayer(tmp_path / "empty")]), out)
     assert not out.exists() and list(tmp_path.glob(".tmp.*")) == []
 
 
@@ -204,7 +204,7 @@ def test_tampered_bundle_is_rejected_and_nothing_is_stored(packed, tmp_path: Pat
     tamper(items)
     bad = tmp_path / "bad.tar"
     rewrite(bad, items)
-    target = LocalStore(tmp_path / "target")
+    target = LocalLayer(tmp_path / "target")
     with pytest.raises(BundleError) as info:
         unpack(bad, target)
     assert str(info.value).startswith(f"bundle {bad}") and message in str(info.value), str(info.value)
@@ -219,7 +219,7 @@ def test_modified_manifest_is_caught_by_expect(packed, tmp_path: Path, tools) ->
     items = [(items[0][0], tools.canonical(doc))] + [(i, d) for i, d in items[1:] if i.name[4:] in blobs]
     bad = tmp_path / "bad.tar"
     rewrite(bad, items)
-    target = LocalStore(tmp_path / "target")
+    target = LocalLayer(tmp_path / "target")
     with pytest.raises(BundleError, match=rf"^bundle {bad}: manifest is sha256:\w+, expected {manifest.digest}"):
         unpack(bad, target, expect=manifest.digest)
     assert entries(target.root) == []
@@ -233,14 +233,14 @@ def test_invalid_manifest_in_bundle_is_a_manifest_error(packed, tmp_path: Path) 
     bad = tmp_path / "bad.tar"
     rewrite(bad, items)
     with pytest.raises(CubinstoreError, match=r"^invalid manifest .*bad\.tar:manifest\.json: schema"):
-        unpack(bad, LocalStore(tmp_path / "target"))
+        unpack(bad, LocalLayer(tmp_path / "target"))
 
 
 def test_truncated_and_random_bundles_raise_only_typed_errors(packed, tmp_path: Path) -> None:
     _, _, out = packed
     data = out.read_bytes()
     rng = random.Random(5)
-    target = LocalStore(tmp_path / "target")
+    target = LocalLayer(tmp_path / "target")
     bad = tmp_path / "fuzz.tar"
     cases = [data[:n] for n in (0, 100, 511, 512, 1500, len(data) // 2, len(data) - 1024)]
     for _ in range(150):
@@ -290,9 +290,9 @@ import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[3]), int(sys.argv[3])))
 from cubinstore import CubinstoreError
 from cubinstore.internals import unpack
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalLayer
 try:
-    unpack(sys.argv[1], LocalStore(sys.argv[2]))
+    unpack(sys.argv[1], LocalLayer(sys.argv[2]))
 except CubinstoreError as exc:
     print(type(exc).__name__, exc)
     sys.exit(3)
@@ -364,7 +364,7 @@ def test_expect_is_checked_before_any_blob_is_read(packed, tmp_path: Path) -> No
     rewrite(bad, items)
     other = Digest.of(b"another manifest")
     with pytest.raises(BundleError, match=rf"^bundle {bad}: manifest is {manifest.digest}, expected {other}"):
-        unpack(bad, LocalStore(tmp_path / "target"), expect=other)
+        unpack(bad, LocalLayer(tmp_path / "target"), expect=other)
 
 
 def test_a_member_whose_header_size_differs_from_the_manifest_is_refused_before_reading(packed, tmp_path: Path) -> None:
@@ -376,4 +376,4 @@ def test_a_member_whose_header_size_differs_from_the_manifest_is_refused_before_
     rewrite(bad, items)
     digest, size = next((d, s) for d, s in manifest.blobs if d.hex == info.name[4:])
     with pytest.raises(BundleError, match=rf"^bundle {bad}: blob {digest} \(.*\) has {size + (1 << 20)} bytes, expected {size}"):
-        unpack(bad, LocalStore(tmp_path / "target"))
+        unpack(bad, LocalLayer(tmp_path / "target"))

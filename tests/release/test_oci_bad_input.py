@@ -13,7 +13,7 @@ import pytest
 from cubinstore import Digest, Manifest
 from cubinstore.errors import IntegrityError, MissingBlobError
 from cubinstore.internals import load_manifest, release_artifact
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 from cubinstore.store.oci.artifact import (
     IMAGE_MANIFEST,
     MANIFEST_MEDIA_TYPE,
@@ -21,15 +21,15 @@ from cubinstore.store.oci.artifact import (
     Descriptor,
     build_artifact,
 )
-from cubinstore.store.oci.remote import OciStore
+from cubinstore.store.oci.remote import OciLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
-def push_release(repo: str, release, *, artifact: bytes | None = None) -> tuple[OciStore, Digest]:
+def push_release(repo: str, release, *, artifact: bytes | None = None) -> tuple[OciLayer, Digest]:
     """The release's blobs, manifest and (unless given) artifact, pushed with the library's client."""
     manifest = Manifest.from_path(release.path)
-    registry = OciStore(repo, push=True)
+    registry = OciLayer(repo, push=True)
     for hex_, data in release.blobs.items():
         registry.put(Digest(hex_), data)
     registry.put(manifest.digest, manifest.raw)
@@ -50,7 +50,7 @@ def test_a_blob_the_registry_lost_fails_prefetch_naming_it_and_the_rest_stays(re
     assert out.returncode == 1
     assert f"sha256:{lost}" in out.stderr and repo in out.stderr
     assert "1 of 3 blobs failed" in out.stderr
-    local = LocalStore(tmp_path / "h")
+    local = LocalLayer(tmp_path / "h")
     for hex_, data in release.blobs.items():
         path = local.path_for(Digest(hex_))
         assert (not path.exists()) if hex_ == lost else path.read_bytes() == data
@@ -70,7 +70,7 @@ def test_a_blob_changed_in_registry_storage_never_reaches_the_store(registry, ma
     out = cli(["prefetch", f"{repo}@{artifact}"], env)
     assert out.returncode == 1
     assert f"registry {repo}: digest mismatch for sha256:{victim}" in out.stderr
-    assert not LocalStore(tmp_path / "h").path_for(Digest(victim)).exists()
+    assert not LocalLayer(tmp_path / "h").path_for(Digest(victim)).exists()
 
 
 def test_an_artifact_of_another_type_is_refused(registry, make_release, clean_env: Path) -> None:
@@ -81,10 +81,10 @@ def test_an_artifact_of_another_type_is_refused(registry, make_release, clean_en
     repo = registry.repo()
     _, artifact = push_release(repo, release, artifact=other)
     with pytest.raises(IntegrityError) as info:
-        load_manifest(f"{repo}@{artifact}", Store([LocalStore(clean_env)]))
+        load_manifest(f"{repo}@{artifact}", Store([LocalLayer(clean_env)]))
     assert str(info.value) == (f"artifact {repo}@{artifact}: artifactType 'application/vnd.example.sbom.v1', "
                                f"expected '{RELEASE_ARTIFACT}': not a cubinstore release")
-    assert not LocalStore(clean_env).path_for(artifact).exists()
+    assert not LocalLayer(clean_env).path_for(artifact).exists()
 
 
 def test_a_config_that_is_not_a_cubinstore_manifest_is_refused_and_not_kept(registry, make_release,
@@ -92,15 +92,15 @@ def test_a_config_that_is_not_a_cubinstore_manifest_is_refused_and_not_kept(regi
     release = make_release(n=1)
     repo = registry.repo()
     junk = b'{"architecture":"amd64","os":"linux"}'
-    registry_store = OciStore(repo, push=True)
+    registry_store = OciLayer(repo, push=True)
     registry_store.put(Digest.of(junk), junk)
     forged = build_artifact(Descriptor(MANIFEST_MEDIA_TYPE, Digest.of(junk), len(junk), {}), [], RELEASE_ARTIFACT)
     _, artifact = push_release(repo, release, artifact=forged)
     with pytest.raises(IntegrityError) as info:
-        load_manifest(f"{repo}@{artifact}", Store([LocalStore(clean_env)]))
+        load_manifest(f"{repo}@{artifact}", Store([LocalLayer(clean_env)]))
     assert str(info.value).startswith(f"config {Digest.of(junk)} of artifact {repo}@{artifact} is not a cubinstore "
                                       "manifest: ")
-    assert not LocalStore(clean_env).path_for(Digest.of(junk)).exists()
+    assert not LocalLayer(clean_env).path_for(Digest.of(junk)).exists()
 
 
 def test_an_artifact_lacking_a_blob_of_its_manifest_is_refused(registry, make_release, clean_env: Path) -> None:
@@ -111,7 +111,7 @@ def test_an_artifact_lacking_a_blob_of_its_manifest_is_refused(registry, make_re
     repo = registry.repo()
     _, artifact = push_release(repo, release, artifact=short)
     with pytest.raises(IntegrityError, match=rf"^artifact {repo}@{artifact} lacks 2 blob\(s\) of its manifest"):
-        load_manifest(f"{repo}@{artifact}", Store([LocalStore(clean_env)]))
+        load_manifest(f"{repo}@{artifact}", Store([LocalLayer(clean_env)]))
 
 
 def test_a_registry_serving_other_bytes_for_a_pinned_artifact_is_refused(clean_env: Path) -> None:
@@ -134,7 +134,7 @@ def test_a_registry_serving_other_bytes_for_a_pinned_artifact_is_refused(clean_e
         repo = f"oci://127.0.0.1:{httpd.server_address[1]}/team/k"
         pinned = Digest.of(b"the artifact that was published")
         with pytest.raises(IntegrityError) as info:
-            load_manifest(f"{repo}@{pinned}", Store([LocalStore(clean_env)]))
+            load_manifest(f"{repo}@{pinned}", Store([LocalLayer(clean_env)]))
         assert f"manifest {repo}@{pinned}: the registry served bytes that hash to {Digest.of(wrong)}; refused" in str(
             info.value)
     finally:
@@ -159,7 +159,7 @@ def test_an_oversized_artifact_manifest_is_refused_unread(clean_env: Path) -> No
         repo = f"oci://127.0.0.1:{httpd.server_address[1]}/team/k"
         pinned = Digest.of(b"x")
         with pytest.raises(IntegrityError) as info:
-            load_manifest(f"{repo}@{pinned}", Store([LocalStore(clean_env)]))
+            load_manifest(f"{repo}@{pinned}", Store([LocalLayer(clean_env)]))
         assert "server declares 67108864 bytes, expected at most 4194304; not downloaded" in str(info.value)
         assert f"{repo}@{pinned}" in str(info.value)
     finally:
@@ -171,7 +171,7 @@ def test_a_missing_artifact_is_a_clean_miss(registry, clean_env: Path) -> None:
     repo = registry.repo()
     pinned = Digest.of(b"never published")
     with pytest.raises(MissingBlobError, match=rf"^artifact {repo}@{pinned} not available: registry {repo}: miss"):
-        load_manifest(f"{repo}@{pinned}", Store([LocalStore(clean_env)]))
+        load_manifest(f"{repo}@{pinned}", Store([LocalLayer(clean_env)]))
 
 
 def test_the_artifact_digest_is_a_function_of_the_manifest_alone(make_release) -> None:

@@ -13,9 +13,9 @@ import pytest
 
 import cubinstore
 from cubinstore import Digest, ExpiredReleaseError, RollbackError, TrustError
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 from cubinstore.store.oci.artifact import channel_artifact, channel_tag
-from cubinstore.store.oci.remote import OciStore
+from cubinstore.store.oci.remote import OciLayer
 from cubinstore.trust.channel import resolve_channel
 from cubinstore.trust.records import SignatureBlob, TrustPolicy, key_id
 from cubinstore.trust.sign import generate_key
@@ -46,11 +46,11 @@ class Site:
         self.ci_env = dict(cli_env, CUBINSTORE_HOME=str(tmp / "ci-home"))
         self.keys = tmp / "keys"
         self.keys.mkdir()
-        self.registry = OciStore(self.repo + ":x", push=True)
+        self.registry = OciLayer(self.repo + ":x", push=True)
 
     def release(self, version: int, key: Path, channel: str = "prod", expires_in: str = "7d"):
         release = self.make_release(n=2)
-        local = LocalStore(self.tmp / "ci-home")
+        local = LocalLayer(self.tmp / "ci-home")
         for hex_, data in release.blobs.items():
             local.write(Digest(hex_), data)
         out = self.cli(["sign", str(release.path), "--key", str(key), "--channel", channel, "--version", str(version),
@@ -70,7 +70,7 @@ class Site:
         self.registry.put_manifest(channel_tag(channel), raw)
 
     def production(self, name: str = "prod-host") -> Store:
-        return Store([LocalStore(self.tmp / name), OciStore(self.repo)])
+        return Store([LocalLayer(self.tmp / name), OciLayer(self.repo)])
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import cubinstore
 from cubinstore import Digest, Manifest
 from cubinstore.internals import OCI_PREFIXES, load_manifest
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 from cubinstore.store.oci.artifact import (
     IMAGE_MANIFEST,
     KERNELS_ANNOTATION,
@@ -19,13 +19,13 @@ from cubinstore.store.oci.artifact import (
     RELEASE_ARTIFACT,
 )
 from cubinstore.store.oci.reference import LAYOUT_SCHEME, SCHEMES
-from cubinstore.store.oci.remote import OciStore
+from cubinstore.store.oci.remote import OciLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
-def fill_local(home: Path, blobs: dict[str, bytes]) -> LocalStore:
-    local = LocalStore(home)
+def fill_local(home: Path, blobs: dict[str, bytes]) -> LocalLayer:
+    local = LocalLayer(home)
     for hex_, data in blobs.items():
         local.write(Digest(hex_), data)
     return local
@@ -55,7 +55,7 @@ def test_publish_pushes_one_artifact_and_a_second_store_opens_it_by_digest(
 
     # What the registry holds: an image manifest of our artifactType, the manifest as config,
     # each CUBIN a layer under its own digest, annotated with its kernel ids.
-    found = OciStore(repo).get_manifest(artifact)
+    found = OciLayer(repo).get_manifest(artifact)
     assert found is not None
     doc = json.loads(found[1])
     assert doc["mediaType"] == IMAGE_MANIFEST and doc["artifactType"] == RELEASE_ARTIFACT
@@ -68,13 +68,13 @@ def test_publish_pushes_one_artifact_and_a_second_store_opens_it_by_digest(
 
     # Another host: an empty store, the pinned reference only.
     home = tmp_path / "production"
-    store = Store([LocalStore(home)])
+    store = Store([LocalLayer(home)])
     lib_manifest = load_manifest(pinned, store)
     assert lib_manifest.digest == digest
-    assert any(isinstance(layer, OciStore) for layer in store.layers)  # the kernels come from the registry
+    assert any(isinstance(layer, OciLayer) for layer in store.layers)  # the kernels come from the registry
     kernel = release.doc["kernels"][0]
     assert store.get(kernel["digest"], kernel["size"]) == release.blobs[kernel["digest"].split(":")[1]]
-    assert LocalStore(home).path_for(Digest.parse(kernel["digest"])).is_file()
+    assert LocalLayer(home).path_for(Digest.parse(kernel["digest"])).is_file()
 
 
 def test_prefetch_of_the_pinned_artifact_fills_an_empty_store(registry, make_release, cli, cli_env,
@@ -86,7 +86,7 @@ def test_prefetch_of_the_pinned_artifact_fills_an_empty_store(registry, make_rel
     out = cli(["prefetch", pinned], second)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"prefetched {Manifest.from_path(release.path).digest}: 3 blobs, 3 downloaded")
-    local = LocalStore(tmp_path / "second")
+    local = LocalLayer(tmp_path / "second")
     for hex_, data in release.blobs.items():
         assert local.path_for(Digest(hex_)).read_bytes() == data
     # Offline afterwards: the artifact and its manifest were kept, so the same reference opens.
@@ -138,9 +138,9 @@ def test_an_interrupted_push_resumed_uploads_only_what_is_missing(registry, make
     fill_local(clean_env, release.blobs)
     repo = registry.repo()
     # The interrupted push: two blobs went up, no artifact manifest.
-    remote = OciStore(repo)
+    remote = OciLayer(repo)
     first_two = sorted(release.blobs)[:2]
-    pusher = OciStore(repo + ":x", push=True)
+    pusher = OciLayer(repo + ":x", push=True)
     for hex_ in first_two:
         pusher.put(Digest(hex_), release.blobs[hex_])
     assert remote.get_manifest("x") is None
@@ -157,7 +157,7 @@ def test_open_by_tag_logs_the_digest_it_resolved_to(registry, make_release, cli,
     repo = registry.repo()
     _, pinned = publish(cli, cli_env, str(release.path), f"{repo}:stable")
     with caplog.at_level("WARNING", logger="cubinstore"):
-        manifest = load_manifest(f"{repo}:stable", Store([LocalStore(clean_env)]))
+        manifest = load_manifest(f"{repo}:stable", Store([LocalLayer(clean_env)]))
     assert manifest.digest == Manifest.from_path(release.path).digest
     assert f"{repo}:stable resolved to {pinned}; a tag can move" in caplog.text
 
@@ -174,10 +174,10 @@ def test_cubinstore_open_of_a_pinned_artifact_builds_a_library(registry, make_re
     # The registry joined the Library's own store, not the process's default one others share;
     # and a kernel's bytes come from the registry through it, verified.
     from cubinstore.store import default_store
-    from cubinstore.store.oci.remote import OciStore
+    from cubinstore.store.oci.remote import OciLayer
 
-    assert any(isinstance(layer, OciStore) for layer in library.store.layers)
-    assert not any(isinstance(layer, OciStore) for layer in default_store().layers)
+    assert any(isinstance(layer, OciLayer) for layer in library.store.layers)
+    assert not any(isinstance(layer, OciLayer) for layer in default_store().layers)
     spec = next(iter(library.manifest))
     assert library.store.get(spec.digest, spec.size) == release.blobs[spec.digest.hex]
 
@@ -194,6 +194,6 @@ def test_publish_from_one_registry_to_another_with_an_empty_local_store(
     assert out.returncode == 0, out.stderr
     pinned = out.stdout.strip().splitlines()[-1]
     assert pinned.startswith(f"{production}@sha256:")
-    store = Store([LocalStore(tmp_path / "check"), OciStore(production)])
+    store = Store([LocalLayer(tmp_path / "check"), OciLayer(production)])
     for hex_, data in release.blobs.items():
         assert store.get(Digest(hex_), len(data)) == data  # every blob there, read back and verified

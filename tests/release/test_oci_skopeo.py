@@ -14,7 +14,7 @@ from helpers.registry import find_skopeo
 from cubinstore import Digest, Manifest
 from cubinstore.errors import IntegrityError
 from cubinstore.internals import load_manifest
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 from cubinstore.store.oci.artifact import RELEASE_ARTIFACT
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -34,7 +34,7 @@ def docker_ref(oci_url: str) -> str:
 @pytest.fixture
 def pushed(registry, make_release, cli, cli_env, clean_env: Path):
     release = make_release(n=3)
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     for hex_, data in release.blobs.items():
         local.write(Digest(hex_), data)
     repo = registry.repo()
@@ -63,7 +63,7 @@ def test_skopeo_copy_to_another_registry_keeps_the_digest_and_cubinstore_prefetc
     assert out.returncode == 0, out.stderr
     assert "3 downloaded" in out.stdout
     for hex_, data in release.blobs.items():
-        assert LocalStore(tmp_path / "from-copy").path_for(Digest(hex_)).read_bytes() == data
+        assert LocalLayer(tmp_path / "from-copy").path_for(Digest(hex_)).read_bytes() == data
 
 
 def test_skopeo_copy_to_an_oci_layout_opens_with_cubinstore(pushed, tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_skopeo_copy_to_an_oci_layout_opens_with_cubinstore(pushed, tmp_path: Pa
     artifact = pinned.split("@")[1]
     layout = tmp_path / "layout"
     skopeo("copy", "--src-tls-verify=false", docker_ref(pinned), f"oci:{layout}:v1")
-    store = Store([LocalStore(tmp_path / "host")])
+    store = Store([LocalLayer(tmp_path / "host")])
     manifest = load_manifest(f"oci-layout:{layout}@{artifact}", store)
     assert manifest.digest == Manifest.from_path(release.path).digest
     for kernel in release.doc["kernels"]:
@@ -83,8 +83,8 @@ def test_skopeo_copy_to_an_oci_layout_opens_with_cubinstore(pushed, tmp_path: Pa
     data = bytearray(path.read_bytes())
     data[100] ^= 1
     path.write_bytes(bytes(data))
-    fresh = Store([LocalStore(tmp_path / "host2")])
+    fresh = Store([LocalLayer(tmp_path / "host2")])
     load_manifest(f"oci-layout:{layout}:v1", fresh)
     with pytest.raises(IntegrityError, match=f"^{victim['digest']}"):
         fresh.get(victim["digest"], victim["size"])
-    assert not LocalStore(tmp_path / "host2").path_for(Digest.parse(victim["digest"])).exists()
+    assert not LocalLayer(tmp_path / "host2").path_for(Digest.parse(victim["digest"])).exists()

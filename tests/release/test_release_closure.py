@@ -24,7 +24,7 @@ import pytest
 
 from cubinstore import Digest, Manifest
 from cubinstore.internals import make_bundle, pack
-from cubinstore.store import HttpStore, LocalStore, Store
+from cubinstore.store import HttpLayer, LocalLayer, Store
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -139,14 +139,14 @@ def test_pack_from_a_build_tree_packs_the_jit_source_bundle(build_tree, cli, env
     out = cli(["unpack", str(out_tar), "--expect", str(build_tree.digest)], second)
     assert out.returncode == 0, out.stderr
     bundle = build_tree.blobs[build_tree.bundle_hex]
-    assert LocalStore(tmp_path / "second").status(Digest(build_tree.bundle_hex), len(bundle)) == "ok"
+    assert LocalLayer(tmp_path / "second").status(Digest(build_tree.bundle_hex), len(bundle)) == "ok"
 
 
 def test_prefetch_from_a_build_tree_stores_the_jit_source_bundle(build_tree, cli, env, clean_env: Path, tmp_path: Path) -> None:
     out = cli(["prefetch", str(build_tree.manifest)], env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"prefetched {build_tree.digest}: 4 blobs")
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     for hex_, data in build_tree.blobs.items():
         assert local.path_for(Digest(hex_)).read_bytes() == data
         assert local.status(Digest(hex_), len(data)) == "ok"
@@ -163,7 +163,7 @@ def test_prefetch_from_a_build_tree_stores_the_jit_source_bundle(build_tree, cli
 # -- 2. a failure about the store is one line ----------------------------------------------------------
 
 def _bundle_of(build_tree: BuildTree, tmp_path: Path) -> Path:
-    source = LocalStore(tmp_path / "packer")
+    source = LocalLayer(tmp_path / "packer")
     for hex_, data in build_tree.blobs.items():
         source.write(Digest(hex_), data)
     out = tmp_path / "release.tar"
@@ -192,7 +192,7 @@ def test_a_store_root_that_is_a_file_is_one_error_line(build_tree, cli, env, tmp
 
 def test_prefetch_into_a_store_others_can_write_is_one_error_line(nginx, build_tree, cli, env, tmp_path: Path) -> None:
     url = nginx.base()
-    remote = HttpStore(url)
+    remote = HttpLayer(url)
     for hex_, data in build_tree.blobs.items():
         remote.put(Digest(hex_), data)
     home = tmp_path / "shared"
@@ -292,7 +292,7 @@ def test_a_full_store_filesystem_stops_prefetch_with_one_error_line(nginx, cli, 
     manifest.parent.mkdir()
     manifest.write_bytes(tools.canonical({"schema": "cubinstore/manifest/v1", "kernels": kernels}))
     url = nginx.base()
-    remote = HttpStore(url)
+    remote = HttpLayer(url)
     for hex_, data in blobs.items():
         remote.put(Digest(hex_), data)
     home = tmp_path / "small"
@@ -316,13 +316,13 @@ def test_warmset_prefetch_into_a_store_others_can_write_is_one_error_line(nginx,
     from cubinstore.internals import warmset as _warmset
 
     url = nginx.base()
-    remote = HttpStore(url)
+    remote = HttpLayer(url)
     for hex_, data in build_tree.blobs.items():
         remote.put(Digest(hex_), data)
     manifest = tmp_path / "manifest.json"  # not in the build tree: every blob comes from the remote
     shutil.copy(build_tree.manifest, manifest)
     home = tmp_path / "shared"
-    local = LocalStore(home)
+    local = LocalLayer(home)
     kernels = Manifest.from_path(manifest).kernels
     for k in kernels:  # every kernel is warm, recorded while the store was still private
         _warmset.record(local, kind="miss", family=k.family, params=k.params, arch=k.arch)

@@ -15,7 +15,7 @@ import pytest
 from cubinstore import Digest, Manifest
 from cubinstore.errors import BadArgumentError
 from cubinstore.internals import gc, warmset as _warmset
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_one_point_recorded_three_times_is_one_record_counted_three(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     for _ in range(3):
         _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 2}, arch="sm_90a")
     _warmset.record(local, kind="miss", family="axpy", params={"vec": 2, "dtype": "f32"}, arch="sm_80")
@@ -33,17 +33,17 @@ def test_one_point_recorded_three_times_is_one_record_counted_three(tmp_path: Pa
 
 
 def test_concurrent_processes_never_lose_a_count(tmp_path: Path, clean_env: Path) -> None:
-    code = ("from cubinstore.internals import knobs as _env, warmset as _warmset\nfrom cubinstore.store import LocalStore\n"
-            "_warmset.record(LocalStore(_env.home()), kind='miss', family='gemm', params={'bn': 176}, arch='sm_90a')\n")
+    code = ("from cubinstore.internals import knobs as _env, warmset as _warmset\nfrom cubinstore.store import LocalLayer\n"
+            "_warmset.record(LocalLayer(_env.home()), kind='miss', family='gemm', params={'bn': 176}, arch='sm_90a')\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(8)]
     assert [p.wait(timeout=120) for p in procs] == [0] * 8
-    (rec,) = _warmset.records(LocalStore(clean_env))
+    (rec,) = _warmset.records(LocalLayer(clean_env))
     assert rec.count == 8 and rec.params == {"bn": 176}
 
 
 def test_a_jit_record_keeps_its_key_and_digest_when_a_miss_follows(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     digest = Digest("ab" * 32)
     _warmset.record(local, kind="jit", family="gemm", params={"bn": 176}, arch="sm_90a", key="0" * 32, digest=digest)
     rec = _warmset.record(local, kind="miss", family="gemm", params={"bn": 176}, arch="sm_90a")
@@ -57,7 +57,7 @@ def test_a_jit_record_keeps_its_key_and_digest_when_a_miss_follows(tmp_path: Pat
     ({"bn": "../x"}, "warm set: parameter bn must be an int or a word"),
 ])
 def test_malformed_points_are_refused_before_anything_is_written(tmp_path: Path, params, message) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     with pytest.raises(BadArgumentError, match="^" + message):
         _warmset.record(local, kind="miss", family="axpy", params=params, arch="sm_90a")
     assert not (tmp_path / "home" / "v1" / "warmset").exists()
@@ -69,7 +69,7 @@ def _points(path: Path) -> list[dict]:
 
 
 def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, cli_env) -> None:
-    local = LocalStore(Path(cli_env["CUBINSTORE_HOME"]))
+    local = LocalLayer(Path(cli_env["CUBINSTORE_HOME"]))
     _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 2}, arch="sm_90a")
     _warmset.record(local, kind="jit", family="gemm", params={"bn": 176}, arch="sm_90a", key="1" * 32)
     _warmset.record(local, kind="jit", family=None, params=None, arch="sm_90a", key="2" * 32)
@@ -88,7 +88,7 @@ def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, c
 
     # A later export from a store that has forgotten the first point keeps it: the next
     # release must not lose a point the previous one built.
-    local2 = LocalStore(tmp_path / "home2")
+    local2 = LocalLayer(tmp_path / "home2")
     _warmset.record(local2, kind="miss", family="axpy", params={"dtype": "f64", "vec": 2}, arch="sm_80")
     result = _warmset.export(local2, "axpy", out_path)
     assert result.added == 1
@@ -97,7 +97,7 @@ def test_export_writes_the_familys_points_and_accumulates(tmp_path: Path, cli, c
 
 def test_the_export_is_data_and_warm_grid_is_defined_once(tmp_path: Path) -> None:
     # cubin_instantiations(warm_points = WARM_POINTS) applies the one warm_grid; the export holds no code.
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     _warmset.record(local, kind="miss", family="gemm", params={"bn": 176, "bm": 128}, arch="sm_90a")
     out = tmp_path / "warmset.bzl"
     _warmset.export(local, "gemm", out)
@@ -115,7 +115,7 @@ def test_export_refuses_to_overwrite_a_file_it_did_not_write(tmp_path: Path) -> 
     out = tmp_path / "warmset.bzl"
     out.write_text("WARM_POINTS = []  # hand-written\n")
     with pytest.raises(BadArgumentError, match=f"^{out} exists but was not written by `cubinstore warmset export`"):
-        _warmset.export(LocalStore(tmp_path / "home"), "axpy", out)
+        _warmset.export(LocalLayer(tmp_path / "home"), "axpy", out)
     assert out.read_text() == "WARM_POINTS = []  # hand-written\n"
 
 
@@ -123,7 +123,7 @@ def test_prefetch_fetches_only_the_warm_closure(faulty, make_release, cli, cli_e
     release = make_release(n=8, archs=("sm_90a",))
     for hex_, data in release.blobs.items():
         faulty.stored[f"/cas/{hex_}"] = data
-    local = LocalStore(Path(cli_env["CUBINSTORE_HOME"]))
+    local = LocalLayer(Path(cli_env["CUBINSTORE_HOME"]))
     _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f64", "vec": 2}, arch="sm_90a")
     _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 4}, arch="sm_90a")
     _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32", "vec": 4}, arch="sm_80")  # no such kernel
@@ -137,7 +137,7 @@ def test_prefetch_fetches_only_the_warm_closure(faulty, make_release, cli, cli_e
 
 
 def test_gc_evicts_warm_cubins_after_all_others(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     blobs = {name: (b"\x7fELF" + name.encode() * 1000) for name in ("warm", "old", "new")}
     digests = {name: Digest.of(data) for name, data in blobs.items()}
     for age, name in enumerate(("warm", "old", "new")):  # warm is the least recently used
@@ -156,7 +156,7 @@ BUILDIFIER = REPO / "node_modules" / ".bin" / "buildifier"
 
 @pytest.mark.skipif(not BUILDIFIER.exists(), reason="buildifier is not installed: run tools/bootstrap.sh")
 def test_the_export_is_buildifier_clean_so_it_can_be_committed(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     _warmset.record(local, kind="miss", family="gemm", params={"bn": 176, "bm": 128}, arch="sm_90a")
     full, empty = tmp_path / "full.bzl", tmp_path / "empty.bzl"
     _warmset.export(local, "gemm", full)
@@ -183,7 +183,7 @@ def _one_line(stderr: str, starts: str) -> str:
     return stderr
 
 
-def _damage(local: LocalStore, damage) -> Path:
+def _damage(local: LocalLayer, damage) -> Path:
     """A record of axpy dtype=bf16 (beside a good one of dtype=f32), rewritten by ``damage`` (doc -> doc or bytes)."""
     _warmset.record(local, kind="miss", family="axpy", params={"dtype": "f32"}, arch="sm_90a")
     before = set((local.v1 / "warmset").glob("*/*.json"))
@@ -224,7 +224,7 @@ DAMAGES = {
 
 @pytest.mark.parametrize("damage", list(DAMAGES), ids=list(DAMAGES))
 def test_a_damaged_record_is_skipped_with_one_warning_naming_its_file(tmp_path: Path, cli, cli_env, damage: str) -> None:
-    local = LocalStore(Path(cli_env["CUBINSTORE_HOME"]))
+    local = LocalLayer(Path(cli_env["CUBINSTORE_HOME"]))
     path = _damage(local, DAMAGES[damage])
     listed = cli(["warmset", "list"], cli_env, timeout=60)
     assert listed.returncode == 0, listed.stderr
@@ -249,7 +249,7 @@ def test_starlark_is_written_only_from_checked_points(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("days", ["nan", "inf", "-inf", "1e308", "-1", "abc", "36501"])
 def test_since_days_must_be_a_finite_number_of_days(tmp_path: Path, cli, cli_env, days: str) -> None:
-    _warmset.record(LocalStore(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
+    _warmset.record(LocalLayer(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
                     params={"dtype": "f32"}, arch="sm_90a")
     out_path = tmp_path / "warmset.bzl"
     out = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path), f"--since-days={days}"], cli_env,
@@ -261,7 +261,7 @@ def test_since_days_must_be_a_finite_number_of_days(tmp_path: Path, cli, cli_env
 
 
 def test_since_days_keeps_recent_points(tmp_path: Path, cli, cli_env) -> None:
-    _warmset.record(LocalStore(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
+    _warmset.record(LocalLayer(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
                     params={"dtype": "f32"}, arch="sm_90a")
     out_path = tmp_path / "warmset.bzl"
     out = cli(["warmset", "export", "--family", "axpy", "--out", str(out_path), "--since-days", "0.5"], cli_env)
@@ -271,14 +271,14 @@ def test_since_days_keeps_recent_points(tmp_path: Path, cli, cli_env) -> None:
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "directory"])
 def test_out_must_be_a_regular_file_or_new_and_never_blocks(tmp_path: Path, cli, cli_env, kind: str) -> None:
-    _warmset.record(LocalStore(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
+    _warmset.record(LocalLayer(Path(cli_env["CUBINSTORE_HOME"])), kind="miss", family="axpy",
                     params={"dtype": "f32"}, arch="sm_90a")
     out_path = tmp_path / "warmset.bzl"
     if kind == "fifo":
         os.mkfifo(out_path)
     elif kind == "symlink":
         target = tmp_path / "elsewhere.bzl"
-        _warmset.export(LocalStore(tmp_path / "other-home"), "axpy", target)  # an export, reached by a link
+        _warmset.export(LocalLayer(tmp_path / "other-home"), "axpy", target)  # an export, reached by a link
         out_path.symlink_to(target)
     else:
         out_path.mkdir()

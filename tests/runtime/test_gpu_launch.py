@@ -31,7 +31,7 @@ from cubinstore.errors import (
     ManifestError,
 )
 from cubinstore.manifest import KernelSpec, Manifest
-from cubinstore.store import DirectorySource, LocalStore, Store
+from cubinstore.store import DirectorySource, LocalLayer, Store
 
 ROOT = Path(__file__).resolve().parents[2]
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
@@ -57,7 +57,7 @@ def test_a_missing_point_of_a_family_is_recorded_and_names_the_nearest_points(tm
     # What Library.kernel does when select() misses a point of a known family, with JIT off.
     from cubinstore.internals import warmset as _warmset
 
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     lib = launch.open(_axpy_manifest("sha256:" + "ab" * 32, 4096), Store([local]))
     with pytest.raises(KernelNotFoundError, match=r"^no kernel axpy dtype='f32' vec=8 sm_90 in manifest sha256:[0-9a-f]{64}; nearest: axpy/f32/vec4/sm_90a"):
         lib._missing_point("axpy", {"dtype": "f32", "vec": 8}, (9, 0), jit=False)
@@ -79,7 +79,7 @@ def test_the_jit_arch_is_the_templates_best_for_the_device() -> None:
 def test_kernel_without_a_gpu_is_a_typed_error_and_open_needs_none(tmp_path: Path) -> None:
     if _cuda.available()[0]:
         pytest.skip("a CUDA device is present; this checks the no-driver path")
-    lib = launch.open(_axpy_manifest("sha256:" + "ab" * 32, 4096), Store([LocalStore(tmp_path)]))
+    lib = launch.open(_axpy_manifest("sha256:" + "ab" * 32, 4096), Store([LocalLayer(tmp_path)]))
     assert lib.manifest.kernels[0].id == "axpy/f32/vec4/sm_90a"
     with pytest.raises(CudaError, match=r"^cuInit failed: "):
         lib.kernel("axpy", dtype="f32", vec=4)
@@ -206,7 +206,7 @@ def manifest() -> Manifest:
 def store(manifest: Manifest, tmp_path_factory: pytest.TempPathFactory) -> Store:
     home = os.environ.get("CUBINSTORE_HOME") or tmp_path_factory.mktemp("cubinstore-home")
     # The local store is filled from the build tree on first use, as after a local build.
-    return Store([LocalStore(home), DirectorySource(Path(manifest.source).parent)])
+    return Store([LocalLayer(home), DirectorySource(Path(manifest.source).parent)])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 from helpers.jit import ENTRIES, TU, make_library  # noqa: E402
 
 from cubinstore import jit  # noqa: E402
-from cubinstore.store import LocalStore, Store  # noqa: E402
+from cubinstore.store import LocalLayer, Store  # noqa: E402
 
 
 def test_a_jit_kernel_records_the_local_toolkit_and_its_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,7 +25,7 @@ def test_a_jit_kernel_records_the_local_toolkit_and_its_driver(tmp_path: Path, m
     jit.clear_caches()
     try:
         k = jit.compile(TU, include_dirs=[make_library(tmp_path / "lib")], arch="sm_90a", entries=ENTRIES,
-                        store=Store([LocalStore(tmp_path / "home")]))
+                        store=Store([LocalLayer(tmp_path / "home")]))
         nvcc = k.key.parts.toolkit["version"]
         spec = k.spec
     finally:

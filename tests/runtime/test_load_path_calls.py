@@ -29,7 +29,7 @@ from cubinstore import Digest, launch
 from cubinstore.errors import CubinFormatError, CudaError, ManifestError
 from cubinstore.internals import cuda, device
 from cubinstore.manifest import SCHEMA, Manifest, dumps_canonical
-from cubinstore.store import LocalStore, MemoryStore, Store
+from cubinstore.store import LocalLayer, MemoryLayer, Store
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -135,8 +135,8 @@ def manifest(blobs: list[bytes], arch: str = "sm_90a") -> Manifest:
     return release
 
 
-def owned(root: Path, blobs: list[bytes]) -> LocalStore:
-    local = LocalStore(root)
+def owned(root: Path, blobs: list[bytes]) -> LocalLayer:
+    local = LocalLayer(root)
     for data in blobs:
         local.write(Digest.of(data), data)
     return local
@@ -186,7 +186,7 @@ def test_a_reload_of_verified_bytes_makes_few_python_calls(tmp_path: Path, bindi
     blobs = [cubin(i) for i in range(2)]
     release = manifest(blobs)
     local = owned(tmp_path / "store", blobs)
-    store = Store([MemoryStore(), local])  # Store.from_env's layers
+    store = Store([MemoryLayer(), local])  # Store.from_env's layers
     for _ in range(2):
         fresh()
         launch.Library(release, store).kernel("syn/i0/sm_90a", device=0)
@@ -232,7 +232,7 @@ def test_where_records_are_not_trusted_a_first_load_checks_sha256(tmp_path: Path
     else:
         name, value = why.split("=")
         monkeypatch.setenv(name, value)
-    local = LocalStore(root)
+    local = LocalLayer(root)
     store = Store([local])
     release = manifest(blobs)
     for i in range(2):

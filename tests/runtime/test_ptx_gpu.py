@@ -24,7 +24,7 @@ from cubinstore import launch
 from cubinstore.errors import DriverVersionError
 from cubinstore.internals import device
 from cubinstore.manifest import Manifest
-from cubinstore.store import DirectorySource, LocalStore, Store
+from cubinstore.store import DirectorySource, LocalLayer, Store
 
 POINTS = [("f32", 1), ("f32", 4), ("f64", 1), ("f64", 4)]
 
@@ -42,7 +42,7 @@ def release() -> Manifest:
 @pytest.fixture(scope="module")
 def store(release: Manifest, tmp_path_factory: pytest.TempPathFactory) -> Store:
     # The build tree beside the manifest holds the CUBINs and the PTX files (stage_device.sh copies both).
-    return Store([LocalStore(tmp_path_factory.mktemp("ptx-home")),
+    return Store([LocalLayer(tmp_path_factory.mktemp("ptx-home")),
                   DirectorySource(manifest_path().parent, suffix=(".cubin", ".ptx"))])
 
 

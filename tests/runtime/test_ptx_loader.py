@@ -188,9 +188,9 @@ def test_ptx_for_a_newer_gpu_is_refused_before_the_driver_sees_it() -> None:
 
 
 def test_a_ptx_load_is_counted_in_the_stores_stats(clean_env) -> None:  # noqa: ANN001 - the fixture's path
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
 
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     local.write(Digest.of(PTX), PTX)
     with using(FakeDriver((10, 0), version=13000)):
         manifest = Manifest.from_bytes(dumps_canonical({"schema": SCHEMA, "kernels": [_kernel("compute_90", PTX, **FACTS)]}))

@@ -22,7 +22,7 @@ from helpers.scale import assert_linear, count_work
 from cubinstore import Digest, Manifest, Store
 from cubinstore.internals import fetch_blobs, gc, pack, unpack, verify_store
 from cubinstore.manifest import dumps_canonical
-from cubinstore.store import DiskCacheStore, HttpStore, LocalStore
+from cubinstore.store import DiskCacheLayer, HttpLayer, LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -51,7 +51,7 @@ def release(root: Path, n: int, size: int = 300, shared: int = 1) -> tuple[Manif
 def test_prefetch_is_linear_in_the_closure(tmp_path: Path) -> None:
     def work(n: int) -> int:
         manifest, _ = release(tmp_path / f"src{n}", n, shared=2)
-        store = Store([LocalStore(tmp_path / f"home{n}"), DiskCacheStore(tmp_path / f"src{n}")], strict=True)
+        store = Store([LocalLayer(tmp_path / f"home{n}"), DiskCacheLayer(tmp_path / f"src{n}")], strict=True)
         names = lambda d: ", ".join(manifest.ids_of(d))  # noqa: E731 - what the CLI passes
         return count_work(lambda: fetch_blobs(store, list(manifest.blobs), names=names, jobs=1))
     assert_linear(work, 300)
@@ -60,18 +60,18 @@ def test_prefetch_is_linear_in_the_closure(tmp_path: Path) -> None:
 def test_pack_and_unpack_are_linear_in_the_closure(tmp_path: Path) -> None:
     def work(n: int) -> int:
         manifest, _ = release(tmp_path / f"src{n}", n)
-        store = Store([DiskCacheStore(tmp_path / f"src{n}")])
+        store = Store([DiskCacheLayer(tmp_path / f"src{n}")])
         bundle = tmp_path / f"b{n}.tar"
-        target = LocalStore(tmp_path / f"home{n}")
+        target = LocalLayer(tmp_path / f"home{n}")
         return count_work(lambda: (pack(manifest, store, bundle), unpack(bundle, target, expect=manifest.digest)))
     assert_linear(work, 300)
 
 
 def test_pack_from_the_local_store_is_linear_in_the_closure(tmp_path: Path) -> None:
-    # The fast path (LocalStore.read_verified_entries): no per-blob lookup of anything that grows.
+    # The fast path (LocalLayer.read_verified_entries): no per-blob lookup of anything that grows.
     def work(n: int) -> int:
         manifest, blobs = release(tmp_path / f"src{n}", n)
-        local = LocalStore(tmp_path / f"home{n}")
+        local = LocalLayer(tmp_path / f"home{n}")
         with local.batch():
             for hex_, data in blobs.items():
                 local.write_verified(Digest(hex_), data)
@@ -83,7 +83,7 @@ def test_pack_from_the_local_store_is_linear_in_the_closure(tmp_path: Path) -> N
 def test_verify_ls_and_gc_are_linear_in_the_store(tmp_path: Path) -> None:
     def work(n: int) -> int:
         manifest, blobs = release(tmp_path / f"src{n}", n)
-        local = LocalStore(tmp_path / f"home{n}")
+        local = LocalLayer(tmp_path / f"home{n}")
         for hex_, data in blobs.items():
             local.write(Digest(hex_), data)
         return count_work(lambda: (verify_store(local), verify_store(local, list(manifest.blobs)),
@@ -156,7 +156,7 @@ def server(request: pytest.FixtureRequest, blobs: dict[str, bytes]) -> Iterator[
 
 
 def test_sequential_gets_share_one_connection(server: _CountingServer, blobs: dict[str, bytes]) -> None:
-    remote = HttpStore(server.url)
+    remote = HttpLayer(server.url)
     for hex_, data in blobs.items():
         assert remote.read(Digest(hex_), len(data)) == data
     assert remote.read(Digest("0" * 64), 10) is None  # a 404 keeps the connection too
@@ -166,7 +166,7 @@ def test_sequential_gets_share_one_connection(server: _CountingServer, blobs: di
 @pytest.mark.parametrize("server", [1, 3], indirect=True)
 def test_a_connection_the_server_closed_is_replaced_without_using_a_retry(server: _CountingServer,
                                                                           blobs: dict[str, bytes]) -> None:
-    remote = HttpStore(server.url, retries=0)
+    remote = HttpLayer(server.url, retries=0)
     for hex_, data in blobs.items():
         assert remote.read(Digest(hex_), len(data)) == data
     assert all(count == 1 for count in server.gets.values())
@@ -174,8 +174,8 @@ def test_a_connection_the_server_closed_is_replaced_without_using_a_retry(server
 
 def test_parallel_prefetch_downloads_each_blob_once_over_few_connections(server: _CountingServer, blobs: dict[str, bytes],
                                                                          tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
-    store = Store([local, HttpStore(server.url)], strict=True)
+    local = LocalLayer(tmp_path / "home")
+    store = Store([local, HttpLayer(server.url)], strict=True)
     wanted = [(Digest(h), len(d)) for h, d in sorted(blobs.items())]
     failures = fetch_blobs(store, wanted, names=str, jobs=8)
     assert failures == []
@@ -186,7 +186,7 @@ def test_parallel_prefetch_downloads_each_blob_once_over_few_connections(server:
 
 
 def test_prefetch_failures_come_back_in_blob_order(server: _CountingServer, blobs: dict[str, bytes], tmp_path: Path) -> None:
-    store = Store([LocalStore(tmp_path / "home"), HttpStore(server.url, retries=0)], strict=True)
+    store = Store([LocalLayer(tmp_path / "home"), HttpLayer(server.url, retries=0)], strict=True)
     missing = [Digest(hashlib.sha256(bytes([i])).hexdigest()) for i in range(5)]
     wanted = sorted([*((d, 1) for d in missing), *((Digest(h), len(d)) for h, d in blobs.items())], key=lambda b: b[0].hex)
     failures = fetch_blobs(store, wanted, names=lambda d: f"kernel-{d.short}", jobs=4)
@@ -198,7 +198,7 @@ def test_prefetch_failures_come_back_in_blob_order(server: _CountingServer, blob
 # -- fsync: each file, each directory once per batch ----------------------------------------------
 
 def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path], dict[str, Any]]:
-    """fsyncs (patched in os) and filesystem syncs (through the returned ``LocalStore`` keywords)."""
+    """fsyncs (patched in os) and filesystem syncs (through the returned ``LocalLayer`` keywords)."""
     from cubinstore.store.local.root import sync_filesystem as real_fs
 
     synced: list[str] = []
@@ -220,7 +220,7 @@ def _count_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[Path]
 def _record_commits(monkeypatch: pytest.MonkeyPatch, *,
                     syncfs: bool = True) -> tuple[list[tuple[str, str]], dict[str, Any]]:
     """Events of a grouped batch in order: ("temp", entry), ("sync", ""), ("fsync", ""), ("rename", entry),
-    and the ``LocalStore`` keywords that record the temp writes and syncs."""
+    and the ``LocalLayer`` keywords that record the temp writes and syncs."""
     from cubinstore.store.local.root import sync_filesystem as real_fs, write_temp_at as real_temp
 
     events: list[tuple[str, str]] = []
@@ -268,8 +268,8 @@ def test_prefetch_makes_each_blob_durable_before_visible_with_one_sync_per_group
 
     manifest, blobs = release(tmp_path / "src", 600)
     events, primitives = _record_commits(monkeypatch)
-    local = LocalStore(tmp_path / "home", **primitives)
-    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    local = LocalLayer(tmp_path / "home", **primitives)
+    store = Store([local, DiskCacheLayer(tmp_path / "src")], strict=True)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
     _durable_before_visible(events, "sync")
     renamed = [name for what, name in events if what == "rename"]
@@ -287,8 +287,8 @@ def test_prefetch_without_syncfs_fsyncs_each_blob_before_its_rename(tmp_path: Pa
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, blobs = release(tmp_path / "src", 300)
     events, primitives = _record_commits(monkeypatch, syncfs=False)
-    local = LocalStore(tmp_path / "home", **primitives)
-    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    local = LocalLayer(tmp_path / "home", **primitives)
+    store = Store([local, DiskCacheLayer(tmp_path / "src")], strict=True)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []
     assert sum(1 for what, _ in events if what == "fsync") == 300
     # Each rename after the fsync of its own temp: the fsyncs of a group all come before its renames.
@@ -300,12 +300,12 @@ def test_a_waiter_in_another_process_gets_a_blob_held_in_a_pending_group(tmp_pat
     # The entry's lock is held until its group is renamed into place: the waiter finds it, no second fetch.
     manifest, blobs = release(tmp_path / "src", 3)
     first = sorted(blobs)[0]
-    local = LocalStore(tmp_path / "home", lock_timeout=30.0)
-    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    local = LocalLayer(tmp_path / "home", lock_timeout=30.0)
+    store = Store([local, DiskCacheLayer(tmp_path / "src")], strict=True)
     waiter = textwrap.dedent(f"""
         import sys
         from cubinstore import Digest, Store
-        from cubinstore.store import LocalStore, MemoryStore
+        from cubinstore.store import LocalLayer, MemoryLayer
         from cubinstore.store.layer import Layer
 
         class Never(Layer):  # a second fetch would come here and fail
@@ -322,7 +322,7 @@ def test_a_waiter_in_another_process_gets_a_blob_held_in_a_pending_group(tmp_pat
                 time.sleep, real_sleep = real_sleep, None
             return time.sleep(seconds)
         time.sleep = sleep
-        store = Store([LocalStore({str(local.root)!r}, lock_timeout=30.0), Never()])
+        store = Store([LocalLayer({str(local.root)!r}, lock_timeout=30.0), Never()])
         assert len(store.get(Digest({first!r}), {len(blobs[first])})) == {len(blobs[first])}
         print("got it", flush=True)
     """)
@@ -341,7 +341,7 @@ def test_a_batch_that_syncs_each_blob_fsyncs_each_shard_directory_once(tmp_path:
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, blobs = release(tmp_path / "src", 600)
     synced, filesystems, primitives = _count_syncs(monkeypatch)
-    local = LocalStore(tmp_path / "home", **primitives)
+    local = LocalLayer(tmp_path / "home", **primitives)
     with local.batch():
         for hex_, data in blobs.items():
             local.write(Digest(hex_), data)
@@ -354,11 +354,11 @@ def test_unpack_makes_staged_blobs_durable_with_one_sync_before_any_rename(tmp_p
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     manifest, _ = release(tmp_path / "src", 400)
     bundle = tmp_path / "r.tar"
-    pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
+    pack(manifest, Store([DiskCacheLayer(tmp_path / "src")]), bundle)
     synced, filesystems, primitives = _count_syncs(monkeypatch)
     renamed_after_sync: list[bool] = []
 
-    class Target(LocalStore):  # a store that notes, at each staged blob's rename, whether a sync came first
+    class Target(LocalLayer):  # a store that notes, at each staged blob's rename, whether a sync came first
         def commit_staged(self, name: str, digest: Digest) -> None:
             renamed_after_sync.append(bool(filesystems))
             super().commit_staged(name, digest)
@@ -384,7 +384,7 @@ def test_pack_writes_the_bytes_tarfile_would(tmp_path: Path) -> None:
             tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
     manifest, blobs = release(tmp_path / "src", 37)
     bundle = tmp_path / "r.tar"
-    pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
+    pack(manifest, Store([DiskCacheLayer(tmp_path / "src")]), bundle)
     expected = io.BytesIO()
     with tarfile.open(fileobj=expected, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         tar.addfile(_bundle._member(_bundle.MANIFEST_NAME, len(manifest.raw)), io.BytesIO(manifest.raw))
@@ -430,7 +430,7 @@ def test_pack_writes_the_bundle_in_small_pieces_even_a_large_manifest_or_blob(tm
 
     monkeypatch.setattr(os, "write", write)  # the standard library's: pack writes with os.write
     bundle = tmp_path / "r.tar"
-    total = pack(manifest, Store([DiskCacheStore(tmp_path / "src")]), bundle)
+    total = pack(manifest, Store([DiskCacheLayer(tmp_path / "src")]), bundle)
     monkeypatch.undo()
     assert max(sizes) == _bundle._WRITE_CHUNK and sum(sizes) == total == bundle.stat().st_size
     expected = io.BytesIO()
@@ -454,9 +454,9 @@ def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -
         import sys
         from cubinstore import Manifest, Store
         from cubinstore.internals import fetch_blobs
-        from cubinstore.store import DiskCacheStore, LocalStore
+        from cubinstore.store import DiskCacheLayer, LocalLayer
         m = Manifest.from_path({str(tmp_path / "m.json")!r})
-        store = Store([LocalStore({str(home)!r}), DiskCacheStore({str(tmp_path / "src")!r})], strict=True)
+        store = Store([LocalLayer({str(home)!r}), DiskCacheLayer({str(tmp_path / "src")!r})], strict=True)
         seen = []
         def names(d):
             seen.append(d)
@@ -472,10 +472,10 @@ def test_a_prefetch_killed_mid_batch_leaves_only_whole_entries(tmp_path: Path) -
     assert proc.stdout is not None and proc.stdout.readline().strip() == "halfway"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
-    local = LocalStore(home)
+    local = LocalLayer(home)
     report = verify_store(local)
     # What reached a final path is whole; the blobs of the group not yet committed are temp files.
     assert report.corrupt == [] and report.ok < 400
-    store = Store([local, DiskCacheStore(tmp_path / "src")], strict=True)
+    store = Store([local, DiskCacheLayer(tmp_path / "src")], strict=True)
     assert fetch_blobs(store, list(manifest.blobs), names=str, jobs=4) == []  # the rest is fetched again
     assert verify_store(local).ok == 400

@@ -156,16 +156,16 @@ def test_a_blob_is_read_and_hashed_once_per_process_however_many_devices_load_it
     import os
 
     from cubinstore import Digest
-    from cubinstore.store import LocalStore, MemoryStore, Store
+    from cubinstore.store import LocalLayer, MemoryLayer, Store
 
     data = cubin_like(0)
     digest = Digest.of(data)
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     local.write(digest, data)
     kernels = [{"id": "f/p0/sm_90a", "family": "f", "params": {"p": 0}, "arch": "sm_90a", "digest": str(digest),
                 "size": len(data), "target": "//k:t0", "entries": {"k": {"name": "k", "params": ["ptr"], "offsets": [0]}}}]
     lib = launch.Library(Manifest.from_bytes(dumps_canonical({"schema": "cubinstore/manifest/v2", "kernels": kernels})),
-                         Store([MemoryStore(), local]))  # the layers of Store.from_env, without remotes
+                         Store([MemoryLayer(), local]))  # the layers of Store.from_env, without remotes
     opened: list[Any] = []
     hashed: list[int] = []
     real_open, real_sha256 = os.open, hashlib.sha256

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cubinstore import BadArgumentError, Digest, IntegrityError
-from cubinstore.store import HttpStore
+from cubinstore.store import HttpLayer
 from cubinstore.store.action_result import (
     MAX_ACTION_RESULT_BYTES,
     ActionResult,
@@ -379,8 +379,8 @@ def test_the_action_command_and_input_root_are_valid_reapi_messages() -> None:
 
 # -- the HTTP cache's /ac/ (nginx WebDAV) ---------------------------------------------------------
 
-def http(url: str) -> HttpStore:
-    return HttpStore(url, connect_timeout=2.0, read_timeout=5.0, retries=1, deadline=20.0, backoff=0.01)
+def http(url: str) -> HttpLayer:
+    return HttpLayer(url, connect_timeout=2.0, read_timeout=5.0, retries=1, deadline=20.0, backoff=0.01)
 
 
 @pytest.mark.usefixtures("clean_env")

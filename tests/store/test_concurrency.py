@@ -12,13 +12,13 @@ import pytest
 
 from cubinstore import Digest, Manifest, Store
 from cubinstore.internals import verify_store
-from cubinstore.store import HttpStore, LocalStore
+from cubinstore.store import HttpLayer, LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def upload(url: str, blobs: dict[str, bytes]) -> None:
-    remote = HttpStore(url)
+    remote = HttpLayer(url)
     for hex_, data in blobs.items():
         remote.put(Digest(hex_), data)
 
@@ -37,7 +37,7 @@ def test_16_processes_prefetching_one_manifest_download_each_blob_once(nginx, ma
         assert code == 0, err
     for hex_ in release.blobs:
         assert nginx.requests("GET", hex_) == 1, f"sha256:{hex_} downloaded {nginx.requests('GET', hex_)} times"
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     report = verify_store(local)
     manifest = Manifest.from_path(release.path)
     assert report.corrupt == [] and report.ok == len(release.blobs) + 1  # + the manifest itself
@@ -59,7 +59,7 @@ def test_threads_of_one_process_share_one_download(nginx, make_release, tmp_path
 
     def fetch() -> None:
         try:
-            results.append(Store([LocalStore(tmp_path), HttpStore(url)]).get(Digest(hex_), len(data)))
+            results.append(Store([LocalLayer(tmp_path), HttpLayer(url)]).get(Digest(hex_), len(data)))
         except BaseException as exc:  # surfaced by the assert below
             errors.append(exc)
 
@@ -95,7 +95,7 @@ def test_an_entry_pending_in_an_idle_grouped_batch_is_committed_for_a_process_th
             return data
 
     first, second = Source(), Source()
-    s1, s2 = LocalStore(tmp_path, lock_timeout=30.0), LocalStore(tmp_path, lock_timeout=30.0)
+    s1, s2 = LocalLayer(tmp_path, lock_timeout=30.0), LocalLayer(tmp_path, lock_timeout=30.0)
     with s1.batch(grouped=True):
         assert Store([s1, first], strict=True).get(digest, len(data)) == data  # staged, pending
         started = time.monotonic()
@@ -106,7 +106,7 @@ def test_an_entry_pending_in_an_idle_grouped_batch_is_committed_for_a_process_th
 
 
 def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish(tmp_path: Path) -> None:
-    # Two prefetches (two LocalStores of one root: their range locks exclude each other like two
+    # Two prefetches (two LocalLayers of one root: their range locks exclude each other like two
     # processes'). Each stages one entry whose fetching thread then ends, and each has a thread
     # already waiting for the other's entry: only a waiter that commits its own group on every
     # poll (not only on its first) lets both go on.
@@ -138,7 +138,7 @@ def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish
         time.sleep(seconds)
 
     clock = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
-    s1, s2 = LocalStore(tmp_path, lock_timeout=20.0, clock=clock), LocalStore(tmp_path, lock_timeout=20.0, clock=clock)
+    s1, s2 = LocalLayer(tmp_path, lock_timeout=20.0, clock=clock), LocalLayer(tmp_path, lock_timeout=20.0, clock=clock)
     st1, st2 = Store([s1, Gated()], strict=True), Store([s2, Gated()], strict=True)
     errors: list[BaseException] = []
 
@@ -161,4 +161,4 @@ def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish
         for t in (t1a, t2a, t1b, t2b):
             t.join(60)
         assert errors == []
-    assert verify_store(LocalStore(tmp_path)).ok == 2
+    assert verify_store(LocalLayer(tmp_path)).ok == 2

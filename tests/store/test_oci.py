@@ -16,10 +16,10 @@ from helpers.registry import write_auth_file
 
 from cubinstore import Digest
 from cubinstore.errors import BadArgumentError, IntegrityError, MissingBlobError, RemoteUnavailableError
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 from cubinstore.store.oci.auth import find_credentials, parse_challenge, realm_allowed
 from cubinstore.store.oci.reference import RegistryRef
-from cubinstore.store.oci.remote import OciStore
+from cubinstore.store.oci.remote import OciLayer
 from cubinstore.store.remotes import remote_layer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -70,13 +70,13 @@ def test_plain_http_only_on_loopback_unless_asked() -> None:
 def test_a_remote_names_a_repository_not_a_tag() -> None:
     with pytest.raises(BadArgumentError, match=r"^registry remote oci://127.0.0.1:5000/k:v1: a remote names a repository"):
         remote_layer("oci://127.0.0.1:5000/k:v1")
-    assert isinstance(remote_layer("oci://127.0.0.1:5000/k"), OciStore)
+    assert isinstance(remote_layer("oci://127.0.0.1:5000/k"), OciLayer)
 
 
 # -- blobs through the Store --------------------------------------------------------------------------
 
-def pushed(repo: str, *blobs: tuple[Digest, bytes]) -> OciStore:
-    pusher = OciStore(RegistryRef.parse(repo), push=True)
+def pushed(repo: str, *blobs: tuple[Digest, bytes]) -> OciLayer:
+    pusher = OciLayer(RegistryRef.parse(repo), push=True)
     for digest, data in blobs:
         pusher.put(digest, data)
     return pusher
@@ -86,15 +86,15 @@ def test_a_blob_comes_from_the_registry_verified_and_is_kept(registry, clean_env
     digest, data = random_blob(5000, seed=1)
     repo = registry.repo()
     pushed(repo, (digest, data))
-    store = Store([LocalStore(clean_env), remote_layer(repo)])
+    store = Store([LocalLayer(clean_env), remote_layer(repo)])
     assert store.get(digest, len(data)) == data
-    assert LocalStore(clean_env).path_for(digest).read_bytes() == data
+    assert LocalLayer(clean_env).path_for(digest).read_bytes() == data
 
 
 def test_a_blob_the_registry_lost_is_a_clean_miss_naming_the_repository(registry, clean_env: Path) -> None:
     digest, data = random_blob(100, seed=2)
     repo = registry.repo()
-    store = Store([LocalStore(clean_env), remote_layer(repo)])
+    store = Store([LocalLayer(clean_env), remote_layer(repo)])
     with pytest.raises(MissingBlobError) as info:
         store.get(digest, len(data))
     assert str(info.value).startswith(f"{digest} (100 bytes) not available: ")
@@ -109,7 +109,7 @@ def test_a_blob_changed_in_registry_storage_is_refused_and_nothing_is_stored(reg
     flipped = bytearray(data)
     flipped[77] ^= 0x10
     path.write_bytes(bytes(flipped))
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     with pytest.raises(IntegrityError) as info:
         Store([local, remote_layer(repo)]).get(digest, len(data), name="axpy/sm_90a")
     assert str(info.value).startswith(f"{digest} (axpy/sm_90a) (4096 bytes) not available: ")
@@ -122,7 +122,7 @@ def test_a_pull_through_mirror_serves_what_the_origin_has(registry, proxy_regist
     repo = registry.repo()
     pushed(repo, (digest, data))
     mirror = repo.replace(registry.host, proxy_registry.host)
-    store = Store([LocalStore(clean_env), remote_layer(mirror), remote_layer(repo)])
+    store = Store([LocalLayer(clean_env), remote_layer(mirror), remote_layer(repo)])
     assert store.get(digest, len(data)) == data
     path = "/v2/" + repo.split("/", 3)[3] + f"/blobs/{digest}"
     assert proxy_registry.requests("GET", path) == 1
@@ -139,7 +139,7 @@ def test_tls_with_basic_auth_from_registry_auth_file(secure_registry, clean_env:
     auth = write_auth_file(tmp_path / "auth.json", secure_registry.host, secure_registry.user, secure_registry.password)
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth))
     pushed(repo, (digest, data))
-    assert Store([LocalStore(clean_env), remote_layer(repo)]).get(digest, len(data)) == data
+    assert Store([LocalLayer(clean_env), remote_layer(repo)]).get(digest, len(data)) == data
 
 
 def test_no_credentials_says_where_they_are_read_from(secure_registry, clean_env: Path, tmp_path: Path,
@@ -151,7 +151,7 @@ def test_no_credentials_says_where_they_are_read_from(secure_registry, clean_env
     digest, _ = random_blob(10, seed=7)
     repo = secure_registry.repo()
     with pytest.raises(RemoteUnavailableError) as info:
-        OciStore(repo).read(digest, 10)
+        OciLayer(repo).read(digest, 10)
     assert str(info.value).startswith(f"blob {digest} of {repo}: {secure_registry.host} asks for a password (Basic); "
                                       f"no credentials for {secure_registry.host} in REGISTRY_AUTH_FILE")
 
@@ -163,7 +163,7 @@ def test_wrong_password_is_refused_and_never_printed(secure_registry, clean_env:
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth))
     digest, _ = random_blob(10, seed=8)
     with pytest.raises(RemoteUnavailableError) as info:
-        OciStore(secure_registry.repo()).read(digest, 10)
+        OciLayer(secure_registry.repo()).read(digest, 10)
     assert "HTTP 401 again after authenticating" in str(info.value)
     assert f"refused the credentials for {secure_registry.host} from {auth}" in str(info.value)
     assert "not-the-password-xyz" not in str(info.value)
@@ -173,7 +173,7 @@ def test_wrong_password_is_refused_and_never_printed(secure_registry, clean_env:
 def test_an_untrusted_certificate_is_refused(secure_registry, clean_env: Path) -> None:
     digest, _ = random_blob(10, seed=9)
     with pytest.raises(RemoteUnavailableError, match="CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
-        OciStore(secure_registry.repo(), retries=0).read(digest, 10)
+        OciLayer(secure_registry.repo(), retries=0).read(digest, 10)
 
 
 def test_credentials_files_in_their_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,7 +213,7 @@ def test_bearer_token_flow_push_and_pull(token_registry, clean_env: Path, tmp_pa
     digest, data = random_blob(1500, seed=10)
     repo = token_registry.repo()
     pushed(repo, (digest, data))
-    assert Store([LocalStore(clean_env), remote_layer(repo)]).get(digest, len(data)) == data
+    assert Store([LocalLayer(clean_env), remote_layer(repo)]).get(digest, len(data)) == data
     scopes = [path for path, _ in token_registry.tokens.requests]
     name = repo.split("/", 3)[3]
     assert any(f"scope=repository%3A{name.replace('/', '%2F')}%3Apull%2Cpush" in p for p in scopes)
@@ -294,7 +294,7 @@ def test_a_blob_redirect_is_followed_without_the_authorization_header(scripted, 
     scripted.append(registry)
     auth = write_auth_file(tmp_path / "auth.json", registry.host, "ci", "pw")
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(auth))
-    store = Store([LocalStore(clean_env), remote_layer(f"oci://{registry.host}/team/k")])
+    store = Store([LocalLayer(clean_env), remote_layer(f"oci://{registry.host}/team/k")])
     assert store.get(digest, len(data)) == data
     assert storage.seen == [("127.0.0.2", f"/objects/{digest.hex}?X-Signature=abc", "")]
 
@@ -307,7 +307,7 @@ def test_a_redirect_loop_is_an_error_naming_the_blob(scripted, clean_env: Path) 
     servers += [a, b]
     scripted.extend(servers)
     with pytest.raises(RemoteUnavailableError) as info:
-        OciStore(f"oci://{a.host}/team/k").read(digest, 10)
+        OciLayer(f"oci://{a.host}/team/k").read(digest, 10)
     assert str(info.value).startswith(f"blob {digest} of oci://{a.host}/team/k: redirect loop: ")
 
 
@@ -316,12 +316,12 @@ def test_retry_after_is_honoured_within_the_deadline(scripted, clean_env: Path) 
     answers = iter([(429, {"Retry-After": "1"}, b'{"errors":[{"code":"TOOMANYREQUESTS","message":"slow down"}]}')])
     server = Scripted(lambda h: next(answers, (200, {}, data)))
     scripted.append(server)
-    assert OciStore(f"oci://{server.host}/team/k").read(digest, 64) == data
+    assert OciLayer(f"oci://{server.host}/team/k").read(digest, 64) == data
     assert len(server.seen) == 2
     late = Scripted(lambda h: (503, {"Retry-After": "3600"}, b""))
     scripted.append(late)
     with pytest.raises(RemoteUnavailableError) as info:
-        OciStore(f"oci://{late.host}/team/k", deadline=5).read(digest, 64)
+        OciLayer(f"oci://{late.host}/team/k", deadline=5).read(digest, 64)
     assert "HTTP 503, asked to retry after 3600s, past the total deadline of 5s" in str(info.value)
     assert len(late.seen) == 1
 
@@ -334,7 +334,7 @@ def test_a_challenge_naming_an_unexpected_realm_host_is_refused(scripted, clean_
     monkeypatch.setenv("REGISTRY_AUTH_FILE", str(write_auth_file(tmp_path / "a.json", server.host, "ci", "pw")))
     digest, _ = random_blob(10, seed=14)
     with pytest.raises(RemoteUnavailableError) as info:
-        OciStore(f"oci://{server.host}/team/k").read(digest, 10)
+        OciLayer(f"oci://{server.host}/team/k").read(digest, 10)
     assert str(info.value) == (
         f"blob {digest} of oci://{server.host}/team/k: {server.host} for oci://{server.host}/team/k: token realm "
         "'https://tokens.evil.example/t' refused: host tokens.evil.example is not the registry's host 127.0.0.1; "
@@ -345,7 +345,7 @@ def test_an_oversized_content_length_is_refused_unread(scripted, clean_env: Path
     digest, _ = random_blob(100, seed=15)
     server = Scripted(lambda h: (200, {}, b"x" * 5000))
     scripted.append(server)
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     with pytest.raises(IntegrityError) as info:
         Store([local, remote_layer(f"oci://{server.host}/team/k")]).get(digest, 100)
     assert "server declares 5000 bytes, expected 100; not downloaded" in str(info.value)
@@ -361,7 +361,7 @@ def test_a_mirror_serving_wrong_bytes_is_skipped_for_the_origin(registry, script
     bad[0] ^= 1
     mirror = Scripted(lambda h: (200, {}, bytes(bad)))
     scripted.append(mirror)
-    local = LocalStore(clean_env)
+    local = LocalLayer(clean_env)
     store = Store([local, remote_layer(f"oci://{mirror.host}/{origin.split('/', 3)[3]}"), remote_layer(origin)])
     assert store.get(digest, len(data)) == data
     assert store.stats.verification_failures == 1
@@ -374,5 +374,5 @@ def test_error_bodies_of_the_registry_are_quoted(scripted) -> None:
     scripted.append(server)
     digest, _ = random_blob(10, seed=16)
     with pytest.raises(RemoteUnavailableError) as info:
-        OciStore(f"oci://{server.host}/team/k").read(digest, 10)
+        OciLayer(f"oci://{server.host}/team/k").read(digest, 10)
     assert str(info.value).endswith("HTTP 403 'DENIED': 'requested access to the resource is denied'")

@@ -20,7 +20,7 @@ import pytest
 from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Store
-from cubinstore.store import LocalStore, MemoryStore
+from cubinstore.store import LocalLayer, MemoryLayer
 from cubinstore.store.local.stats import FLUSH_SECONDS
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -64,7 +64,7 @@ class Syscalls:
 
 
 def test_a_local_hit_writes_nothing_and_is_counted_on_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     blobs = [blob(seed=i) for i in range(20)]
     for digest, data in blobs:
         local.write(digest, data)
@@ -78,10 +78,10 @@ def test_a_local_hit_writes_nothing_and_is_counted_on_read(tmp_path: Path, monke
 
 
 def test_a_memory_hit_touches_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     digest, data = blob()
     local.write(digest, data)
-    store = Store([MemoryStore(), local])
+    store = Store([MemoryLayer(), local])
     store.get(digest, len(data))
     syscalls = Syscalls(monkeypatch)
     real_open = os.open
@@ -93,7 +93,7 @@ def test_a_memory_hit_touches_no_file(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_counts_are_flushed_in_batches(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home", flush_events=10)
+    local = LocalLayer(tmp_path / "home", flush_events=10)
     digest, data = blob()
     local.write(digest, data)
     for _ in range(9):
@@ -105,7 +105,7 @@ def test_counts_are_flushed_in_batches(tmp_path: Path) -> None:
 
 def test_counts_of_a_quiet_process_are_flushed_after_a_while(tmp_path: Path) -> None:
     clock = [1000.0]
-    local = LocalStore(tmp_path / "home", clock=types.SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
+    local = LocalLayer(tmp_path / "home", clock=types.SimpleNamespace(monotonic=lambda: clock[0], sleep=time.sleep))
     local.add_stats({"hits": 1})
     assert not local.stats_path.exists()
     clock[0] += FLUSH_SECONDS
@@ -120,13 +120,13 @@ def _child(home: Path, body: str) -> subprocess.CompletedProcess[str]:
 
 def test_counts_of_many_processes_add_up_at_exit(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    local = LocalStore(home)
+    local = LocalLayer(home)
     digest, data = blob()
     local.write(digest, data)
     body = f"""
         from cubinstore import Digest, Store
-        from cubinstore.store import LocalStore
-        local = LocalStore({str(home)!r})
+        from cubinstore.store import LocalLayer
+        local = LocalLayer({str(home)!r})
         for _ in range(50):
             Store([local]).get(Digest({digest.hex!r}), {len(data)})
     """
@@ -135,15 +135,15 @@ def test_counts_of_many_processes_add_up_at_exit(tmp_path: Path) -> None:
              for _ in range(6)]
     for p in procs:
         assert p.wait(timeout=120) == 0, p.stderr.read()  # type: ignore[union-attr]
-    assert LocalStore(home).read_stats()["hits"] == 300
+    assert LocalLayer(home).read_stats()["hits"] == 300
 
 
 def test_a_forked_child_does_not_count_its_parents_pending_hits_again(tmp_path: Path) -> None:
     home = tmp_path / "home"
     result = _child(home, f"""
         import os
-        from cubinstore.store import LocalStore
-        local = LocalStore({str(home)!r})
+        from cubinstore.store import LocalLayer
+        local = LocalLayer({str(home)!r})
         local.add_stats({{"hits": 3}})
         pid = os.fork()
         if pid == 0:
@@ -152,14 +152,14 @@ def test_a_forked_child_does_not_count_its_parents_pending_hits_again(tmp_path: 
         os.waitpid(pid, 0)
     """)
     assert result.returncode == 0, result.stderr
-    assert LocalStore(home).read_stats()["hits"] == 4
+    assert LocalLayer(home).read_stats()["hits"] == 4
 
 
 def test_a_fetched_blob_is_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blobs = [blob(seed=i) for i in range(5)]
     source = disk_cache_with(tmp_path / "disk_cache", blobs)
-    local = LocalStore(tmp_path / "home")
-    store = Store([MemoryStore(), local, source])
+    local = LocalLayer(tmp_path / "home")
+    store = Store([MemoryLayer(), local, source])
     hashed: list[int] = []
     real_sha256 = hashlib.sha256  # every hash anywhere (Digest.of, verify) goes through it
     monkeypatch.setattr(hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data))
@@ -173,7 +173,7 @@ def test_a_fetched_blob_is_hashed_once(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_a_hit_bumps_the_mtime_of_an_old_entry_only(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     old, fresh = blob(seed=1), blob(seed=2)
     for digest, data in (old, fresh):
         local.write(digest, data)
@@ -187,7 +187,7 @@ def test_a_hit_bumps_the_mtime_of_an_old_entry_only(tmp_path: Path) -> None:
 
 
 def test_a_cas_directory_replaced_under_a_live_process_is_found_again(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     a, b = blob(seed=1), blob(seed=2)
     local.write(*a)
     assert local.read(a[0], len(a[1])) == a[1]  # the process now holds v1/cas open

@@ -17,7 +17,7 @@ from cubinstore import (
     RemoteUnavailableError,
     Store,
 )
-from cubinstore.store import HttpStore, LocalStore, MemoryStore
+from cubinstore.store import HttpLayer, LocalLayer, MemoryLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -26,11 +26,11 @@ def blob(n: int = 10000, seed: int | None = None) -> tuple[Digest, bytes]:
     return random_blob(n, seed)
 
 
-def fast(url: str, **kw: float) -> HttpStore:
+def fast(url: str, **kw: float) -> HttpLayer:
     """Short timeouts and backoff so fault tests stay quick."""
     options = dict(connect_timeout=2.0, read_timeout=2.0, retries=2, deadline=20.0, backoff=0.01, max_backoff=0.05)
     options.update(kw)
-    return HttpStore(url, **options)  # type: ignore[arg-type]
+    return HttpLayer(url, **options)  # type: ignore[arg-type]
 
 
 # -- nginx ----------------------------------------------------------------------------------------
@@ -40,14 +40,14 @@ def test_nginx_hit_fills_the_local_store(nginx, tmp_path: Path) -> None:
     digest, data = blob()
     fast(url).put(digest, data)
     assert nginx.file(url, digest.hex).read_bytes() == data
-    local = LocalStore(tmp_path)
-    store = Store([MemoryStore(), local, fast(url)])
+    local = LocalLayer(tmp_path)
+    store = Store([MemoryLayer(), local, fast(url)])
     assert store.get(digest, len(data), name="axpy/f32/vec4/sm_90a") == data
     assert local.path_for(digest).read_bytes() == data
     assert store.stats.misses == 1 and store.stats.bytes_fetched == len(data)
     # Second time: local hit, no request.
     before = nginx.requests("GET", digest.hex)
-    assert Store([LocalStore(tmp_path), fast(url)]).get(digest, len(data)) == data
+    assert Store([LocalLayer(tmp_path), fast(url)]).get(digest, len(data)) == data
     assert nginx.requests("GET", digest.hex) == before == 1
 
 
@@ -55,11 +55,11 @@ def test_nginx_404_is_a_missing_blob_without_retries(nginx, tmp_path: Path) -> N
     url = nginx.base()
     digest, data = blob()
     with pytest.raises(MissingBlobError) as info:
-        Store([LocalStore(tmp_path), fast(url, retries=5)]).get(digest, len(data), name="k1")
+        Store([LocalLayer(tmp_path), fast(url, retries=5)]).get(digest, len(data), name="k1")
     message = str(info.value)
     assert message.startswith(f"{digest} (k1) ({len(data)} bytes) not available: local store {tmp_path}: miss; remote {url}: miss")
     assert nginx.requests("GET", digest.hex) == 1
-    assert not LocalStore(tmp_path).path_for(digest).exists()
+    assert not LocalLayer(tmp_path).path_for(digest).exists()
 
 
 def test_wrong_bytes_at_the_right_length_on_nginx_are_never_stored(nginx, tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_wrong_bytes_at_the_right_length_on_nginx_are_never_stored(nginx, tmp_pa
     path = nginx.file(url, digest.hex)
     path.parent.mkdir(parents=True)
     path.write_bytes(bytes([data[0] ^ 0x80]) + data[1:])  # a cache that serves a damaged blob
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     store = Store([local, fast(url)])
     with pytest.raises(IntegrityError) as info:
         store.get(digest, len(data), name="k2")
@@ -81,7 +81,7 @@ def test_second_remote_serves_when_the_first_misses(nginx, tmp_path: Path) -> No
     first, second = nginx.base(), nginx.base()
     digest, data = blob()
     fast(second).put(digest, data)
-    assert Store([LocalStore(tmp_path), fast(first), fast(second)]).get(digest, len(data)) == data
+    assert Store([LocalLayer(tmp_path), fast(first), fast(second)]).get(digest, len(data)) == data
 
 
 def test_basic_auth_credentials_never_appear_in_messages(nginx) -> None:
@@ -96,7 +96,7 @@ def test_basic_auth_credentials_never_appear_in_messages(nginx) -> None:
 @pytest.mark.parametrize("url", ["ftp://x/cas", "http://", "http://h/p?q=1", "http://h/p#f", "http://h:99999/", "file:///tmp", "http://h/a b"])
 def test_malformed_remote_url_is_a_bad_argument(url: str) -> None:
     with pytest.raises(BadArgumentError, match=r"^invalid remote URL"):
-        HttpStore(url)
+        HttpLayer(url)
 
 
 # -- faults from a real misbehaving server --------------------------------------------------------
@@ -113,7 +113,7 @@ def test_5xx_then_success_is_retried_with_backoff(faulty, tmp_path: Path) -> Non
     digest, data = blob()
     path = f"/cas/{digest.hex}"
     faulty.script(path, [("status", 503), ("status", 500), ("body", data)])
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     assert Store([local, fast(faulty.url, retries=3)]).get(digest, len(data)) == data
     assert faulty.count("GET", path) == 3
     assert local.path_for(digest).read_bytes() == data
@@ -124,7 +124,7 @@ def test_persistent_5xx_gives_up_after_bounded_retries(faulty, tmp_path: Path) -
     path = f"/cas/{digest.hex}"
     faulty.script(path, [("status", 502)])
     with pytest.raises(RemoteUnavailableError) as info:
-        Store([LocalStore(tmp_path), fast(faulty.url, retries=2)]).get(digest, len(data), name="k3")
+        Store([LocalLayer(tmp_path), fast(faulty.url, retries=2)]).get(digest, len(data), name="k3")
     assert f"GET {faulty.url}/cas/{digest.hex} failed after 3 attempts" in str(info.value)
     assert "HTTP 502" in str(info.value)
     assert faulty.count("GET", path) == 3
@@ -172,7 +172,7 @@ def test_connection_refused_is_retried_then_typed(tmp_path: Path) -> None:
         port = s.getsockname()[1]  # closed when the block ends: nothing listens there
     digest, data = blob()
     with pytest.raises(RemoteUnavailableError, match=r".*failed after 3 attempts .*cannot connect: Connection refused"):
-        Store([LocalStore(tmp_path), fast(f"http://127.0.0.1:{port}", retries=2)]).get(digest, len(data))
+        Store([LocalLayer(tmp_path), fast(f"http://127.0.0.1:{port}", retries=2)]).get(digest, len(data))
 
 
 def test_connect_timeout_against_a_full_accept_queue() -> None:
@@ -204,7 +204,7 @@ def test_wrong_bytes_of_the_right_length_is_an_integrity_error(faulty, tmp_path:
     digest, data = blob()
     path = f"/cas/{digest.hex}"
     faulty.script(path, [("body", bytes(len(data)))])
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     store = Store([local, fast(faulty.url, retries=3)])
     with pytest.raises(IntegrityError, match=rf"^{digest} \(k4\) \({len(data)} bytes\) not available: .*digest mismatch"):
         store.get(digest, len(data), name="k4")
@@ -217,7 +217,7 @@ def test_truncated_body_is_retried_then_succeeds(faulty, tmp_path: Path) -> None
     digest, data = blob()
     path = f"/cas/{digest.hex}"
     faulty.script(path, [("declare", len(data), data[:1000]), ("body", data)])
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     assert Store([local, fast(faulty.url)]).get(digest, len(data)) == data
     assert faulty.count("GET", path) == 2
     assert local.path_for(digest).read_bytes() == data
@@ -227,7 +227,7 @@ def test_always_truncated_body_is_a_typed_error_and_nothing_stored(faulty, tmp_p
     digest, data = blob()
     path = f"/cas/{digest.hex}"
     faulty.script(path, [("declare", len(data), data[:-1])])
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     with pytest.raises(RemoteUnavailableError, match=r".*truncated body: got 9999 of 10000 bytes"):
         Store([local, fast(faulty.url, retries=1)]).get(digest, len(data))
     assert not local.root.joinpath("v1", "cas").exists() or not any(local.root.joinpath("v1", "cas").rglob("*" + digest.hex + "*"))
@@ -356,7 +356,7 @@ def test_a_black_holed_remote_is_skipped_after_it_times_out_once(faulty, tmp_pat
         for digest, data in blobs:
             faulty.stored[f"/cas/{digest.hex}"] = data
         first = fast(f"http://127.0.0.1:{hole.getsockname()[1]}", read_timeout=0.5, retries=1, deadline=0.8)
-        store = Store([LocalStore(tmp_path), first, fast(faulty.url)])
+        store = Store([LocalLayer(tmp_path), first, fast(faulty.url)])
         start = time.monotonic()
         for digest, data in blobs:
             assert store.get(digest, len(data)) == data
@@ -398,7 +398,7 @@ SECRET_URLS = [
 @pytest.mark.parametrize("url", SECRET_URLS)
 def test_a_malformed_url_never_shows_its_credentials(url: str) -> None:
     with pytest.raises(BadArgumentError) as info:
-        HttpStore(url)
+        HttpLayer(url)
     message = str(info.value)
     assert message.startswith("invalid remote URL ")
     assert "s3cret" not in message and "cret" not in message and "user" not in message, message

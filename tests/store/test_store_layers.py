@@ -9,7 +9,7 @@ from helpers.blobs import random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, MissingBlobError, Store
 from cubinstore.internals import knobs as _env
-from cubinstore.store import DirectorySource, DiskCacheStore, HttpStore, LocalStore, MemoryStore
+from cubinstore.store import DirectorySource, DiskCacheLayer, HttpLayer, LocalLayer, MemoryLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -23,9 +23,9 @@ def test_from_env_orders_memory_local_disk_cache_remotes(clean_env: Path, monkey
     monkeypatch.setenv("CUBINSTORE_REMOTE", "http://127.0.0.1:1/a, http://127.0.0.1:2/b,")
     store = Store.from_env(extra_remotes=["http://127.0.0.1:3/c"])
     kinds = [type(layer) for layer in store.layers]
-    assert kinds == [MemoryStore, LocalStore, DiskCacheStore, HttpStore, HttpStore, HttpStore]
+    assert kinds == [MemoryLayer, LocalLayer, DiskCacheLayer, HttpLayer, HttpLayer, HttpLayer]
     assert store.local is not None and store.local.root == clean_env
-    assert [layer.url for layer in store.layers if isinstance(layer, HttpStore)] == [
+    assert [layer.url for layer in store.layers if isinstance(layer, HttpLayer)] == [
         "http://127.0.0.1:3/c", "http://127.0.0.1:1/a", "http://127.0.0.1:2/b"]
 
 
@@ -33,7 +33,7 @@ def test_offline_never_builds_a_remote_and_a_miss_says_so(monkeypatch: pytest.Mo
     monkeypatch.setenv("CUBINSTORE_REMOTE", "http://127.0.0.1:1/a")
     monkeypatch.setenv("CUBINSTORE_OFFLINE", "1")
     store = Store.from_env(extra_remotes=["http://127.0.0.1:3/c"])
-    assert not any(isinstance(layer, HttpStore) for layer in store.layers)
+    assert not any(isinstance(layer, HttpLayer) for layer in store.layers)
     digest, data = blob()
     with pytest.raises(MissingBlobError, match=r".*\(no remote store: CUBINSTORE_OFFLINE is set\)$"):
         store.get(digest, len(data), name="k")
@@ -74,8 +74,8 @@ def test_environment_accessors_parse_values(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("CUBINSTORE_OFFLINE", "Yes")
     monkeypatch.setenv("CUBINSTORE_MEMORY_BYTES", "0")
     assert _env.http_timeout() == 2.5 and _env.http_retries() == 0 and _env.offline() is True
-    assert not any(isinstance(layer, MemoryStore) for layer in Store.from_env().layers)
-    remote = HttpStore("http://127.0.0.1:9")
+    assert not any(isinstance(layer, MemoryLayer) for layer in Store.from_env().layers)
+    remote = HttpLayer("http://127.0.0.1:9")
     assert remote.read_timeout == 2.5 and remote.retries == 0
     assert {v.name for v in _env.VARIABLES} >= {"CUBINSTORE_HOME", "CUBINSTORE_REMOTE", "CUBINSTORE_DISK_CACHE",
                                                  "CUBINSTORE_OFFLINE", "CUBINSTORE_HTTP_TIMEOUT", "CUBINSTORE_HTTP_RETRIES"}
@@ -89,8 +89,8 @@ def test_bazel_disk_cache_view_reads_both_layouts(tmp_path: Path, layout: str) -
     path.parent.mkdir(parents=True)
     path.write_bytes(data)
     (disk_cache / "ac").mkdir()
-    local = LocalStore(tmp_path / "local")
-    store = Store([local, DiskCacheStore(disk_cache)])
+    local = LocalLayer(tmp_path / "local")
+    store = Store([local, DiskCacheLayer(disk_cache)])
     assert store.get(digest, len(data)) == data
     assert local.path_for(digest).read_bytes() == data
     assert store.stats.misses == 1 and store.stats.bytes_fetched == len(data)
@@ -102,9 +102,9 @@ def test_corrupt_disk_cache_entry_is_skipped_and_left_alone(tmp_path: Path) -> N
     path = disk_cache / "cas" / digest.hex[:2] / digest.hex
     path.parent.mkdir(parents=True)
     path.write_bytes(data[::-1])
-    second = MemoryStore()
+    second = MemoryLayer()
     second.write(digest, data)
-    store = Store([LocalStore(tmp_path / "local"), DiskCacheStore(disk_cache), second])
+    store = Store([LocalLayer(tmp_path / "local"), DiskCacheLayer(disk_cache), second])
     assert store.get(digest, len(data)) == data
     assert store.stats.verification_failures == 1
     assert path.read_bytes() == data[::-1]  # Bazel's directory is never modified
@@ -131,13 +131,13 @@ def test_bad_bytes_outrank_a_clean_miss_in_the_error_type(tmp_path: Path) -> Non
     path = tmp_path / "dc" / "cas" / digest.hex
     path.parent.mkdir(parents=True)
     path.write_bytes(bytes(len(data)))
-    store = Store([LocalStore(tmp_path / "local"), DiskCacheStore(tmp_path / "dc"), DiskCacheStore(tmp_path / "empty")])
+    store = Store([LocalLayer(tmp_path / "local"), DiskCacheLayer(tmp_path / "dc"), DiskCacheLayer(tmp_path / "empty")])
     with pytest.raises(IntegrityError, match=r".*disk cache .*/dc: digest mismatch.*; disk cache .*/empty: miss"):
         store.get(digest, len(data))
 
 
 def test_memory_layer_evicts_least_recently_used() -> None:
-    memory = MemoryStore(max_bytes=250)
+    memory = MemoryLayer(max_bytes=250)
     blobs = [blob(100, seed=i) for i in range(3)]
     memory.write(*blobs[0])
     memory.write(*blobs[1])
@@ -149,7 +149,7 @@ def test_memory_layer_evicts_least_recently_used() -> None:
 
 def test_get_returns_the_verified_object_even_if_the_file_changes_later(tmp_path: Path) -> None:
     digest, data = blob()
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     local.write(digest, data)
     got = Store([local]).get(digest, len(data))
     local.path_for(digest).write_bytes(bytes(len(data)))  # swapped after verification
@@ -187,3 +187,13 @@ def test_a_build_tree_read_from_many_threads_finds_every_blob(tmp_path) -> None:
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda blob: source.read(blob[0], len(blob[1])), blobs))
     assert got == [data for _, data in blobs]
+
+
+def test_the_layers_names_before_the_rename_still_import() -> None:
+    # "Store" names the whole; each layer is a ...Layer. The earlier names are the same classes.
+    import cubinstore.store as store
+    from cubinstore.store import DiskCacheStore, HttpStore, LocalStore, MemoryStore  # type: ignore[attr-defined]
+
+    assert (LocalStore, MemoryStore, DiskCacheStore, HttpStore) == (
+        store.LocalLayer, store.MemoryLayer, store.DiskCacheLayer, store.HttpLayer)
+    assert all(issubclass(cls, store.Layer) for cls in (LocalStore, MemoryStore, DiskCacheStore, HttpStore))

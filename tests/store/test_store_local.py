@@ -17,7 +17,7 @@ from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import BadArgumentError, Digest, IntegrityError, LockTimeoutError, MissingBlobError, Store, StoreError
 from cubinstore.internals import verify_store
-from cubinstore.store import LocalStore, MemoryStore
+from cubinstore.store import LocalLayer, MemoryLayer
 from cubinstore.store.local.lock import RANGE_LOCKS
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -29,12 +29,12 @@ def blob(n: int = 5000, seed: int | None = 0) -> tuple[Digest, bytes]:
     return random_blob(n, seed)
 
 
-def temps(local: LocalStore) -> list[Path]:
+def temps(local: LocalLayer) -> list[Path]:
     return [p for p in local.cas_dir.rglob(".tmp.*")]
 
 
 def test_layout_is_v1_cas_sharded_by_first_two_hex(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "root")
+    local = LocalLayer(tmp_path / "root")
     digest, data = blob()
     local.write(digest, data)
     path = tmp_path / "root" / "v1" / "cas" / digest.hex[:2] / digest.hex
@@ -45,7 +45,7 @@ def test_layout_is_v1_cas_sharded_by_first_two_hex(tmp_path: Path) -> None:
 
 
 def test_write_refuses_bytes_that_do_not_match_the_digest(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     digest, data = blob()
     with pytest.raises(IntegrityError, match=r"^digest mismatch for sha256:"):
         local.write(digest, data + b"x")
@@ -53,7 +53,7 @@ def test_write_refuses_bytes_that_do_not_match_the_digest(tmp_path: Path) -> Non
 
 
 def test_miss_is_a_missing_blob_error_naming_digest_kernel_and_layers(tmp_path: Path) -> None:
-    store = Store([MemoryStore(), LocalStore(tmp_path)])
+    store = Store([MemoryLayer(), LocalLayer(tmp_path)])
     digest, data = blob()
     with pytest.raises(MissingBlobError) as info:
         store.get(digest, len(data), name="axpy/f32/vec4/sm_90a")
@@ -67,7 +67,7 @@ def test_miss_is_a_missing_blob_error_naming_digest_kernel_and_layers(tmp_path: 
 def test_malformed_digest_is_rejected_before_any_io(tmp_path: Path, bad: str) -> None:
     root = tmp_path / "root"
     with pytest.raises(BadArgumentError, match=r"^invalid digest"):
-        Store([LocalStore(root)]).get(bad)
+        Store([LocalLayer(root)]).get(bad)
     assert not root.exists()
 
 
@@ -75,19 +75,19 @@ def test_malformed_digest_is_rejected_before_any_io(tmp_path: Path, bad: str) ->
 def test_bad_size_is_rejected_before_any_io(tmp_path: Path, size: object) -> None:
     digest, _ = blob()
     with pytest.raises(BadArgumentError, match=r"^invalid size"):
-        Store([LocalStore(tmp_path / "root")]).get(digest, size)  # type: ignore[arg-type]
+        Store([LocalLayer(tmp_path / "root")]).get(digest, size)  # type: ignore[arg-type]
     assert not (tmp_path / "root").exists()
 
 
 def test_empty_blob_digest_is_not_a_cubin(tmp_path: Path) -> None:
     with pytest.raises(BadArgumentError, match=r"^sha256:e3b0.* is the digest of zero bytes"):
-        Store([LocalStore(tmp_path)]).get(Digest.of(b""))
+        Store([LocalLayer(tmp_path)]).get(Digest.of(b""))
 
 
 @pytest.mark.parametrize("damage", ["flip", "zero-length", "truncated", "appended"])
 def test_corrupted_blob_is_refetched_not_loaded(tmp_path: Path, damage: str) -> None:
     digest, data = blob(8192)
-    local = LocalStore(tmp_path / "local")
+    local = LocalLayer(tmp_path / "local")
     source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])  # any later layer works
     local.write(digest, data)
     path = local.path_for(digest)
@@ -105,7 +105,7 @@ def test_corrupted_blob_is_refetched_not_loaded(tmp_path: Path, damage: str) -> 
 
 def test_corrupt_entry_offline_is_an_integrity_error_and_quarantined(tmp_path: Path) -> None:
     digest, data = blob()
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     local.write(digest, data)
     local.path_for(digest).write_bytes(b"\0" * len(data))
     with pytest.raises(IntegrityError) as info:
@@ -117,7 +117,7 @@ def test_corrupt_entry_offline_is_an_integrity_error_and_quarantined(tmp_path: P
 
 def test_size_is_checked_and_a_wrong_requested_size_keeps_the_good_entry(tmp_path: Path) -> None:
     digest, data = blob()
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     local.write(digest, data)
     with pytest.raises(IntegrityError, match=r".*: size mismatch for sha256:\w+ from local store .*: expected 4999 bytes, got more"):
         Store([local]).get(digest, len(data) - 1)
@@ -132,7 +132,7 @@ def test_symlink_at_entry_path_is_not_followed(tmp_path: Path) -> None:
     digest, data = blob()
     outside = tmp_path / "outside"
     outside.write_bytes(data)  # even the right bytes: a link could be swapped later
-    local = LocalStore(tmp_path / "local")
+    local = LocalLayer(tmp_path / "local")
     path = local.path_for(digest)
     path.parent.mkdir(parents=True)
     path.symlink_to(outside)
@@ -145,7 +145,7 @@ def test_symlink_at_entry_path_is_not_followed(tmp_path: Path) -> None:
 
 def test_fifo_at_entry_path_does_not_hang(tmp_path: Path) -> None:
     digest, data = blob()
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     path = local.path_for(digest)
     path.parent.mkdir(parents=True)
     os.mkfifo(path)
@@ -156,7 +156,7 @@ def test_fifo_at_entry_path_does_not_hang(tmp_path: Path) -> None:
 
 
 def test_stray_files_are_reported_not_loaded(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     digest, data = blob()
     local.write(digest, data)
     (local.cas_dir / "zz").mkdir()
@@ -168,7 +168,7 @@ def test_stray_files_are_reported_not_loaded(tmp_path: Path) -> None:
 
 
 def test_rename_failure_removes_temp_and_keeps_old_entries(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     d1, b1 = blob(seed=1)
     d2, b2 = blob(seed=2)
     local.write(d1, b1)
@@ -180,7 +180,7 @@ def test_rename_failure_removes_temp_and_keeps_old_entries(tmp_path: Path) -> No
 
 
 def test_a_failed_rename_in_a_grouped_batch_is_an_error_when_it_ends_and_leaves_no_temp(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     (d1, b1), (d2, b2) = blob(seed=1), blob(seed=2)
     local.path_for(d2).mkdir(parents=True)  # rename onto a directory fails (EISDIR)
     with pytest.raises(StoreError, match=rf"^cannot store 1 blob in {tmp_path}: {d2} at {local.path_for(d2)}: Is a directory"):
@@ -196,7 +196,7 @@ def test_a_grouped_batch_whose_sync_fails_renames_nothing_and_leaves_no_temp(tmp
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    local = LocalStore(tmp_path, sync_filesystem=lambda path: False)  # no syncfs: an fsync of each temp
+    local = LocalLayer(tmp_path, sync_filesystem=lambda path: False)  # no syncfs: an fsync of each temp
     (d1, b1), (d2, b2) = blob(seed=1), blob(seed=2)
     real_fsync = os.fsync
 
@@ -214,7 +214,7 @@ def test_a_grouped_batch_whose_sync_fails_renames_nothing_and_leaves_no_temp(tmp
 
 
 def test_an_error_in_a_grouped_batch_body_is_not_replaced_by_a_failed_rename(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     d2, b2 = blob(seed=2)
     local.path_for(d2).mkdir(parents=True)
     with pytest.raises(KeyboardInterrupt):
@@ -225,10 +225,10 @@ def test_an_error_in_a_grouped_batch_body_is_not_replaced_by_a_failed_rename(tmp
 
 
 def test_cache_write_failure_serves_verified_bytes_unless_strict(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     digest, data = blob()
     local.path_for(digest).mkdir(parents=True)
-    source = MemoryStore()
+    source = MemoryLayer()
     source.write(digest, data)
     assert Store([local, source]).get(digest, len(data)) == data
     with pytest.raises(StoreError, match=rf"^cannot store {digest} \(k\) in local store"):
@@ -238,9 +238,9 @@ def test_cache_write_failure_serves_verified_bytes_unless_strict(tmp_path: Path)
 _FULL_DISK_CHILD = textwrap.dedent("""
     import resource, signal, sys
     from cubinstore import Digest, StoreError
-    from cubinstore.store import LocalStore
+    from cubinstore.store import LocalLayer
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
-    local = LocalStore(sys.argv[1])
+    local = LocalLayer(sys.argv[1])
     small = b"small entry" * 10
     local.write(Digest.of(small), small)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
@@ -260,7 +260,7 @@ def test_disk_full_mid_write_is_a_typed_error_and_leaves_no_partial_entry(tmp_pa
                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
     assert out.returncode == 3, out.stderr
     assert out.stdout.startswith("StoreError: cannot write ") and "File too large" in out.stdout
-    local = LocalStore(root)
+    local = LocalLayer(root)
     big = bytes(range(256)) * 100
     assert not local.path_for(Digest.of(big)).exists()
     assert temps(local) == []
@@ -271,8 +271,8 @@ def test_disk_full_mid_write_is_a_typed_error_and_leaves_no_partial_entry(tmp_pa
 _WRITER_CHILD = textwrap.dedent("""
     import os, sys
     from cubinstore import Digest
-    from cubinstore.store import LocalStore
-    local = LocalStore(sys.argv[1])
+    from cubinstore.store import LocalLayer
+    local = LocalLayer(sys.argv[1])
     i = 0
     while True:
         data = os.urandom(1 << 20) + i.to_bytes(8, "little")
@@ -301,7 +301,7 @@ def test_writer_killed_at_random_points_never_leaves_a_bad_final_file(tmp_path: 
         proc.wait()
         proc.stdout.close()
         finished += wanted
-    local = LocalStore(root)
+    local = LocalLayer(root)
     entries, _ = local.scan()
     assert len(entries) >= finished
     report = verify_store(local)
@@ -316,7 +316,7 @@ def test_writer_killed_at_random_points_never_leaves_a_bad_final_file(tmp_path: 
 def test_reader_polling_during_writes_sees_absent_or_complete(tmp_path: Path) -> None:
     import threading
 
-    local = LocalStore(tmp_path)
+    local = LocalLayer(tmp_path)
     blobs = [blob(200_000, seed=i) for i in range(20)]
     seen_partial: list[str] = []
     done = threading.Event()
@@ -342,10 +342,10 @@ def test_reader_polling_during_writes_sees_absent_or_complete(tmp_path: Path) ->
 
 
 def test_stats_are_counted_and_persisted(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "local")
+    local = LocalLayer(tmp_path / "local")
     digest, data = blob()
     source = disk_cache_with(tmp_path / "disk_cache", [(digest, data)])
-    store = Store([MemoryStore(), local, source])
+    store = Store([MemoryLayer(), local, source])
     store.get(digest, len(data))   # fetched from source
     store.get(digest, len(data))   # memory hit
     store2 = Store([local])
@@ -372,7 +372,7 @@ def same_shard_digests(n: int) -> list[Digest]:
 @pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
 def test_the_lock_of_a_digest_excludes_threads_but_not_other_digests_of_its_shard(tmp_path: Path) -> None:
     a, b = same_shard_digests(2)
-    local = LocalStore(tmp_path / "home", lock_timeout=0.2)
+    local = LocalLayer(tmp_path / "home", lock_timeout=0.2)
     outcome: list[object] = []
 
     def take(digest: Digest) -> None:
@@ -397,8 +397,8 @@ def test_the_lock_of_a_digest_excludes_threads_but_not_other_digests_of_its_shar
 _LOCK_HOLDER = textwrap.dedent("""
     import sys, time
     from cubinstore import Digest
-    from cubinstore.store import LocalStore
-    with LocalStore(sys.argv[1]).lock(Digest(sys.argv[2])):
+    from cubinstore.store import LocalLayer
+    with LocalLayer(sys.argv[1]).lock(Digest(sys.argv[2])):
         print("locked", flush=True)
         time.sleep(600)
 """)
@@ -413,19 +413,19 @@ def test_the_lock_held_by_a_killed_process_is_released(tmp_path: Path) -> None:
     try:
         assert child.stdout is not None and child.stdout.readline() == "locked\n"  # the child holds it now
         with pytest.raises(LockTimeoutError):
-            with LocalStore(root, lock_timeout=0.2).lock(digest):
+            with LocalLayer(root, lock_timeout=0.2).lock(digest):
                 pass
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(30)
-    with LocalStore(root, lock_timeout=5.0).lock(digest):  # the kernel dropped the dead process's lock
+    with LocalLayer(root, lock_timeout=5.0).lock(digest):  # the kernel dropped the dead process's lock
         pass
 
 
 @pytest.mark.skipif(not RANGE_LOCKS, reason="byte-range (OFD) locks are Linux only")
 def test_a_symlinked_lock_file_is_not_followed(tmp_path: Path) -> None:
     digest, data = blob()
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     target = tmp_path / "elsewhere"
     target.write_bytes(b"")
     local.lock_dir.mkdir(parents=True)
@@ -451,7 +451,7 @@ def same_shard_blobs(n: int) -> list[tuple[Digest, bytes]]:
 
 
 def test_a_local_hit_opens_only_its_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     blobs = same_shard_blobs(3)
     for digest, data in blobs:
         local.write(digest, data)
@@ -475,7 +475,7 @@ def open_descriptors() -> int:
 def test_a_shard_hit_once_holds_no_descriptor(tmp_path: Path) -> None:
     # Each held descriptor raises the process's highest fd; growing the fd table of a threaded
     # process (CUDA's) waits for an RCU grace period, milliseconds. A shard is held from its second hit.
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     blobs = same_shard_blobs(2)
     for digest, data in blobs:
         local.write(digest, data)
@@ -494,7 +494,7 @@ def test_a_shard_hit_once_holds_no_descriptor(tmp_path: Path) -> None:
 
 
 def test_a_shard_directory_replaced_after_a_hit_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     (digest, data), (other, other_data) = same_shard_blobs(2)
     local.write(digest, data)
     store = Store([local])
@@ -515,7 +515,7 @@ def test_a_shard_directory_replaced_after_a_hit_is_read_again(tmp_path: Path, mo
 def test_the_held_shard_descriptors_close_with_their_store(tmp_path: Path) -> None:
     import gc
 
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     digest, data = blob()
     local.write(digest, data)
     store = Store([local])
@@ -536,7 +536,7 @@ def test_the_held_shard_descriptors_close_with_their_store(tmp_path: Path) -> No
 
 
 def test_a_bad_entry_found_by_the_hit_path_is_still_quarantined_and_refetched(tmp_path: Path) -> None:
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     digest, data = blob()
     local.write(digest, data)
     store = Store([local, disk_cache_with(tmp_path / "dc", [(digest, data)])])

@@ -1,7 +1,7 @@
 """Records (xxh3-128 beside sha256, an xattr of each CAS entry): a first load from a store this user
 owns checks size and record instead of sha256, and still never returns bad bytes.
 
-Every case counts what ``LocalStore.read_verified`` checked (``LocalStore.checks``) and what the
+Every case counts what ``LocalLayer.read_verified`` checked (``LocalLayer.checks``) and what the
 layered ``Store.get`` did (quarantine, refetch): no wall clock.
 """
 
@@ -19,7 +19,7 @@ from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import BadArgumentError, Digest, Manifest
 from cubinstore.internals import pack, unpack, verify_store
-from cubinstore.store import LocalStore, Store
+from cubinstore.store import LocalLayer, Store
 from cubinstore.store.local import record
 
 pytestmark = pytest.mark.usefixtures("clean_env")
@@ -44,16 +44,16 @@ RECORD = record.NAME
 
 def filled(root: Path, n: int = 3, size: int = 50_000) -> list[tuple[Digest, bytes]]:
     blobs = [random_blob(size + i, seed=i) for i in range(n)]
-    local = LocalStore(root)
+    local = LocalLayer(root)
     for digest, data in blobs:
         local.write(digest, data)
     return blobs
 
 
-def fresh(root: Path, *remote: tuple[Digest, bytes], tmp: Path | None = None) -> tuple[Store, LocalStore]:
-    """A new process's view: a new LocalStore (nothing decided or held) and, given blobs, a disk
+def fresh(root: Path, *remote: tuple[Digest, bytes], tmp: Path | None = None) -> tuple[Store, LocalLayer]:
+    """A new process's view: a new LocalLayer (nothing decided or held) and, given blobs, a disk
     cache holding good copies to refetch from."""
-    local = LocalStore(root)
+    local = LocalLayer(root)
     layers: list = [local]
     if remote:
         assert tmp is not None
@@ -61,7 +61,7 @@ def fresh(root: Path, *remote: tuple[Digest, bytes], tmp: Path | None = None) ->
     return Store(layers), local
 
 
-def load(root: Path, digest: Digest, data: bytes, tmp: Path) -> tuple[bytes, LocalStore, Store]:
+def load(root: Path, digest: Digest, data: bytes, tmp: Path) -> tuple[bytes, LocalLayer, Store]:
     store, local = fresh(root, (digest, data), tmp=tmp)
     got = store.get(digest, len(data))
     return got, local, store
@@ -77,7 +77,7 @@ def quarantined(root: Path) -> list[str]:
 def test_every_write_path_records_the_entry(tmp_path: Path) -> None:
     root = tmp_path / "store"
     (d1, b1), (d2, b2) = random_blob(30_000, 1), random_blob(30_001, 2)
-    local = LocalStore(root)
+    local = LocalLayer(root)
     local.write(d1, b1)  # a plain write
     with local.batch(grouped=True):  # prefetch's grouped write
         local.write(d2, b2)
@@ -92,7 +92,7 @@ def test_unpacked_entries_carry_records(tmp_path: Path, make_release) -> None:
     source = disk_cache_with(tmp_path / "disk_cache", [(Digest(h), b) for h, b in release.blobs.items()])
     pack(Manifest.from_path(release.path), Store([source]), bundle)
     root = tmp_path / "target"
-    local = LocalStore(root)
+    local = LocalLayer(root)
     unpack(bundle, local)
     for hex_, data in release.blobs.items():
         assert record.matches(os.getxattr(local.path_for(Digest(hex_)), RECORD), hex_, data)
@@ -149,8 +149,8 @@ def test_a_swapped_file_carries_a_record_naming_another_digest(tmp_path: Path) -
     (d1, b1), (d2, b2), _ = filled(root, size=50_000)
     # same size needed for the size check to pass: make two same-size blobs
     (d3, b3), (d4, b4) = random_blob(40_000, 10), random_blob(40_000, 11)
-    LocalStore(root).write(d3, b3)
-    LocalStore(root).write(d4, b4)
+    LocalLayer(root).write(d3, b3)
+    LocalLayer(root).write(d4, b4)
     p3 = root / "v1" / "cas" / d3.hex[:2] / d3.hex
     p4 = root / "v1" / "cas" / d4.hex[:2] / d4.hex
     os.replace(p4, p3)  # d4's file (and its own, valid record) now sits at d3's name
@@ -258,9 +258,9 @@ def test_a_store_or_entry_owned_by_another_uid_means_sha256(tmp_path: Path, wher
 CHILD_READ_ONLY = textwrap.dedent("""
     import json, sys
     from cubinstore import Digest
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
     root, blobs = sys.argv[1], json.loads(sys.argv[2])
-    local = LocalStore(root)
+    local = LocalLayer(root)
     store = Store([local])
     for hex_, size in blobs:
         store.get(Digest(hex_), size)
@@ -297,7 +297,7 @@ def test_a_read_only_mount_of_an_owned_store_checks_records_and_writes_none(tmp_
 CHILD_CRASH = textwrap.dedent("""
     import os, sys
     from cubinstore import Digest
-    from cubinstore.store import LocalStore, Store
+    from cubinstore.store import LocalLayer, Store
     root, hex_, size, where = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     data = bytes.fromhex(sys.stdin.readline().strip())
 
@@ -314,10 +314,10 @@ CHILD_CRASH = textwrap.dedent("""
                 stop()
             return real_replace(src, dst, **kw)
         os.replace = replace
-        LocalStore(root).write(Digest(hex_), data)
+        LocalLayer(root).write(Digest(hex_), data)
     else:  # "record": an entry without a record was verified by sha256; its record is being written
         os.setxattr = lambda *a, **k: stop()  # the standard library's: a record is an xattr (record.write)
-        Store([LocalStore(root)]).get(Digest(hex_), size)
+        Store([LocalLayer(root)]).get(Digest(hex_), size)
 """)
 
 
@@ -327,7 +327,7 @@ def test_a_kill_between_entry_and_record_loses_nothing(tmp_path: Path, where: st
     digest, data = random_blob(50_000, 7)
     path = root / "v1" / "cas" / digest.hex[:2] / digest.hex
     if where == "record":
-        LocalStore(root).write(digest, data)
+        LocalLayer(root).write(digest, data)
         os.removexattr(path, RECORD)
     child = subprocess.Popen([sys.executable, "-c", CHILD_CRASH, str(root), digest.hex, str(len(data)), where],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -359,10 +359,10 @@ def test_verify_checks_and_repairs_records(tmp_path: Path) -> None:
     stale = cas / blobs[1][0].hex[:2] / blobs[1][0].hex
     os.setxattr(stale, RECORD, b"\x01" + bytes(48))
     flip_bit(cas / blobs[2][0].hex[:2] / blobs[2][0].hex)  # corrupt: quarantined, its record irrelevant
-    report = verify_store(LocalStore(root))
+    report = verify_store(LocalLayer(root))
     assert report.ok == 3 and len(report.corrupt) == 1
     assert report.records == {"ok": 1, "recorded": 1, "re-recorded": 1, "none": 0}
-    again = verify_store(LocalStore(root))
+    again = verify_store(LocalLayer(root))
     assert again.records == {"ok": 3, "recorded": 0, "re-recorded": 0, "none": 0}
 
 

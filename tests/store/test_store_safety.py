@@ -15,7 +15,7 @@ from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import Digest, Manifest, Store, StoreError, UnsafeStoreError
 from cubinstore.internals import gc, pack, pin, unpack, unpin, verify_store
-from cubinstore.store import LocalStore
+from cubinstore.store import LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -39,7 +39,7 @@ def test_a_symlinked_store_directory_is_never_written_through(tmp_path: Path, li
     (hex_, data), = release.blobs.items()
     digest = Digest(hex_)
     root = tmp_path / "home"
-    local = LocalStore(root)
+    local = LocalLayer(root)
     elsewhere = tmp_path / "attacker"
     elsewhere.mkdir()
     planted = root / link.replace("SHARD", hex_[:2])
@@ -76,7 +76,7 @@ def test_a_symlinked_store_directory_is_never_written_through(tmp_path: Path, li
 
 def test_writing_through_a_symlinked_shard_is_a_typed_error_naming_the_link(tmp_path: Path) -> None:
     digest, data = blob()
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     shard = local.cas_dir / digest.hex[:2]
     shard.parent.mkdir(parents=True)
     shard.symlink_to(tmp_path, target_is_directory=True)
@@ -89,7 +89,7 @@ def test_a_symlinked_shard_is_a_miss_and_the_next_layer_serves(tmp_path: Path) -
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / digest.hex).write_bytes(data)  # even the right bytes: the link is not followed
-    local = LocalStore(tmp_path / "home")
+    local = LocalLayer(tmp_path / "home")
     (local.cas_dir).mkdir(parents=True)
     (local.cas_dir / digest.hex[:2]).symlink_to(outside, target_is_directory=True)
     store = Store([local, disk_cache_with(tmp_path / "dc", [(digest, data)])])
@@ -102,7 +102,7 @@ def test_a_store_writable_by_others_is_refused_for_writes_unless_declared_shared
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     digest, data = blob()
     root = tmp_path / "home"
-    local = LocalStore(root)
+    local = LocalLayer(root)
     local.write(digest, data)
     (local.cas_dir).chmod(mode)
     other, other_data = blob(seed=1)
@@ -110,14 +110,14 @@ def test_a_store_writable_by_others_is_refused_for_writes_unless_declared_shared
         local.write(other, other_data)
     assert Store([local]).get(digest, len(data)) == data  # reads are verified: still served
     monkeypatch.setenv("CUBINSTORE_ALLOW_SHARED_STORE", "1")
-    LocalStore(root).write(other, other_data)
-    assert Store([LocalStore(root)]).get(other, len(other_data)) == other_data
+    LocalLayer(root).write(other, other_data)
+    assert Store([LocalLayer(root)]).get(other, len(other_data)) == other_data
 
 
 def test_new_store_directories_are_not_group_writable_under_umask_002(tmp_path: Path) -> None:
     old = os.umask(0o002)
     try:
-        local = LocalStore(tmp_path / "home")
+        local = LocalLayer(tmp_path / "home")
         digest, data = blob()
         local.write(digest, data)
         with local.lock(Digest.of(b"another")):
@@ -133,9 +133,9 @@ def test_new_store_directories_are_not_group_writable_under_umask_002(tmp_path: 
 _READ_ONLY_READER = textwrap.dedent("""
     import sys
     from cubinstore import Digest, Store
-    from cubinstore.store import DiskCacheStore, LocalStore, MemoryStore
+    from cubinstore.store import DiskCacheLayer, LocalLayer, MemoryLayer
     have, want = Digest(sys.argv[3]), Digest(sys.argv[4])
-    store = Store([MemoryStore(), LocalStore(sys.argv[1]), DiskCacheStore(sys.argv[2])])
+    store = Store([MemoryLayer(), LocalLayer(sys.argv[1]), DiskCacheLayer(sys.argv[2])])
     a = store.get(have, int(sys.argv[5]))
     b = store.get(want, int(sys.argv[6]))
     b2 = store.get(want, int(sys.argv[6]))  # from memory now
@@ -146,7 +146,7 @@ _READ_ONLY_READER = textwrap.dedent("""
 def test_a_read_only_store_serves_what_it_has_and_fetches_the_rest_into_memory(tmp_path: Path) -> None:
     (have, have_data), (want, want_data) = blob(seed=1), blob(seed=2)
     root = tmp_path / "image"
-    LocalStore(root).write(have, have_data)
+    LocalLayer(root).write(have, have_data)
     cache = disk_cache_with(tmp_path / "remote", [(want, want_data)])
     for path in [root, *everything_under(root)]:
         path.chmod(0o555 if path.is_dir() else 0o444)
@@ -174,8 +174,8 @@ _WARNING_CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
     from cubinstore import Digest, MissingBlobError, Store
-    from cubinstore.store import LocalStore
-    local = LocalStore(sys.argv[1])
+    from cubinstore.store import LocalLayer
+    local = LocalLayer(sys.argv[1])
     digest = Digest("ab" * 32)
     path = local.path_for(digest)
     path.parent.mkdir(parents=True)

@@ -18,7 +18,7 @@ from cubinstore import Digest, ExpiredReleaseError, Manifest, RollbackError, Sto
 from cubinstore.trust.channel import resolve_channel
 from cubinstore.trust.records import SignatureBlob, TrustPolicy, key_id
 from cubinstore.trust.sign import generate_key, sign_release
-from cubinstore.store import HttpStore, LocalStore
+from cubinstore.store import HttpLayer, LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -53,7 +53,7 @@ class Site:
 
     def release(self, version: int, key: Path, channel: str = "prod", expires_in: str = "7d"):
         release = self.make_release(n=2)
-        local = LocalStore(self.tmp / "ci-home")
+        local = LocalLayer(self.tmp / "ci-home")
         for hex_, data in release.blobs.items():
             local.write(Digest(hex_), data)
         out = self.cli(["sign", str(release.path), "--key", str(key), "--channel", channel, "--version", str(version),
@@ -66,13 +66,13 @@ class Site:
         return release
 
     def pointer(self, channel: str = "prod") -> bytes:
-        return HttpStore(self.url).get_named(f"channels/{channel}", 4096) or b""
+        return HttpLayer(self.url).get_named(f"channels/{channel}", 4096) or b""
 
     def set_pointer(self, data: bytes, channel: str = "prod") -> None:
-        HttpStore(self.url).put_named(f"channels/{channel}", data)
+        HttpLayer(self.url).put_named(f"channels/{channel}", data)
 
     def production(self, name: str = "prod-host") -> Store:
-        return Store([LocalStore(self.tmp / name), HttpStore(self.url)])
+        return Store([LocalLayer(self.tmp / name), HttpLayer(self.url)])
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_a_remembered_release_serves_offline_until_it_expires(site: Site) -> Non
     policy = TrustPolicy.load(write_policy(site.tmp / "policy.json", {"prod": [public]}))
     release = site.release(3, key, expires_in="1h")
     assert str(resolve_channel("prod", site.production(), policy)) == release.digest
-    offline = Store([LocalStore(site.tmp / "prod-host")])
+    offline = Store([LocalLayer(site.tmp / "prod-host")])
     assert str(resolve_channel("prod", offline, policy)) == release.digest
     with pytest.raises(ExpiredReleaseError, match=r"^channel:prod version 3 from the release .* accepted last expired"):
         resolve_channel("prod", offline, policy, now=time.time() + 7200)
@@ -173,7 +173,7 @@ def test_unknown_keys_other_channels_and_altered_signatures_are_refused(site: Si
     doc = json.loads(signature.raw)
     doc["signature"] = base64.b64encode(bytes(64)).decode()  # a forged signature, well formed
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode() + b"\n"
-    HttpStore(site.url).put(Digest.of(raw), raw)
+    HttpLayer(site.url).put(Digest.of(raw), raw)
     site.set_pointer(f"{Digest.of(raw)}\n".encode())
     with pytest.raises(TrustError, match=rf"\(channel prod, version 5\): the signature by key {kid} does not verify"):
         resolve_channel("prod", store, policy)
@@ -185,10 +185,10 @@ def test_a_different_release_under_an_accepted_version_is_refused_as_a_fork(site
     site.release(7, key)
     assert resolve_channel("prod", site.production(), policy)
     # The same key signs a second, different version 7 (on another CI home, as a stolen key would).
-    other_home = LocalStore(site.tmp / "other-ci")
+    other_home = LocalLayer(site.tmp / "other-ci")
     manifest = Manifest.from_path(site.make_release(n=1).path)
     _record, signature = sign_release(other_home, manifest.digest, key, "prod", 7, 3600)
-    remote = HttpStore(site.url)
+    remote = HttpLayer(site.url)
     for digest in (signature.record, signature.digest):
         remote.put(digest, Store([other_home]).get(digest))
     site.set_pointer(f"{signature.digest}\n".encode())

@@ -22,7 +22,7 @@ from cubinstore import Digest, RollbackError, Store, TrustError
 from cubinstore.trust.channel import resolve_channel
 from cubinstore.trust.records import MAX_SMALL_BLOB, SignatureBlob, TrustPolicy, key_id
 from cubinstore.trust.sign import generate_key, sign_release
-from cubinstore.store import HttpStore, LocalStore
+from cubinstore.store import HttpLayer, LocalLayer
 
 pytestmark = pytest.mark.usefixtures("clean_env")
 
@@ -93,7 +93,7 @@ class ChannelServer:
         h.end_headers()
         h.wfile.write(body or b"")
 
-    def publish(self, prefix: str, signature: SignatureBlob, signer_home: LocalStore) -> None:
+    def publish(self, prefix: str, signature: SignatureBlob, signer_home: LocalLayer) -> None:
         """What `cubinstore publish channel:prod` puts on a remote: record, signature, pointer."""
         for digest in (signature.record, signature.digest):
             self.files[f"{prefix}/cas/{digest.hex}"] = Store([signer_home]).get(digest)
@@ -130,7 +130,7 @@ def write_policy(path: Path, keys: list[str], revoked: list[str] = (), **extra: 
 
 
 def host(tmp_path: Path, url: str, name: str = "host") -> Store:
-    return Store([LocalStore(tmp_path / name), HttpStore(url, retries=0)])
+    return Store([LocalLayer(tmp_path / name), HttpLayer(url, retries=0)])
 
 
 def store_bytes(root: Path) -> int:
@@ -178,10 +178,10 @@ CHILD = """
 import json, sys
 from cubinstore import CubinstoreError, Store
 from cubinstore.trust.channel import resolve_channel
-from cubinstore.store import HttpStore, LocalStore
+from cubinstore.store import HttpLayer, LocalLayer
 home, url, policy = sys.argv[1:]
 try:
-    print(json.dumps({"ok": str(resolve_channel("prod", Store([LocalStore(home), HttpStore(url, retries=0)]), policy))}))
+    print(json.dumps({"ok": str(resolve_channel("prod", Store([LocalLayer(home), HttpLayer(url, retries=0)]), policy))}))
 except CubinstoreError as exc:
     print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
 """
@@ -193,7 +193,7 @@ def test_two_processes_offered_two_releases_of_one_version_accept_exactly_one(tm
     policy = write_policy(tmp_path / "policy.json", [public])
     signatures = {}
     for prefix in ("/a", "/b"):  # one key, two different version 7 (a stolen copy signs the second)
-        signer = LocalStore(tmp_path / f"ci{prefix}")
+        signer = LocalLayer(tmp_path / f"ci{prefix}")
         _record, signatures[prefix] = sign_release(signer, Digest.of(prefix.encode()), key, "prod", 7, 3600)
         server.publish(prefix, signatures[prefix], signer)
         # Neither process gets its record before both have asked for theirs: both have then
@@ -232,11 +232,11 @@ def _thief_accepted(tmp_path: Path, server: ChannelServer) -> tuple[Path, str, s
     key_a, public_a, _ = new_key(tmp_path, "a")
     key_b, public_b, id_b = new_key(tmp_path, "b")
     both = TrustPolicy.load(write_policy(tmp_path / "both.json", [public_a, public_b]))
-    ci = LocalStore(tmp_path / "ci")
+    ci = LocalLayer(tmp_path / "ci")
     _r, sig = sign_release(ci, Digest.of(b"release 1"), key_a, "prod", 1, 3600)
     server.publish("", sig, ci)
     assert resolve_channel("prod", host(tmp_path, server.url), both) == Digest.of(b"release 1")
-    thief = LocalStore(tmp_path / "thief")
+    thief = LocalLayer(tmp_path / "thief")
     _r, sig = sign_release(thief, Digest.of(b"evil"), key_b, "prod", TOP, 3600)
     server.publish("", sig, thief)
     assert resolve_channel("prod", host(tmp_path, server.url), both) == Digest.of(b"evil")
@@ -249,12 +249,12 @@ def test_a_revoked_thief_version_no_longer_holds_the_floor(tmp_path: Path, serve
     # The revocation alone gives the channel back: the signer's next release is accepted.
     with pytest.raises(TrustError, match=rf"is signed by key {id_b}, which .*revoked\.json revokes"):
         resolve_channel("prod", host(tmp_path, server.url), revoked)
-    _r, sig = sign_release(LocalStore(ci), Digest.of(b"release 3"), key_a, "prod", 3, 3600)
-    server.publish("", sig, LocalStore(ci))
+    _r, sig = sign_release(LocalLayer(ci), Digest.of(b"release 3"), key_a, "prod", 3, 3600)
+    server.publish("", sig, LocalLayer(ci))
     assert resolve_channel("prod", host(tmp_path, server.url), revoked) == Digest.of(b"release 3")
     # Rollback protection still holds under the trusted key: version 1 again is refused.
-    _r, old = sign_release(LocalStore(tmp_path / "ci-old"), Digest.of(b"release 1"), key_a, "prod", 2, 3600)
-    server.publish("", old, LocalStore(tmp_path / "ci-old"))
+    _r, old = sign_release(LocalLayer(tmp_path / "ci-old"), Digest.of(b"release 1"), key_a, "prod", 2, 3600)
+    server.publish("", old, LocalLayer(tmp_path / "ci-old"))
     with pytest.raises(RollbackError, match=r"offers version 2, but this host already accepted version 3"):
         resolve_channel("prod", host(tmp_path, server.url), revoked)
 
@@ -266,11 +266,11 @@ def test_a_policy_max_version_refuses_higher_records_and_lifts_a_floor_above_it(
     with pytest.raises(TrustError, match=r"version 9223372036854775807 is above max_version 100 that .*capped\.json "
                                          r"allows for channel 'prod'"):
         resolve_channel("prod", host(tmp_path, server.url), capped)
-    _r, sig = sign_release(LocalStore(ci), Digest.of(b"release 3"), key_a, "prod", 3, 3600)
-    server.publish("", sig, LocalStore(ci))
+    _r, sig = sign_release(LocalLayer(ci), Digest.of(b"release 3"), key_a, "prod", 3, 3600)
+    server.publish("", sig, LocalLayer(ci))
     assert resolve_channel("prod", host(tmp_path, server.url), capped) == Digest.of(b"release 3")
-    _r, sig = sign_release(LocalStore(ci), Digest.of(b"release 101"), key_a, "prod", 101, 3600)
-    server.publish("", sig, LocalStore(ci))
+    _r, sig = sign_release(LocalLayer(ci), Digest.of(b"release 101"), key_a, "prod", 101, 3600)
+    server.publish("", sig, LocalLayer(ci))
     with pytest.raises(TrustError, match=r"\(channel prod, version 101\): version 101 is above max_version 100"):
         resolve_channel("prod", host(tmp_path, server.url), capped)
     path = tmp_path / "bad.json"
@@ -285,7 +285,7 @@ def test_a_policy_max_version_refuses_higher_records_and_lifts_a_floor_above_it(
 def test_a_linked_channel_state_is_an_error_never_no_floor(tmp_path: Path, server: ChannelServer, link: str) -> None:
     key, public, _ = new_key(tmp_path, "ci")
     policy = TrustPolicy.load(write_policy(tmp_path / "policy.json", [public]))
-    ci = LocalStore(tmp_path / "ci")
+    ci = LocalLayer(tmp_path / "ci")
     _r, first = sign_release(ci, Digest.of(b"release 1"), key, "prod", 1, 3600)
     _r, second = sign_release(ci, Digest.of(b"release 2"), key, "prod", 2, 3600)
     server.publish("", second, ci)
@@ -317,7 +317,7 @@ def test_a_signature_blob_or_channel_state_with_a_duplicate_key_is_refused(tmp_p
                                                                            server: ChannelServer) -> None:
     key, public, kid = new_key(tmp_path, "ci")
     policy = TrustPolicy.load(write_policy(tmp_path / "policy.json", [public]))
-    ci = LocalStore(tmp_path / "ci")
+    ci = LocalLayer(tmp_path / "ci")
     _r, sig = sign_release(ci, Digest.of(b"release 1"), key, "prod", 1, 3600)
     doubled = sig.raw.replace(b'"key":', b'"key":"%s","key":' % (b"0" * 64), 1)
     with pytest.raises(TrustError, match=r"^signature test: duplicate key 'key'"):
@@ -354,20 +354,20 @@ def test_sign_refuses_a_key_file_group_or_others_can_read(tmp_path: Path, make_r
                           f"expected 0600 (owner only); run `chmod 600 {key}` (and replace the key if others read it)\n")
     assert not home.exists()  # refused before anything was written
     with pytest.raises(TrustError, match=rf"^signing key {key}: mode {mode:04o} .*`chmod 600 {key}`"):
-        sign_release(LocalStore(tmp_path / "lib-home"), Digest.of(b"m"), key, "prod", 1, 3600)
+        sign_release(LocalLayer(tmp_path / "lib-home"), Digest.of(b"m"), key, "prod", 1, 3600)
     key.chmod(0o600)
-    _record, signature = sign_release(LocalStore(tmp_path / "lib-home"), Digest.of(b"m"), key, "prod", 1, 3600)
+    _record, signature = sign_release(LocalLayer(tmp_path / "lib-home"), Digest.of(b"m"), key, "prod", 1, 3600)
     assert signature.key == kid
 
 
 def test_a_version_1_channel_state_keeps_its_floor_under_its_signer(tmp_path: Path, server: ChannelServer) -> None:
     key, public, kid = new_key(tmp_path, "ci")
     policy_path = write_policy(tmp_path / "policy.json", [public])
-    ci = LocalStore(tmp_path / "ci")
+    ci = LocalLayer(tmp_path / "ci")
     _r, first = sign_release(ci, Digest.of(b"release 1"), key, "prod", 1, 3600)
     _r, second = sign_release(ci, Digest.of(b"release 2"), key, "prod", 2, 3600)
     # A host that accepted version 2 before states named their signer.
-    home = LocalStore(tmp_path / "host")
+    home = LocalLayer(tmp_path / "host")
     for digest in (second.record, second.digest):
         home.write(digest, Store([ci]).get(digest))
     home.write_file(("channels",), "prod.json", json.dumps(
@@ -379,8 +379,8 @@ def test_a_version_1_channel_state_keeps_its_floor_under_its_signer(tmp_path: Pa
     # Its signer is known (from the signature blob), so revoking it lifts that floor too.
     next_key, next_public, _ = new_key(tmp_path, "next")
     revoked = TrustPolicy.load(write_policy(tmp_path / "revoked.json", [public, next_public], [kid]))
-    _r, fresh = sign_release(LocalStore(tmp_path / "ci-next"), Digest.of(b"fresh 1"), next_key, "prod", 1, 3600)
-    server.publish("", fresh, LocalStore(tmp_path / "ci-next"))
+    _r, fresh = sign_release(LocalLayer(tmp_path / "ci-next"), Digest.of(b"fresh 1"), next_key, "prod", 1, 3600)
+    server.publish("", fresh, LocalLayer(tmp_path / "ci-next"))
     assert resolve_channel("prod", host(tmp_path, server.url), revoked) == Digest.of(b"fresh 1")
     state = json.loads((tmp_path / "host" / "v1" / "channels" / "prod.json").read_text())
     assert state["schema"] == "cubinstore/channel-state/v2" and set(state["keys"]) == {kid, fresh.key}

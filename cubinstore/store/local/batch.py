@@ -5,7 +5,7 @@ grouped batch (prefetch) writes CAS entries to temp files and renames them into 
 after one filesystem sync per group; staging (unpack) streams blobs into ``v1/staging/<hh>/``,
 makes them durable together and renames them once the caller has verified them all.
 
-``Batch`` holds this state for one ``LocalStore``, which owns it and delegates to it. It walks
+``Batch`` holds this state for one ``LocalLayer``, which owns it and delegates to it. It walks
 directories through the store's ``StoreRoot`` and holds no reference to the store itself; the
 store's fill locks (``fill.FillLocks``) ask it to commit before they wait and hand it the lock of
 an entry it still has to rename.
@@ -93,7 +93,7 @@ class Batch:
 
     @contextmanager
     def open(self, *, sync_each: bool, grouped: bool) -> Iterator[None]:
-        """``LocalStore.batch``: the body's writes made durable together when the last batch ends."""
+        """``LocalLayer.batch``: the body's writes made durable together when the last batch ends."""
         with self._lock:
             self._depth += 1
             if not sync_each:

@@ -2,7 +2,7 @@
 
 Every path below the root is reached through directory descriptors without following a link
 (``root.py``), and nothing is written where another user could write (see the README's
-"permission rules"). ``LocalStore`` owns its batches, grouped writes and staging (``batch.py``),
+"permission rules"). ``LocalLayer`` owns its batches, grouped writes and staging (``batch.py``),
 its fill locks (``fill.py``) and its counters (``stats.py``), and delegates to them.
 """
 
@@ -50,7 +50,7 @@ from cubinstore.store.local.root import (
 from cubinstore.errors import CubinstoreError, StoreError
 
 # GROUP_MAX and GROUP_SECONDS are batch.py's, named here too (tests/scale read them here).
-__all__ = ["GROUP_MAX", "GROUP_SECONDS", "STAT_KEYS", "Entry", "LocalStore"]
+__all__ = ["GROUP_MAX", "GROUP_SECONDS", "STAT_KEYS", "Entry", "LocalLayer"]
 
 _log = get_logger(__name__)
 
@@ -74,7 +74,7 @@ class Entry:
     mtime: float
 
 
-class LocalStore(Counters, Layer):
+class LocalLayer(Counters, Layer):
     """The embedded default store: a directory, no server.
 
     Entries are written atomically and re-verified on every read; a corrupt entry is
@@ -454,7 +454,7 @@ class LocalStore(Counters, Layer):
 
     def write(self, digest: Digest, data: bytes) -> None:
         """Store verified bytes; re-hashes so nothing unverified can ever land at a final path."""
-        verify(data, digest, None, where="the caller of LocalStore.write")
+        verify(data, digest, None, where="the caller of LocalLayer.write")
         self.write_verified(digest, data)
 
     def write_verified(self, digest: Digest, data: bytes) -> None:
@@ -643,7 +643,7 @@ class LocalStore(Counters, Layer):
 
 
 def _close_all(fds: dict[str, int]) -> None:
-    """Close a collected store's held shard descriptors (``LocalStore._shards``)."""
+    """Close a collected store's held shard descriptors (``LocalLayer._shards``)."""
     for fd in fds.values():
         try:
             os.close(fd)

@@ -22,7 +22,7 @@ def read_regular(path: Path, limit: int, *, touch: bool = False) -> bytes | None
 
     The last component is not followed if it is a symlink and non-regular files are refused
     (``NotRegularFile``). For directories others may control (the local store) use
-    ``LocalStore.read_file``, which follows no link at all. Reading one byte past ``limit``
+    ``LocalLayer.read_file``, which follows no link at all. Reading one byte past ``limit``
     lets the caller see "longer than expected" without reading an arbitrarily large file.
     """
     return read_at(None, os.fspath(path), limit, path=path, touch=touch)

@@ -1,4 +1,4 @@
-"""The per-digest fill locks of a local store (``LocalStore.lock``): one process, one thread
+"""The per-digest fill locks of a local store (``LocalLayer.lock``): one process, one thread
 downloads a blob at a time, the others wait and then find it in the CAS.
 
 A lock is byte ``int(hex[2:17], 16)`` of ``v1/locks/<hh>.lock`` where the host has range locks
@@ -63,7 +63,7 @@ class FillLocks:
 
 
 class FillLock:
-    """``LocalStore.lock``: held for the ``with`` body, or, in a grouped batch, until the entry
+    """``LocalLayer.lock``: held for the ``with`` body, or, in a grouped batch, until the entry
     written under it is renamed into place (its waiters then find it)."""
 
     __slots__ = ("_locks", "_digest", "_timeout", "_fd")

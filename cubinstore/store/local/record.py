@@ -4,7 +4,7 @@ extended attribute of the entry's inode (``user.cubinstore.v1``).
 Why: sha256 of a median 50 KB CUBIN costs about as much as the driver's load of it; xxh3-128
 costs a fifteenth. Every byte that enters the store is still checked by sha256; the record
 written with it lets a later first load from a store this user owns check size and xxh3
-instead (``LocalStore.read_verified``): bit rot, a truncation or a swapped file is still caught.
+instead (``LocalLayer.read_verified``): bit rot, a truncation or a swapped file is still caught.
 
 Why an xattr: it is written to the temp file before the rename that publishes the entry, so
 an entry and its record appear together and a crash leaves both or neither; a file moved or

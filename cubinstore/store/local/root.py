@@ -490,7 +490,7 @@ def write_temp_at(dir_fd: int, name: str, directory: Path, data: bytes, *, mode:
     """A new temp file beside ``name`` in ``dir_fd`` holding ``data`` (and ``record``), neither synced
     nor renamed: its name.
 
-    For writes made durable together and renamed later (``LocalStore.batch(grouped=True)``).
+    For writes made durable together and renamed later (``LocalLayer.batch(grouped=True)``).
     """
     fd, tmp = new_temp(dir_fd, name, directory)
     try:

@@ -41,7 +41,7 @@ class Counters:
     stats_path: Path
     _stats_key: str  # str(root): the pending counts' key (a Path hashes and compares in Python, a str in C)
     # A flush is due after this many counts, or FLUSH_SECONDS by this clock's ``monotonic``
-    # (``LocalStore``'s ``flush_events`` and ``clock``; the first store of a root in a process sets its root's).
+    # (``LocalLayer``'s ``flush_events`` and ``clock``; the first store of a root in a process sets its root's).
     _flush_events: int = FLUSH_EVENTS
     _clock: Clock = time
 

@@ -1,13 +1,13 @@
-"""The OCI distribution protocol, client side, over ``HttpStore``'s connections, limits and deadlines.
+"""The OCI distribution protocol, client side, over ``HttpLayer``'s connections, limits and deadlines.
 
 Why not the ``oras`` SDK (or ``requests``): what cubinstore must guarantee lives in how each byte
-is read, and ``HttpStore`` already does it: a body is never read past its expected size, every
+is read, and ``HttpLayer`` already does it: a body is never read past its expected size, every
 receive waits at most the time left of one total deadline, keep-alive connections are pooled
 per process, a registry that gives no response at all trips the circuit breaker. The protocol
 on top is small (a blob GET/HEAD, a two-request upload, a manifest GET/PUT, a token fetch), so
 it is written here rather than wrapped around a library that reads bodies its own way.
 
-What this adds to ``HttpStore``: any method and headers, the response's headers, the 401
+What this adds to ``HttpLayer``: any method and headers, the response's headers, the 401
 challenge (Basic, or the Bearer token flow), 429/503 ``Retry-After`` within the deadline, and
 redirects (a blob GET often goes to object storage): at most ``MAX_REDIRECTS`` hops, never a
 loop, never to plain HTTP off loopback, and never with the ``Authorization`` header.
@@ -29,7 +29,7 @@ from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore.errors import IntegrityError, RemoteUnavailableError
-from cubinstore.store.http import RETRY_STATUS, HttpStore, NoResponse, Transient
+from cubinstore.store.http import RETRY_STATUS, HttpLayer, NoResponse, Transient
 from cubinstore.store.oci.auth import Credentials, find_credentials, parse_challenge, realm_allowed
 from cubinstore.store.oci.reference import RegistryRef, is_loopback
 
@@ -60,9 +60,9 @@ class Reply:
             return ""
 
 
-class RegistryClient(HttpStore):
-    """Requests to one repository of one registry. Not a store layer itself (``OciStore`` is):
-    it is an ``HttpStore`` only for its connection pool, deadline reader and circuit breaker."""
+class RegistryClient(HttpLayer):
+    """Requests to one repository of one registry. Not a store layer itself (``OciLayer`` is):
+    it is an ``HttpLayer`` only for its connection pool, deadline reader and circuit breaker."""
 
     def __init__(self, ref: RegistryRef, *, push: bool = False, credentials: Credentials | None = None,
                  **kwargs: object) -> None:
@@ -86,7 +86,7 @@ class RegistryClient(HttpStore):
              ok: frozenset[int] | tuple[int, ...] = (200,)) -> Reply:
         """``method path`` on the registry: the final reply when its status is in ``ok`` or is
         404; ``RemoteUnavailableError`` naming ``what`` for anything else, once retries, the
-        deadline or the authentication rounds are spent. A GET 200 body is read as ``HttpStore``
+        deadline or the authentication rounds are spent. A GET 200 body is read as ``HttpLayer``
         reads one: ``size`` bytes exactly, or at most ``limit``."""
         url = f"{self.url}{path}"
         start = time.monotonic()
@@ -171,7 +171,7 @@ class RegistryClient(HttpStore):
     def _on_registry(self, method: str, path: str, headers: dict[str, str], body: bytes | None, size: int | None,
                      limit: int | None, remaining: Callable[[], float]) -> Reply:
         """The request on a pooled keep-alive connection to the registry (a reused one that gave
-        no response is tried once more on a fresh one, as ``HttpStore`` does)."""
+        no response is tried once more on a fresh one, as ``HttpLayer`` does)."""
         url = f"{self.url}{path}"
         conn, reused = self._connection(min(self.connect_timeout, remaining()))
         try:
@@ -204,7 +204,7 @@ class RegistryClient(HttpStore):
     def _exchange_full(self, conn: http.client.HTTPConnection, method: str, target: str, headers: dict[str, str],
                        body: bytes | None, size: int | None, limit: int | None, url: str,
                        remaining: Callable[[], float], *, pooled: bool) -> Reply:
-        """``HttpStore._request`` with its answer as a ``Reply``; the connection goes back to the pool
+        """``HttpLayer._request`` with its answer as a ``Reply``; the connection goes back to the pool
         only after a whole response from the registry itself (``pooled``)."""
         status, found, data = self._request(conn, method, target, headers, body, size, url, limit, remaining,
                                             pooled=pooled)

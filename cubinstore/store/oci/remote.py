@@ -1,4 +1,4 @@
-"""``OciStore``: a repository of an OCI registry as a store layer (``oci://HOST[:PORT]/REPO``).
+"""``OciLayer``: a repository of an OCI registry as a store layer (``oci://HOST[:PORT]/REPO``).
 
 Blobs are ``GET /v2/REPO/blobs/sha256:<hex>``, read no further than their expected size and
 verified by ``Store`` like every remote's bytes; a mirror that serves wrong bytes is skipped
@@ -17,12 +17,12 @@ from cubinstore.store.oci.artifact import IMAGE_MANIFEST, MAX_ARTIFACT_BYTES
 from cubinstore.store.oci.client import RegistryClient
 from cubinstore.store.oci.reference import RegistryRef
 
-__all__ = ["OciStore"]
+__all__ = ["OciLayer"]
 
 _log = get_logger(__name__)
 
 
-class OciStore(Layer):
+class OciLayer(Layer):
     """One repository of a registry. ``push`` asks tokens for push as well as pull (``publish``)."""
 
     remote = True
