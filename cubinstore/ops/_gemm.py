@@ -3,12 +3,13 @@
 A is M x K and B is N x K, bf16, on one CUDA device of compute capability 9.0,
 in any layout torch.mm takes (strides, offsets, any K); D is M x N, bf16, computed
 with fp32 accumulation. Operands the kernels cannot read where they lie (rows not
-contiguous, row strides off 16 bytes, starts off 16 bytes, or, for a ``skinny``
-point, K off 8) are copied inside the launch, and a D they cannot store into is
-computed apart and copied in (``_gemm_staging.py`` decides; docs/gemm.md measures).
-The instantiation (a ``gemm`` tile, pipeline depth and cluster size with its K-split, or
-a ``skinny`` point for few rows of A) comes from the selection model in ``_gemm_model.py``,
-once per shape.
+contiguous, row strides off 16 bytes, starts off 16 bytes) are copied inside the launch,
+and a D they cannot store into is computed apart and copied in (``_gemm_staging.py``
+decides; docs/gemm.md measures). The instantiation (a ``gemm`` tile, pipeline depth and
+cluster size with its K-split, or a ``skinny`` point for few rows of A) comes from the
+selection model in ``_gemm_model.py``, once per shape; a ``skinny`` point whose B has rows
+off 16 bytes gives way to the ``skinny_any`` point of its BM and BN, which reads them in
+place (``reads``).
 
 The kernels come from the library set with ``cubinstore.ops.set_library``
 (see ``cubinstore/ops/_library.py``). The launch contracts (grid, block,
