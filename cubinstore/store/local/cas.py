@@ -350,9 +350,10 @@ class LocalLayer(Counters, Layer):
                             and self._fs.owned("v1", "cas"))
         return self._trusts
 
-    def _open_shard(self, name: str) -> int | None:
+    def _open_shard(self, name: str, *, note: bool = False) -> int | None:
         """``cas/<name>`` opened below the held ``cas`` without following a link, its ownership noted
-        once; None if absent or a link (Store.get's layered read logs that). The caller closes it."""
+        once (again with ``note``); None if absent or a link (Store.get's layered read logs that).
+        The caller closes it, or holds it (``_hold_shard``)."""
         cas = self._fs.held_dir("v1", "cas")
         if cas is None:
             return None
@@ -360,7 +361,7 @@ class LocalLayer(Counters, Layer):
             fd = os.open(name, _DIR_FLAGS, dir_fd=cas)
         except OSError:
             return None
-        if name not in self._shard_owned:
+        if note or name not in self._shard_owned:
             try:
                 self._shard_owned[name] = not unsafe_reasons(os.fstat(fd))
             except OSError:
@@ -421,14 +422,9 @@ class LocalLayer(Counters, Layer):
         ``cas/<name>`` is now another directory (never closed: another thread may be reading
         through it), so hits take the one-open path again.
         """
-        cas = self._fs.held_dir("v1", "cas")
-        if cas is None:
+        fd = self._open_shard(name, note=True)
+        if fd is None:
             return None
-        try:
-            fd = os.open(name, _DIR_FLAGS, dir_fd=cas)
-        except OSError:
-            return None
-        self._shard_owned[name] = not unsafe_reasons(os.fstat(fd))
         with self._shards_lock:
             held = self._shards.get(name)
             if held is None or (held == stale and not os.path.samestat(os.fstat(fd), os.fstat(held))):
