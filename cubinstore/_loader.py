@@ -46,7 +46,6 @@ logger = get_logger(__name__)
 
 # Above this a function must opt in through CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
 _DEFAULT_DYNAMIC_SMEM: Final = 48 * 1024
-_UNASKED: Final[Any] = object()  # _Loaded.driver_version before the first kernel that names a min_driver
 
 # (arch string, compute capability) -> the SM number a CUBIN of that arch must name in its ELF header,
 # or -1 for PTX: an arch seen to run on a device is not parsed and checked again (a per-process fact).
@@ -115,7 +114,6 @@ class _Loaded:
         self.lock = threading.Lock()
         self.key_locks: dict[tuple[str, int], threading.Lock] = {}
         self.ptx: list[tuple[str, float]] = []  # (kernel id, load seconds) of each PTX module, for load_stats
-        self.driver_version: Any = _UNASKED  # the driver's Devices.driver_version(), once a kernel asks
 
 
 # One per Devices, dropped with it (a test's fake); the last one asked for is found without a lookup.
@@ -207,9 +205,7 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
             sm = _check_arch(spec, ordinal, cc)
         need = spec.min_driver
         if need is not None:
-            host = loaded.driver_version
-            if host is _UNASKED:
-                host = loaded.driver_version = devices.driver_version()  # asked once per process
+            host = devices.driver_version()  # asked once per process (Devices caches it)
             if host is not None and host < need:
                 _refuse_driver(spec, need, host)
         debug = logger.isEnabledFor(logging.DEBUG)

@@ -161,16 +161,13 @@ class Store:
             for layer in self._front:
                 data = layer.read(digest, size)
                 if data is not None:
-                    with self._counts_lock:  # an in-process memory hit stays in-process
-                        self._counts["hits"] += 1
+                    self._count_hit(None)  # an in-process memory hit stays in-process
                     return data
             data = fast.read_verified(digest, size)  # type: ignore[arg-type]
             if data is not None:
                 if self._front and self.backfill:
                     self._backfill(digest, data, self._lock_at, name)
-                with self._counts_lock:  # _count_hit, inlined
-                    self._counts["hits"] += 1
-                fast.add_hit()
+                self._count_hit(fast)
                 if _log.isEnabledFor(logging.DEBUG):
                     _log.debug("%s%s: hit in %s (%d bytes)", digest, _for(name), fast.name, len(data))
                 return data

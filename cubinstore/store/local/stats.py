@@ -87,19 +87,8 @@ class Counters:
             self.flush_stats()
 
     def add_hit(self) -> None:
-        """``add_stats({"hits": 1})``, the hot path's count: no mapping to walk, and one increment
-        where the root already has pending counts (``_PendingStats.add``, inlined)."""
-        pending = _pending
-        with pending._lock:
-            item = pending._by_root.get(self._stats_key)
-            if item is not None:
-                item[1]["hits"] += 1
-                batch = item[2]
-                batch[1] += 1
-                due = batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
-        if item is None:
-            due = pending.add(self, {"hits": 1})
-        if due:
+        """``add_stats({"hits": 1})``, the hot path's count: no mapping to walk."""
+        if _pending.add_hit(self):
             self.flush_stats()
 
     def flush_stats(self) -> None:
@@ -143,6 +132,17 @@ class _PendingStats:
                 counts[key] = counts.get(key, 0) + value
             batch[1] += 1
             return batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
+
+    def add_hit(self, local: Counters) -> bool:
+        """``add(local, {"hits": 1})``: one increment where the root already has pending counts."""
+        with self._lock:
+            item = self._by_root.get(local._stats_key)
+            if item is not None:
+                item[1]["hits"] += 1
+                batch = item[2]
+                batch[1] += 1
+                return batch[1] >= batch[2] or batch[3]() - batch[0] >= FLUSH_SECONDS
+        return self.add(local, {"hits": 1})
 
     def take(self, root: str) -> dict[str, int] | None:
         with self._lock:
