@@ -60,9 +60,9 @@ if TYPE_CHECKING:
     from cubinstore.launch import Kernel, Library, PreparedLaunch
 
 __all__ = [
+    "any_rows_points",
     "cache_misses",
     "candidates",
-    "candidates_any",
     "cluster_slots",
     "reads",
     "run",
@@ -135,7 +135,7 @@ _CALL_CACHE: Final = 1024  # problem signatures
 _MAP_CACHE: Final = 16  # addresses per operand and signature (the caching allocator recycles few)
 _selections: dict[tuple[Any, ...], tuple[str, int]] = {}
 _candidates: dict[Library, frozenset[str]] = {}
-_candidates_any: dict[Library, tuple[str, ...]] = {}
+_any_rows_points: dict[Library, dict[tuple[int, int], str]] = {}
 _calls: dict[tuple[Any, ...], _Call] = {}
 # Misses of each cache since start (a hit counts nothing): tests check repeats add none.
 _misses: dict[str, int] = {"selection": 0, "prepared": 0, "tensor_map": 0}
@@ -194,10 +194,14 @@ def candidates(library: Library) -> frozenset[str]:
     cached = _candidates.get(library)
     if cached is not None:
         return cached
-    ids = frozenset(spec.id for family in FAMILIES
-                    for spec in library.manifest.find(family) if spec.arch == ARCH)
+    ids = frozenset(_ids(library, FAMILIES))
     with _lock:
         return _candidates.setdefault(library, ids)
+
+
+def _ids(library: Library, families: tuple[str, ...]) -> list[str]:
+    """The ids of the library's sm_90a kernels of `families`."""
+    return [spec.id for family in families for spec in library.manifest.find(family) if spec.arch == ARCH]
 
 
 def cluster_slots(library: Library, device: int) -> dict[int, int]:
@@ -475,22 +479,24 @@ def reads(library: Library, kernel_id: str, a: Operand, b: Operand, out: Operand
     stage = staging(a, b, out, any_rows=skinny and config.any_rows)  # type: ignore[union-attr]
     if not (chosen and skinny and stage.b.copy):
         return kernel_id, stage
-    twin = next((i for i in candidates_any(library)
-                 if (c := SkinnyConfig.from_id(i)).bm == config.bm and c.bn == config.bn), None)
+    twin = any_rows_points(library).get((config.bm, config.bn))  # type: ignore[union-attr]
     if twin is None:
         return kernel_id, stage
     in_place = staging(a, b, out, any_rows=True)
     return (twin, in_place) if not in_place.b.copy else (kernel_id, stage)
 
 
-def candidates_any(library: Library) -> tuple[str, ...]:
-    """The ids of the library's skinny_any kernels for sm_90a, sorted (cached)."""
-    cached = _candidates_any.get(library)
+def any_rows_points(library: Library) -> dict[tuple[int, int], str]:
+    """The library's skinny_any kernels for sm_90a by (BM, BN), the first id of each in sorted order (cached)."""
+    cached = _any_rows_points.get(library)
     if cached is not None:
         return cached
-    ids = tuple(sorted(spec.id for spec in library.manifest.find(SKINNY_ANY_FAMILY) if spec.arch == ARCH))
+    points: dict[tuple[int, int], str] = {}
+    for kernel_id in sorted(_ids(library, (SKINNY_ANY_FAMILY,))):
+        config = SkinnyConfig.from_id(kernel_id)
+        points.setdefault((config.bm, config.bn), kernel_id)
     with _lock:
-        return _candidates_any.setdefault(library, ids)
+        return _any_rows_points.setdefault(library, points)
 
 
 def _remember(key: tuple[Any, ...] | None, call: _Call) -> _Call:
