@@ -566,6 +566,10 @@ def run(args: argparse.Namespace) -> int:
           f"NaN-poisoned and checked against float32 (relative error < {MAX_REL_ERROR})")
     if args.layouts_only:  # the "Layouts that copy" table of docs/gemm.md alone: about a minute
         return 1 if layout_costs(torch, library, l2, args) else 0
+    if args.host_only:  # the host-time tables alone, eager and compiled
+        print("\n== against the issue's goals (ratio = ops.gemm host time / torch.mm's)")
+        print("\n".join(overheads(torch, args, cycles_per_us)))
+        return 0
     # What ops.gemm will run on each shape, first: a selection that fails costs no GPU time.
     choices = {s.mnk: selection(library, *s.mnk) for s in gemm_shapes.TUNING + gemm_shapes.HELD_OUT}
     log.info("%d selections", len(choices))
@@ -651,6 +655,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--host-calls", type=int, default=2000)
     r.add_argument("--layouts-only", action="store_true",
                    help="only the table of the layouts ops.gemm copies (docs/gemm.md, 'Layouts that copy')")
+    r.add_argument("--host-only", action="store_true",
+                   help="only the host time per call tables (eager, CUDA-graph replay, under torch.compile)")
     r.add_argument("--instantiations", action="store_true",
                    help="also time every instantiation at 4096^3 with its load time from the local store")
     argv = list(sys.argv[1:] if argv is None else argv)

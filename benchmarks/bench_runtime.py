@@ -144,7 +144,7 @@ def driver_with(**replaced: Any) -> Any:
     return SimpleNamespace(**{**calls, **replaced})
 
 
-def fresh_loads(driver: Any) -> None:
+def fresh_loads(driver: Any = None) -> None:
     """From here on a load is fresh, as in a new process: a new `Devices` over `driver` has loaded
     nothing. Its device facts and its (empty) module cache are made before the clock starts, as a
     running process has them."""
@@ -160,24 +160,16 @@ def fresh_loads(driver: Any) -> None:
 
 
 class Loads:
-    """The libraries loaded through `driver_with(load_library=loads.load)`, unloaded after a sample."""
-
-    def __init__(self) -> None:
-        from cubinstore.internals import cuda as _cuda
-
-        self.handles: list[int] = []
-        self._load_library = _cuda.load_library  # bound once: the timed loads pay one call here, no import
-
-    def load(self, data: bytes, what: object) -> int:
-        handle = self._load_library(data, what)
-        self.handles.append(handle)
-        return handle
+    """What Library.kernel() loaded since the last `fresh_loads()`, unloaded after a sample. Found in
+    the loader's own table (`loader.loaded_libraries`), so the timed loads run the production path:
+    no stand-in of the benchmark's between the loader and the driver."""
 
     def unload_all(self) -> None:
         """Unload what Library.kernel() loaded, so that the next sample is a fresh load again."""
-        for handle in self.handles:
+        from cubinstore.internals import loader
+
+        for handle in loader.loaded_libraries():
             _unload(handle)
-        self.handles.clear()
 
 
 # -- 2b. the host side of a fresh load ------------------------------------------------------------
@@ -366,7 +358,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
 
     _make_primary_current()
     loads = Loads()
-    recorded = driver_with(load_library=loads.load)  # the real driver, its loads remembered to unload them
+    recorded = None  # the real driver, as a process's Devices() has it
     before = device.current()
     local = LocalLayer(home)
     store = Store([local])  # no memory layer: every first load reads and checks
@@ -478,7 +470,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                    "cuLibraryGetKernel": timed("function", real["cuLibraryGetKernel"]),
                    "cuKernelGetFunction": timed("function", real["cuKernelGetFunction"])}
     real_read = local.read_verified
-    recorded = driver_with(load_library=loads.load)
+    recorded = None  # the real driver, as a process's Devices() has it
     before = device.current()
     try:
         for i in range(samples + 5):  # 5 warm-up rounds

@@ -147,6 +147,15 @@ def loaded_module_count() -> int:
         return len(loaded.modules)
 
 
+def loaded_libraries() -> list[int]:
+    """The CUlibrary handles of the modules loaded through the driver in use: for a benchmark that
+    unloads them (and then swaps in a fresh ``Devices``) to time first loads again. The loader itself
+    never unloads: its kernels hold their functions for the life of the process."""
+    loaded = _loaded_for(_device.current())
+    with loaded.lock:
+        return [int(module.code[0]) for module in loaded.modules.values()]
+
+
 @dataclass(frozen=True)
 class LoadStats:
     """What this process loaded through the driver in use (``load_stats``)."""

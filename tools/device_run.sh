@@ -7,6 +7,7 @@
 #   calibrate   benchmarks/tune_gemm.py --calibrate (writes cubinstore/ops/_gemm_calibration.py; copied to $OUT)
 #   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay)
 #   layouts     benchmarks/bench_gemm.py run --layouts-only (what the layouts ops.gemm copies cost)
+#   host        benchmarks/bench_gemm.py run --host-only (host time per call: eager, graph replay, compiled)
 #   judge       benchmarks/tune_gemm.py --judge-held-out (the model's picks on held-out shapes vs the best option)
 #   tgemm       benchmarks/bench_tgemm.py
 #   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
@@ -46,11 +47,12 @@ for what in "$@"; do
       cp cubinstore/ops/_gemm_calibration.py "$OUT/" 2>/dev/null || true ;;
     gemm) step gemm "$PY" benchmarks/bench_gemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     layouts) step layouts "$PY" benchmarks/bench_gemm.py run --layouts-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    host) step host "$PY" benchmarks/bench_gemm.py run --host-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     judge) step judge "$PY" benchmarks/tune_gemm.py --judge-held-out --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/held_out_measurements.json" ;;
     tgemm) step tgemm "$PY" benchmarks/bench_tgemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, judge, tgemm, occupancy, rows)" >&2; exit 2 ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, tgemm, occupancy, rows)" >&2; exit 2 ;;
   esac
 done
 exit $status

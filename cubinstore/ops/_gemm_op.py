@@ -25,6 +25,7 @@ __all__ = ["call", "gemm", "gemm_with", "register"]
 
 _lock = threading.Lock()
 _registered = False
+_lowered = False  # whether inductor's lowering of the op is installed (_gemm_inductor), or found unavailable
 _PLAIN: tuple[type, ...] = ()  # torch.Tensor and nn.Parameter, once torch is seen
 
 
@@ -85,11 +86,28 @@ def register() -> bool:
     return True
 
 
+def register_for_compile() -> bool:
+    """`register`, and inductor's direct call of the launch (`_gemm_inductor`), once; returns True.
+
+    Apart from `register` because it imports inductor (about a second), which only a compile needs."""
+    global _lowered
+    register()
+    if not _lowered:
+        with _lock:
+            if not _lowered:
+                from cubinstore.ops import _gemm_inductor
+
+                _gemm_inductor.install(sys.modules["torch"])
+                _lowered = True
+    return True
+
+
 # torch.compile runs a function so marked at trace time and takes its result as a constant,
 # so the first call of `gemm` may be one dynamo traces. This is the attribute that
 # torch.compiler.assume_constant_result sets; it cannot be called here without importing
 # torch (tests/ops/test_gemm_op.py checks a compile-first process).
 register._dynamo_marked_constant = True  # type: ignore[attr-defined]
+register_for_compile._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 _library: Any = None  # the torch.library.Library defining the ops: kept, or torch drops them
@@ -141,7 +159,10 @@ def _check_fake(a: Any, b: Any, out: Any) -> tuple[Any, Any, Any]:
 
 def call(torch: Any, a: Any, b: Any, out: Any, kernel_id: str | None, splits: int | None) -> Any:
     """`gemm_with` through the op: what dynamo traces into a graph."""
-    register()
+    if torch.compiler.is_compiling():
+        register_for_compile()
+    else:
+        register()
     if out is None:
         return torch.ops.cubinstore.gemm(a, b, kernel_id, splits)
     torch.ops.cubinstore.gemm_out(a, b, out, kernel_id, splits)

@@ -224,3 +224,18 @@ def test_a_copy_holds_the_operand_in_rows_of_k_rounded_up() -> None:
     aligned = torch.randn(9, 64).to(torch.bfloat16)
     same_rows = gemm_launch._copy_in(poisoned, aligned.T.contiguous().T, Feed(True, 64), "cpu")
     assert same_rows.stride() == (64, 1) and torch.equal(same_rows, aligned)
+
+
+def test_a_compile_installs_inductors_direct_call_of_the_launch() -> None:
+    # The lowering is installed by the first traced call (it imports inductor, which eager use never
+    # needs); the GPU tests check the code inductor generates with it.
+    from torch._inductor.lowering import lowerings
+    from torch._inductor.select_algorithm import extern_kernels
+
+    from cubinstore.internals import INDUCTOR_KERNEL
+
+    recorder = GraphRecorder()
+    with FakeTensorMode():
+        torch.compile(lambda a, b: ops.gemm(a, b), fullgraph=True, backend=recorder)(fake_cuda(4, 64), fake_cuda(8, 64))
+    assert torch.ops.cubinstore.gemm.default in lowerings
+    assert callable(getattr(extern_kernels, INDUCTOR_KERNEL))

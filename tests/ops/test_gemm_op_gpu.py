@@ -16,6 +16,7 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore import launch
 from cubinstore.internals import gemm_launch as G, gemm_model as _gemm_model, host_us_per_call
+from cubinstore.internals import INDUCTOR_KERNEL
 from helpers.gpu import family_library, gemm_operands, gemm_rel_error
 
 
@@ -59,6 +60,66 @@ def test_compiled_fullgraph_matches_eager(lib: launch.Library, torch: Any, backe
     assert torch.equal(got, eager), f"{backend} at {m}x{n}x{k}: compiled differs from eager"
     a2, b2 = gemm_operands(torch, m, n, k)  # the compiled function again, on new values
     assert torch.equal(compiled(a2, b2), f(a2, b2))
+
+
+# -- inductor calls the launch itself (_gemm_inductor), not the op through torch's dispatcher ------
+
+
+def _compiled_code(torch: Any, fn: Any, *args: Any) -> tuple[Any, str]:
+    """`fn(*args)` and the code inductor generated for it (empty when nothing was compiled)."""
+    from torch._inductor.utils import run_and_get_code
+
+    result, codes = run_and_get_code(fn, *args)
+    return result, "\n".join(codes)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=str)
+def test_inductor_calls_the_launch_not_the_dispatcher(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
+    def f(a: Any, b: Any) -> Any:
+        return torch.relu(ops.gemm(a, b))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    a, b = gemm_operands(torch, m, n, k)
+    got, code = _compiled_code(torch, compiled, a, b)
+    assert f"extern_kernels.{INDUCTOR_KERNEL}(" in code, code
+    assert "torch.ops.cubinstore.gemm" not in code, code
+    assert torch.equal(got, f(a, b)), f"{m}x{n}x{k}: compiled differs from eager"
+
+
+def test_inductor_direct_call_takes_views_and_dynamic_shapes(lib: launch.Library, torch: Any) -> None:
+    # A transposed (the launch copies it) and B's rows 16 bytes into a wider buffer (read in place),
+    # under symbolic sizes: one compiled graph serves every M.
+    def f(a_t: Any, b_wide: Any) -> Any:
+        return ops.gemm(a_t.T, b_wide[:, 8:]).float() * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    n, k = 520, 264
+    for i, m in enumerate((300, 64, 1)):
+        a_t = torch.randn(k, m, device="cuda:0").to(torch.bfloat16)
+        b_wide = torch.randn(n, k + 8, device="cuda:0").to(torch.bfloat16)
+        got, code = _compiled_code(torch, compiled, a_t, b_wide)
+        if i == 0:
+            assert f"extern_kernels.{INDUCTOR_KERNEL}(" in code, code
+        else:
+            assert not code, f"M = {m} compiled again"
+        assert torch.equal(got, f(a_t, b_wide)), f"{m}x{n}x{k}: compiled differs from eager"
+
+
+def test_the_cpp_wrapper_keeps_the_dispatchers_op(lib: launch.Library, torch: Any) -> None:
+    def f(a: Any, b: Any) -> Any:
+        return ops.gemm(a, b).float() * 2.0
+
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    a, b = gemm_operands(torch, 128, 4096, 4096)
+    with inductor_config.patch(cpp_wrapper=True):
+        got, code = _compiled_code(torch, torch.compile(f, fullgraph=True, dynamic=False), a, b)
+    torch._dynamo.reset()
+    assert INDUCTOR_KERNEL not in code, code
+    assert torch.equal(got, f(a, b))
 
 
 def _gemm_tile(lib: launch.Library, m: int, n: int, k: int) -> str:

@@ -260,6 +260,28 @@ def test_every_sm90a_kernel_loads_once_with_a_checked_layout(lib: launch.Library
 
 
 @gpu
+def test_a_benchmark_can_unload_what_it_loaded_and_load_afresh(manifest: Manifest, store: Store, torch: Any,
+                                                               hopper: None) -> None:
+    # What bench_runtime's fresh first loads rest on: the loader's table lists each loaded library
+    # once, and after unloading them a new Devices loads the kernel again and it still runs.
+    kernel_id = next(i for i in _specs("axpy"))
+    before = device.use(device.Devices())
+    try:
+        for _ in range(2):
+            kernel = launch.Library(manifest, store).kernel(kernel_id, device=0)
+            handles = _loader.loaded_libraries()
+            assert len(handles) == 1 and handles[0] != 0
+            _axpy_run(torch, kernel, 4099)
+            drv = _cuda.driver()
+            with _cuda.on_device(0):
+                _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(handles[0])), "cuLibraryUnload")
+            device.use(device.Devices())
+            assert _loader.loaded_libraries() == []
+    finally:
+        device.use(before)
+
+
+@gpu
 @pytest.mark.parametrize("kernel_id", _specs("axpy") or ["<no manifest>"])
 @pytest.mark.parametrize("n", [1, 1_000_003])
 def test_axpy_matches_numpy(lib: launch.Library, torch: Any, hopper: None, kernel_id: str, n: int) -> None:

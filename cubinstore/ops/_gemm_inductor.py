@@ -1,0 +1,59 @@
+"""Inductor calls ``cubinstore::gemm``'s launch straight from its wrapper, not through torch's dispatcher.
+
+Inductor's default for a custom op is a call of ``torch.ops.cubinstore.gemm.default`` in the code
+it generates: the dispatcher boxes the arguments and calls back into Python, which cost 13 to 17 us
+of host time a call beside ``torch.mm`` (H100, benchmarks/bench_gemm.py "under torch.compile"),
+whose lowering is a direct ``extern_kernels.mm(a, b, out=buf)``. This lowering does the same for
+ours: inductor allocates D (M x N, bf16, row-major: what the fake implementation says) and the
+generated code calls ``extern_kernels.cubinstore_gemm(a, b, kernel_id, splits, out=buf)``, which is
+``_gemm.run``. The checks, selection and layouts are the eager path's, so nothing is decided twice.
+
+Only the Python wrapper gets it: a C++ wrapper (AOTInductor, ``cpp_wrapper``) cannot call Python
+and keeps the dispatcher's op. ``gemm_out`` keeps it too (inductor re-inplaces it itself). The
+lowering uses inductor's internal IR; where this torch lacks it, ``install`` returns False and
+compiled code keeps calling the op: slower, never wrong (tests/ops/test_gemm_op_gpu.py checks the
+generated code of the torch the package is tested with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cubinstore.ops._gemm import run
+
+__all__ = ["KERNEL_NAME", "install"]
+
+KERNEL_NAME = "cubinstore_gemm"  # its name in inductor's extern_kernels namespace
+
+
+def gemm_into(a: Any, b: Any, kernel_id: str | None, splits: int | None, *, out: Any) -> None:
+    """What the generated code calls: D = a @ b.T written into inductor's buffer `out`."""
+    run(a, b, out, kernel_id, splits)
+
+
+def install(torch: Any) -> bool:
+    """Register the lowering of ``cubinstore::gemm`` with inductor; False where this torch's inductor lacks what it needs."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import fallback_handler, register_lowering
+        from torch._inductor.select_algorithm import extern_kernels
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return False
+    op = torch.ops.cubinstore.gemm.default
+    dispatched = fallback_handler(op, add_to_fallback_set=False)
+    if not hasattr(extern_kernels, KERNEL_NAME):
+        setattr(extern_kernels, KERNEL_NAME, gemm_into)
+
+    def lower(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
+        if V.graph.cpp_wrapper:
+            return dispatched(a, b, kernel_id, splits)
+        a = ir.ExternKernel.realize_input(a)
+        b = ir.ExternKernel.realize_input(b)
+        layout = ir.FixedLayout(a.get_device(), torch.bfloat16, [a.get_size()[0], b.get_size()[0]])
+        node = ir.ExternKernelOut(layout=layout, inputs=[a, b], constant_args=(kernel_id, splits),
+                                  python_kernel_name=f"extern_kernels.{KERNEL_NAME}")
+        return ir.TensorBox.create(node)
+
+    register_lowering(op, type_promotion_kind=None)(lower)
+    return True
