@@ -89,22 +89,25 @@ def test_inductor_calls_the_launch_not_the_dispatcher(lib: launch.Library, torch
 
 def test_inductor_direct_call_takes_views_and_dynamic_shapes(lib: launch.Library, torch: Any) -> None:
     # A transposed (the launch copies it) and B's rows 16 bytes into a wider buffer (read in place),
-    # under symbolic sizes: one compiled graph serves every M.
+    # under symbolic sizes. Whatever graphs inductor makes of them (M = 1 is one of its own), each
+    # calls the launch and agrees with eager.
     def f(a_t: Any, b_wide: Any) -> Any:
         return ops.gemm(a_t.T, b_wide[:, 8:]).float() * 2.0
 
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
     n, k = 520, 264
-    for i, m in enumerate((300, 64, 1)):
+    codes = 0
+    for m in (300, 64, 1):
         a_t = torch.randn(k, m, device="cuda:0").to(torch.bfloat16)
         b_wide = torch.randn(n, k + 8, device="cuda:0").to(torch.bfloat16)
         got, code = _compiled_code(torch, compiled, a_t, b_wide)
-        if i == 0:
+        if code:
+            codes += 1
             assert f"extern_kernels.{INDUCTOR_KERNEL}(" in code, code
-        else:
-            assert not code, f"M = {m} compiled again"
+            assert "torch.ops.cubinstore.gemm" not in code, code
         assert torch.equal(got, f(a_t, b_wide)), f"{m}x{n}x{k}: compiled differs from eager"
+    assert codes >= 1
 
 
 def test_the_cpp_wrapper_keeps_the_dispatchers_op(lib: launch.Library, torch: Any) -> None:
