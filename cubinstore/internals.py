@@ -62,13 +62,13 @@ from cubinstore.ops import _gemm_staging as gemm_staging
 from cubinstore.ops import _gemm_tuning as gemm_tuning
 from cubinstore.ops import _library as ops_library
 from cubinstore.ops._gemm_config import Operand, check_operands
-from cubinstore.ops._gemm_inductor import KERNEL_NAME as INDUCTOR_KERNEL
+from cubinstore.ops._gemm_inductor import CALL as INDUCTOR_CALL
 from cubinstore.ops._gemm_model import ClusterSlots, MachineCosts, Model, TileCosts
 from cubinstore.ops._gemm_staging import Feed, Staging, padded, reads_in_place, staging, writes_in_place
 from cubinstore.ops._timing import host_us_per_call
 
 __all__ = [
-    "ACTION_ENV", "DEFAULT_NVCC_FLAGS", "EMPTY_SHA256_HEX", "INDUCTOR_KERNEL", "MAX_SYMBOL_CHARS", "OCI_PREFIXES",
+    "ACTION_ENV", "DEFAULT_NVCC_FLAGS", "EMPTY_SHA256_HEX", "INDUCTOR_CALL", "MAX_SYMBOL_CHARS", "OCI_PREFIXES",
     "ArgBuffer", "Arch", "Call", "ClusterSlots", "CubinImage", "header_is", "header_problem", "header_sm", "Feed", "JitIndex", "MachineCosts",
     "MangledParam", "Model", "Operand", "PackedArgs", "ParamSlot", "PassThrough", "Staging", "TileCosts",
     "abi", "args", "bundle", "calls", "check_layout", "check_operands", "compiler", "cuda", "cutlass_include",

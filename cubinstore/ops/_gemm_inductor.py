@@ -5,8 +5,15 @@ it generates: the dispatcher boxes the arguments and calls back into Python, whi
 of host time a call beside ``torch.mm`` (H100, benchmarks/bench_gemm.py "under torch.compile"),
 whose lowering is a direct ``extern_kernels.mm(a, b, out=buf)``. This lowering does the same for
 ours: inductor allocates D (M x N, bf16, row-major: what the fake implementation says) and the
-generated code calls ``extern_kernels.cubinstore_gemm(a, b, kernel_id, splits, out=buf)``, which is
-``_gemm.run``. The checks, selection and layouts are the eager path's, so nothing is decided twice.
+generated code calls ``torch.ops.cubinstore.gemm.cubinstore_launch(a, b, kernel_id, splits, out=buf)``,
+which is ``_gemm.run``. The checks, selection and layouts are the eager path's, so nothing is
+decided twice.
+
+Why the op's packet holds the function (``attach``, when the op is defined), not inductor's
+``extern_kernels`` namespace: inductor's FX graph cache hands generated code to other processes,
+and its key does not cover lowerings. Any process that can trace a graph with the op has defined
+the op, so the function is there whenever such code runs; ``extern_kernels`` would hold it only
+where this lowering was installed.
 
 Only the Python wrapper gets it: a C++ wrapper (AOTInductor, ``cpp_wrapper``) cannot call Python
 and keeps the dispatcher's op. ``gemm_out`` keeps it too (inductor re-inplaces it itself). The
@@ -21,9 +28,10 @@ from typing import Any
 
 from cubinstore.ops._gemm import run
 
-__all__ = ["KERNEL_NAME", "install"]
+__all__ = ["CALL", "attach", "install"]
 
-KERNEL_NAME = "cubinstore_gemm"  # its name in inductor's extern_kernels namespace
+_ATTRIBUTE = "cubinstore_launch"
+CALL = f"torch.ops.cubinstore.gemm.{_ATTRIBUTE}"  # what the generated code calls (the wrapper imports torch)
 
 
 def gemm_into(a: Any, b: Any, kernel_id: str | None, splits: int | None, *, out: Any) -> None:
@@ -31,19 +39,21 @@ def gemm_into(a: Any, b: Any, kernel_id: str | None, splits: int | None, *, out:
     run(a, b, out, kernel_id, splits)
 
 
+def attach(torch: Any) -> None:
+    """Put the launch where generated code calls it: on the op's packet (defined a moment ago)."""
+    setattr(torch.ops.cubinstore.gemm, _ATTRIBUTE, gemm_into)
+
+
 def install(torch: Any) -> bool:
     """Register the lowering of ``cubinstore::gemm`` with inductor; False where this torch's inductor lacks what it needs."""
     try:
         from torch._inductor import ir
         from torch._inductor.lowering import fallback_handler, register_lowering
-        from torch._inductor.select_algorithm import extern_kernels
         from torch._inductor.virtualized import V
     except ImportError:
         return False
     op = torch.ops.cubinstore.gemm.default
     dispatched = fallback_handler(op, add_to_fallback_set=False)
-    if not hasattr(extern_kernels, KERNEL_NAME):
-        setattr(extern_kernels, KERNEL_NAME, gemm_into)
 
     def lower(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
         if V.graph.cpp_wrapper:
@@ -52,7 +62,7 @@ def install(torch: Any) -> bool:
         b = ir.ExternKernel.realize_input(b)
         layout = ir.FixedLayout(a.get_device(), torch.bfloat16, [a.get_size()[0], b.get_size()[0]])
         node = ir.ExternKernelOut(layout=layout, inputs=[a, b], constant_args=(kernel_id, splits),
-                                  python_kernel_name=f"extern_kernels.{KERNEL_NAME}")
+                                  python_kernel_name=CALL)
         return ir.TensorBox.create(node)
 
     register_lowering(op, type_promotion_kind=None)(lower)

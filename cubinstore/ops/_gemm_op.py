@@ -138,10 +138,13 @@ def _define() -> None:
     def gemm_out_fake(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
         _check_fake(a, b, out)
 
+    from cubinstore.ops import _gemm_inductor
+
     library.impl("gemm", gemm, "CompositeExplicitAutograd")
     library.impl("gemm_out", gemm_out, "CompositeExplicitAutograd")
     torch.library.register_fake("cubinstore::gemm", gemm_fake, lib=library)
     torch.library.register_fake("cubinstore::gemm_out", gemm_out_fake, lib=library)
+    _gemm_inductor.attach(torch)  # what inductor's generated code calls (register_for_compile)
     _library = library
 
 

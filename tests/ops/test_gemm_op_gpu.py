@@ -16,7 +16,7 @@ import pytest
 import cubinstore.ops as ops
 from cubinstore import launch
 from cubinstore.internals import gemm_launch as G, gemm_model as _gemm_model, host_us_per_call
-from cubinstore.internals import INDUCTOR_KERNEL
+from cubinstore.internals import INDUCTOR_CALL
 from helpers.gpu import family_library, gemm_operands, gemm_rel_error
 
 
@@ -82,7 +82,7 @@ def test_inductor_calls_the_launch_not_the_dispatcher(lib: launch.Library, torch
     compiled = torch.compile(f, fullgraph=True, dynamic=False)
     a, b = gemm_operands(torch, m, n, k)
     got, code = _compiled_code(torch, compiled, a, b)
-    assert f"extern_kernels.{INDUCTOR_KERNEL}(" in code, code
+    assert f"{INDUCTOR_CALL}(" in code, code
     assert "torch.ops.cubinstore.gemm" not in code, code
     assert torch.equal(got, f(a, b)), f"{m}x{n}x{k}: compiled differs from eager"
 
@@ -104,7 +104,7 @@ def test_inductor_direct_call_takes_views_and_dynamic_shapes(lib: launch.Library
         got, code = _compiled_code(torch, compiled, a_t, b_wide)
         if code:
             codes += 1
-            assert f"extern_kernels.{INDUCTOR_KERNEL}(" in code, code
+            assert f"{INDUCTOR_CALL}(" in code, code
             assert "torch.ops.cubinstore.gemm" not in code, code
         assert torch.equal(got, f(a_t, b_wide)), f"{m}x{n}x{k}: compiled differs from eager"
     assert codes >= 1
@@ -121,7 +121,7 @@ def test_the_cpp_wrapper_keeps_the_dispatchers_op(lib: launch.Library, torch: An
     with inductor_config.patch(cpp_wrapper=True):
         got, code = _compiled_code(torch, torch.compile(f, fullgraph=True, dynamic=False), a, b)
     torch._dynamo.reset()
-    assert INDUCTOR_KERNEL not in code, code
+    assert INDUCTOR_CALL not in code, code
     assert torch.equal(got, f(a, b))
 
 
