@@ -35,8 +35,8 @@ CALL = f"torch.ops.cubinstore.gemm.{_ATTRIBUTE}"  # what the generated code call
 
 
 def gemm_into(a: Any, b: Any, kernel_id: str | None, splits: int | None, *, out: Any) -> None:
-    """What the generated code calls: D = a @ b.T written into inductor's buffer `out`."""
-    run(a, b, out, kernel_id, splits)
+    """What the generated code calls: D = a @ b.T written into inductor's buffer `out` (laid out as the lowering says)."""
+    run(a, b, out, kernel_id, splits, True)
 
 
 def attach(torch: Any) -> None:

@@ -110,6 +110,21 @@ def test_inductor_direct_call_takes_views_and_dynamic_shapes(lib: launch.Library
     assert codes >= 1
 
 
+def test_inductor_direct_call_of_an_empty_k_writes_zeros(lib: launch.Library, torch: Any) -> None:
+    # Inductor's buffer for D starts as whatever the allocator held: K = 0 must still write its zeros.
+    def f(a: Any, b: Any) -> Any:
+        return ops.gemm(a, b).float() + 1.0
+
+    torch._dynamo.reset()
+    junk = torch.full((64, 96), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    del junk  # its block goes back to the allocator, NaN and all
+    a = torch.empty(64, 0, dtype=torch.bfloat16, device="cuda:0")
+    b = torch.empty(96, 0, dtype=torch.bfloat16, device="cuda:0")
+    got, code = _compiled_code(torch, torch.compile(f, fullgraph=True, dynamic=False), a, b)
+    assert f"{INDUCTOR_CALL}(" in code, code
+    assert torch.equal(got, torch.ones(64, 96, device="cuda:0"))
+
+
 def test_the_cpp_wrapper_keeps_the_dispatchers_op(lib: launch.Library, torch: Any) -> None:
     def f(a: Any, b: Any) -> Any:
         return ops.gemm(a, b).float() * 2.0
@@ -224,7 +239,7 @@ def test_repeat_calls_use_one_prepared_launch(lib: launch.Library, torch: Any) -
     # This signature's entry: with `out`, and neither instantiation nor split forced (earlier tests
     # may have left entries of the same shapes that force them); the alignment flags follow.
     call = next(c for key, c in G._calls.items()
-                if key[2] == a.shape and key[6] == b.shape and key[8] is not None and key[9:11] == (None, None))
+                if key[2] == a.shape and key[6] == b.shape and isinstance(key[8], tuple) and key[9:11] == (None, None))
     launches = call.launch.calls
     for _ in range(50):
         ops.gemm(a, b, out=d)
@@ -296,7 +311,7 @@ def test_an_out_view_that_starts_mid_word_is_written_through_a_copy(lib: launch.
         assert _rel_error(torch, d, a, b) < MAX_REL_ERROR
         assert bool(torch.isnan(buf[:d.storage_offset()]).all() and torch.isnan(buf[d.storage_offset() + m * n:]).all())
     copying = {c.staging is not None and c.staging.copy_out for key, c in G._calls.items()
-               if key[2] == a.shape and key[6] == b.shape and key[8] is not None and key[8][2] == (m, n)}
+               if key[2] == a.shape and key[6] == b.shape and isinstance(key[8], tuple) and key[8][2] == (m, n)}
     assert copying == {True, False}
 
 
