@@ -10,6 +10,8 @@ idempotent): importing cubinstore never imports torch. The op's real implementat
 ``_gemm.run`` too; its fake implementation checks what a fake tensor has (dtype, shape,
 strides, device) with the same ``check_operands`` and gives D's shape, so bad operands are
 the same typed ``BadArgumentError`` under tracing (dynamo wraps it in its own error, naming ours).
+A call traced by dynamo also installs inductor's lowering of ``gemm`` (``_gemm_inductor``), so
+the compiled code calls the launch without the dispatcher's round trip into Python.
 """
 
 from __future__ import annotations

@@ -241,3 +241,21 @@ def test_a_compile_installs_inductors_direct_call_of_the_launch() -> None:
     namespace, _, name = INDUCTOR_CALL.rpartition(".")
     assert namespace == "torch.ops.cubinstore.gemm"
     assert callable(getattr(torch.ops.cubinstore.gemm, name))
+
+
+def test_defining_the_op_alone_gives_generated_code_its_call_without_importing_inductor() -> None:
+    # Inductor's FX graph cache hands a process code compiled in another; any process that has the
+    # op defined can run it, though it never installed the lowering (nor imported inductor).
+    code = """
+import sys, json
+import torch
+import cubinstore.ops as ops
+from cubinstore.internals import INDUCTOR_CALL, gemm_op
+gemm_op.register()
+namespace, _, name = INDUCTOR_CALL.rpartition(".")
+print(json.dumps([callable(getattr(torch.ops.cubinstore.gemm, name)), "torch._inductor.lowering" in sys.modules]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [True, False]

@@ -125,6 +125,22 @@ def test_inductor_direct_call_of_an_empty_k_writes_zeros(lib: launch.Library, to
     assert torch.equal(got, torch.ones(64, 96, device="cuda:0"))
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (300, 4099, 520)], ids=str)
+def test_inductor_with_cuda_graphs_replays_the_direct_call(lib: launch.Library, torch: Any, m: int, n: int,
+                                                           k: int) -> None:
+    # mode="reduce-overhead": inductor's CUDA graph trees capture the generated code, our launch in it.
+    def f(a: Any, b: Any) -> Any:
+        return torch.relu(ops.gemm(a, b)).float() * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, mode="reduce-overhead", dynamic=False)
+    for turn in range(4):  # warm-up, record, then replays
+        a, b = gemm_operands(torch, m, n, k)
+        got = compiled(a, b).clone()
+        assert torch.equal(got, f(a, b)), f"turn {turn} at {m}x{n}x{k}: the compiled graph differs from eager"
+    torch._dynamo.reset()
+
+
 def test_the_cpp_wrapper_keeps_the_dispatchers_op(lib: launch.Library, torch: Any) -> None:
     def f(a: Any, b: Any) -> Any:
         return ops.gemm(a, b).float() * 2.0
