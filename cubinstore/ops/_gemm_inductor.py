@@ -13,7 +13,9 @@ Why the op's packet holds the function (``attach``, when the op is defined), not
 ``extern_kernels`` namespace: inductor's FX graph cache hands generated code to other processes,
 and its key does not cover lowerings. Any process that can trace a graph with the op has defined
 the op, so the function is there whenever such code runs; ``extern_kernels`` would hold it only
-where this lowering was installed.
+where this lowering was installed. For the same reason the call's signature,
+``cubinstore_launch(a, b, kernel_id, splits, *, out)``, is a contract with code already cached:
+a change needs a new attribute name, the old one kept for that code.
 
 Only the Python wrapper gets it: a C++ wrapper (AOTInductor, ``cpp_wrapper``) cannot call Python
 and keeps the dispatcher's op. ``gemm_out`` keeps it too (inductor re-inplaces it itself). The
