@@ -15,7 +15,8 @@ Prints, side by side in one run:
      get function: no cubinstore code) | the plain verified peer (raw + sha256) | Library.kernel() from
      an owned local store (size + xxh3-128 record, issue 31) | the same with CUBINSTORE_VERIFY=full
      (sha256) | Library.kernel() of bytes this process verified before (memory layer) | the layout
-     check alone; each module unloaded again so every sample is a fresh load;
+     check alone; each module unloaded again so every sample is a fresh load, the paths' order
+     rotated from sample to sample (a load's time depends on what ran just before it);
   3b. where a fresh load's time goes, the peer's and Library.kernel()'s side by side (median us
      per load over every CUBIN, interleaved): reading and checking, the driver's load
      (cuLibraryLoadData), its get function (cuLibraryGetKernel + cuKernelGetFunction), each timed
@@ -348,8 +349,8 @@ def full_mode_store(home: Path) -> Any:
 
 
 def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Per kernel, fresh loads on GPU 0 (p50 / p99 ms), interleaved: raw | read + sha256 + load |
-    Library.kernel() from the owned store (records) | the same with CUBINSTORE_VERIFY=full |
+    """Per kernel, fresh loads on GPU 0 (p50 / p99 ms), interleaved in an order rotated each sample:
+    raw | read + sha256 + load | Library.kernel() from the owned store (records) | the same with CUBINSTORE_VERIFY=full |
     Library.kernel() of bytes verified before in the process | the layout check alone. Also what the
     owned store's first loads checked (``LocalLayer.checks``)."""
     from cubinstore import launch
@@ -370,59 +371,62 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
     try:
         for spec in specs:
             path = local.path_for(spec.digest)
-            raw, peer, ours, ours_full, again, layout = [], [], [], [], [], []
+            raw: list[float] = []
+            peer: list[float] = []
+            ours: list[float] = []
+            ours_full: list[float] = []
+            again: list[float] = []
             warm.get(spec.digest, spec.size, name=spec.id)  # verified once in this process
-            for i in range(samples + 5):  # 5 warm-up rounds: first-touch costs of each path
+            def raw_load() -> float:
                 t = time.perf_counter()
                 with open(path, "rb") as f:
                     data = f.read()
-                lib_raw = direct_load(spec, data)
-                a = time.perf_counter() - t
-                direct_unload(lib_raw)
+                library = direct_load(spec, data)
+                elapsed = time.perf_counter() - t
+                direct_unload(library)
+                return elapsed
 
+            def peer_load() -> float:
                 t = time.perf_counter()
                 with open(path, "rb") as f:
                     data = f.read()
                 if hashlib.sha256(data).hexdigest() != spec.digest.hex:
                     raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
-                lib_peer = direct_load(spec, data)
-                b = time.perf_counter() - t
-                direct_unload(lib_peer)
+                library = direct_load(spec, data)
+                elapsed = time.perf_counter() - t
+                direct_unload(library)
+                return elapsed
 
+            def our_load(through: Any, check_layout: bool = False) -> float:
                 fresh_loads(recorded)  # a fresh load, as in a new process
-                library = launch.Library(manifest, store)
+                library = launch.Library(manifest, through)
                 t = time.perf_counter()
                 kernel = library.kernel(spec.id, device=0)
-                c = time.perf_counter() - t
-                # The per-entry layout check (cuFuncGetParamInfo per parameter) alone, done again on fresh caches:
-                # where it runs (load or first launch), this is what it costs.
-                t = time.perf_counter()
-                for symbol, fn in kernel._functions.items():
-                    fn.layouts.clear()
-                    _loader.check_function_layout(spec, symbol, fn, 0)
-                d = time.perf_counter() - t
+                elapsed = time.perf_counter() - t
+                if check_layout:
+                    # The per-entry layout check (cuFuncGetParamInfo per parameter) alone, done again on fresh
+                    # caches: where it runs (load or first launch), this is what it costs.
+                    t = time.perf_counter()
+                    for symbol, fn in kernel._functions.items():
+                        fn.layouts.clear()
+                        _loader.check_function_layout(spec, symbol, fn, 0)
+                    layout_s.append(time.perf_counter() - t)
                 loads.unload_all()
+                return elapsed
 
-                fresh_loads(recorded)
-                library = launch.Library(manifest, full)
-                t = time.perf_counter()
-                library.kernel(spec.id, device=0)
-                f_ = time.perf_counter() - t
-                loads.unload_all()
-
-                fresh_loads(recorded)
-                library = launch.Library(manifest, warm)  # a driver load of bytes verified earlier in the process
-                t = time.perf_counter()
-                library.kernel(spec.id, device=0)
-                e = time.perf_counter() - t
-                loads.unload_all()
-                if i >= 5:
-                    raw.append(a)
-                    peer.append(b)
-                    ours.append(c)
-                    ours_full.append(f_)
-                    again.append(e)
-                    layout.append(d)
+            layout_s: list[float] = []
+            paths = ((raw, raw_load), (peer, peer_load), (ours, lambda: our_load(store, check_layout=True)),
+                     (ours_full, lambda: our_load(full)), (again, lambda: our_load(warm)))
+            for i in range(samples + 5):  # 5 warm-up rounds: first-touch costs of each path
+                # Each sample runs every path once, the order rotated from sample to sample: a load's time
+                # depends on what ran just before it (the CPU's caches, the driver's deferred work of the
+                # last unload), and each path takes each place equally often.
+                turn = i % len(paths)
+                for times, path_load in paths[turn:] + paths[:turn]:
+                    elapsed = path_load()
+                    if i >= 5:
+                        times.append(elapsed)
+            layout = layout_s[5:]
             rows.append({"id": spec.id, "size": spec.size, **{f"{name}_{q}": pct(v, p) * 1e3 for name, v in
                          (("raw", raw), ("peer", peer), ("ours", ours), ("full", ours_full), ("again", again),
                           ("layout", layout))
@@ -732,7 +736,8 @@ def main() -> None:
         loads, checks = gpu_loads(manifest, work / "home", specs, opts.samples)
         results["loads"] = loads
         results["checks"] = checks
-        print(f"\n## fresh loads on GPU 0 (compute capability {cc[0]}.{cc[1]}), {opts.samples} samples each (ms)\n")
+        print(f"\n## fresh loads on GPU 0 (compute capability {cc[0]}.{cc[1]}), {opts.samples} samples each, every "
+              "path once a sample in an order rotated from sample to sample (ms)\n")
         print("raw = read + bare cuLibraryLoadData + get function (cuda.bindings, no cubinstore code); "
               "peer = raw + sha256; ours = Library.kernel() from an owned local store (size + xxh3-128 record); "
               "full = the same with CUBINSTORE_VERIFY=full (sha256); before = bytes verified earlier in the "
