@@ -52,20 +52,27 @@ def install(torch: Any) -> bool:
         from torch._inductor import ir
         from torch._inductor.lowering import fallback_handler, register_lowering
         from torch._inductor.virtualized import V
-    except ImportError:
+
+        op = torch.ops.cubinstore.gemm.default
+        dispatched = fallback_handler(op, add_to_fallback_set=False)
+    except (ImportError, AttributeError, TypeError):  # an inductor without these internals
         return False
-    op = torch.ops.cubinstore.gemm.default
-    dispatched = fallback_handler(op, add_to_fallback_set=False)
 
     def lower(a: Any, b: Any, kernel_id: str | None = None, splits: int | None = None) -> Any:
         if V.graph.cpp_wrapper:
             return dispatched(a, b, kernel_id, splits)
-        a = ir.ExternKernel.realize_input(a)
-        b = ir.ExternKernel.realize_input(b)
-        layout = ir.FixedLayout(a.get_device(), torch.bfloat16, [a.get_size()[0], b.get_size()[0]])
-        node = ir.ExternKernelOut(layout=layout, inputs=[a, b], constant_args=(kernel_id, splits),
-                                  python_kernel_name=CALL)
+        try:
+            a_in = ir.ExternKernel.realize_input(a)
+            b_in = ir.ExternKernel.realize_input(b)
+            layout = ir.FixedLayout(a_in.get_device(), torch.bfloat16, [a_in.get_size()[0], b_in.get_size()[0]])
+            node = ir.ExternKernelOut(layout=layout, inputs=[a_in, b_in], constant_args=(kernel_id, splits),
+                                      python_kernel_name=CALL)
+        except (AttributeError, TypeError):  # inductor's IR changed under us: the op, as without this lowering
+            return dispatched(a, b, kernel_id, splits)
         return ir.TensorBox.create(node)
 
-    register_lowering(op, type_promotion_kind=None)(lower)
+    try:
+        register_lowering(op, type_promotion_kind=None)(lower)
+    except (AttributeError, TypeError):
+        return False
     return True
