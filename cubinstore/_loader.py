@@ -235,13 +235,11 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
             if not header_is(data, sm):
                 _check_cubin_header(spec, data)
             cuda = devices.driver
-            if cuda.on_device is _cuda.on_device and cuda.library_function is _cuda.library_function:
-                # The real driver's context guard and functions: one call loads the module and gets
-                # every entry's function (a wrapped load_library, a benchmark's, is still called).
-                load_library = cuda.load_library
-                library, handles = _cuda.load_functions(
-                    data, spec.entries, ordinal, _Where((spec, ordinal)),
-                    None if load_library is _cuda.load_library else load_library)
+            if (cuda.on_device is _cuda.on_device and cuda.load_library is _cuda.load_library
+                    and cuda.library_function is _cuda.library_function):
+                # The real driver's context guard and calls: one call loads the module and gets every
+                # entry's function. Any of them swapped (a test's fake): call by call, below.
+                library, handles = _cuda.load_functions(data, spec.entries, ordinal, _Where((spec, ordinal)))
                 functions: dict[str, _Function] = {}
                 for entry, func in zip(spec.entries, handles):
                     if func is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
@@ -227,16 +227,14 @@ def library_function(library: int, entry: str, what: object) -> int | None:
     return int(func)
 
 
-def load_functions(data: bytes, entries: Iterable[str], ordinal: int, what: object,
-                   load_library: Callable[[bytes, object], int] | None = None) -> tuple[int, list[int | None]]:
+def load_functions(data: bytes, entries: Iterable[str], ordinal: int, what: object) -> tuple[int, list[int | None]]:
     """``with on_device(ordinal)``: ``load_library(data, what)``, then ``library_function`` of each
     entry, in one call: the loader's path for every first load (a load is three to four driver calls,
     and Python calls between them cost more than usual, the CPU's caches cold after each).
 
     Returns the CUlibrary handle and each entry's CUfunction, in order, the list ending at the
     first entry the CUBIN lacks with a None (the caller names the kernel). Errors are worded as the
-    separate calls word them. ``load_library``: a stand-in for this module's (a benchmark's, that
-    records each handle), called as it is; the rest is this module's.
+    separate calls word them.
     """
     drv = _driver if _driver is not None else driver()
     want = _primary.get(ordinal)
@@ -250,12 +248,9 @@ def load_functions(data: bytes, entries: Iterable[str], ordinal: int, what: obje
     if switch:
         check(drv.cuCtxSetCurrent(drv.CUcontext(want)), f"cuCtxSetCurrent to device {ordinal}")
     try:
-        if load_library is None:
-            err, library = drv.cuLibraryLoadData(data, None, None, 0, None, None, 0)
-            if err != _success:
-                check((err,), f"cuLibraryLoadData for {what}")
-        else:
-            library = drv.CUlibrary(load_library(data, what))
+        err, library = drv.cuLibraryLoadData(data, None, None, 0, None, None, 0)
+        if err != _success:
+            check((err,), f"cuLibraryLoadData for {what}")
         functions: list[int | None] = []
         for entry in entries:  # library_function, inlined
             err, kernel = drv.cuLibraryGetKernel(library, entry.encode("ascii"))
