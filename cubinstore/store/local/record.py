@@ -19,7 +19,7 @@ import errno
 import os
 from typing import Any
 
-__all__ = ["NAME", "Recorder", "make", "matches", "read", "write"]
+__all__ = ["NAME", "Recorder", "make", "matches", "write"]
 
 NAME = "user.cubinstore.v1"
 _VERSION = b"\x01"
@@ -28,7 +28,6 @@ SIZE = 1 + 32 + 16  # version, sha256, xxh3-128
 # the entry is stored without one and loads with sha256.
 _UNSUPPORTED = frozenset({errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.EROFS, errno.ENOSPC,
                           errno.EDQUOT, errno.E2BIG})
-_ABSENT = frozenset({errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EACCES, errno.EPERM, errno.ERANGE})
 
 _xxh3: Any = None  # xxhash.xxh3_128_digest once imported; False: not installed
 
@@ -74,17 +73,6 @@ def write(fd: int, record: bytes | None) -> bool:
             return False
         raise
     return True
-
-
-def read(fd: int) -> bytes | None:
-    """The record of the open file ``fd``; None if it has none. (The kernel bounds an xattr's size:
-    64 KiB on ext4; a value that is not exactly a record never matches.)"""
-    try:
-        return os.getxattr(fd, NAME)
-    except OSError as exc:
-        if exc.errno in _ABSENT:  # ERANGE: bigger than any record we write, so not ours
-            return None
-        raise
 
 
 class Recorder:

@@ -337,7 +337,7 @@ def read_entry_at(dir_fd: int, name: str, limit: int, *, path: str,
                   touch: bool = True) -> tuple[bytes, os.stat_result, bytes | None] | None:
     """``read_at`` of a CAS entry (with ``touch``, gc's clock, unless told), plus the file's stat and
     its record (``record.py``), all from the one open file; None if absent."""
-    try:  # every first load passes here: _open_file's and record.read's common case first, without a call
+    try:  # every first load passes here: _open_file's common case first, without a call
         fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
     except OSError:
         fd = _open_file(dir_fd, name, path)  # None if absent; else words why
@@ -348,11 +348,8 @@ def read_entry_at(dir_fd: int, name: str, limit: int, *, path: str,
         data = read_fd(fd, limit, path=path, touch=touch, st=st)
         try:
             record = os.getxattr(fd, _record.NAME)
-        except OSError:
-            try:
-                record = _record.read(fd)  # absent is None; another failure raises
-            except OSError:
-                record = None  # unreadable: treated as absent (sha256 decides)
+        except OSError:  # none, no xattrs here, or unreadable: treated as absent (sha256 decides)
+            record = None
         return data, st, record
     except OSError as exc:
         raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from exc
