@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Any
 
+from cubinstore.ops import _gemm_inductor
 from cubinstore.ops._gemm import run
 from cubinstore.ops._gemm_config import Operand, check_operands
 
@@ -97,8 +98,6 @@ def register_for_compile() -> bool:
     if not _lowered:
         with _lock:
             if not _lowered:
-                from cubinstore.ops import _gemm_inductor
-
                 _gemm_inductor.install(sys.modules["torch"])
                 _lowered = True
     return True
@@ -139,8 +138,6 @@ def _define() -> None:
 
     def gemm_out_fake(a: Any, b: Any, out: Any, kernel_id: str | None = None, splits: int | None = None) -> None:
         _check_fake(a, b, out)
-
-    from cubinstore.ops import _gemm_inductor
 
     library.impl("gemm", gemm, "CompositeExplicitAutograd")
     library.impl("gemm_out", gemm_out, "CompositeExplicitAutograd")
