@@ -160,17 +160,14 @@ def fresh_loads(driver: Any = None) -> None:
     launch.loaded_module_count()
 
 
-class Loads:
-    """What Library.kernel() loaded since the last `fresh_loads()`, unloaded after a sample. Found in
-    the loader's own table (`loader.loaded_libraries`), so the timed loads run the production path:
-    no stand-in of the benchmark's between the loader and the driver."""
+def unload_loaded() -> None:
+    """Unload what Library.kernel() loaded since the last `fresh_loads()`, so that the next sample is a
+    fresh load again. Found in the loader's own table (`loader.loaded_libraries`), so the timed loads
+    run the production path: no stand-in of the benchmark's between the loader and the driver."""
+    from cubinstore.internals import loader
 
-    def unload_all(self) -> None:
-        """Unload what Library.kernel() loaded, so that the next sample is a fresh load again."""
-        from cubinstore.internals import loader
-
-        for handle in loader.loaded_libraries():
-            _unload(handle)
+    for handle in loader.loaded_libraries():
+        _unload(handle)
 
 
 # -- 2b. the host side of a fresh load ------------------------------------------------------------
@@ -358,8 +355,6 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
     from cubinstore.store import LocalLayer, MemoryLayer, Store
 
     _make_primary_current()
-    loads = Loads()
-    recorded = None  # the real driver, as a process's Devices() has it
     before = device.current()
     local = LocalLayer(home)
     store = Store([local])  # no memory layer: every first load reads and checks
@@ -398,7 +393,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
                 return elapsed
 
             def our_load(through: Any, check_layout: bool = False) -> float:
-                fresh_loads(recorded)  # a fresh load, as in a new process
+                fresh_loads()  # a fresh load, as in a new process
                 library = launch.Library(manifest, through)
                 t = time.perf_counter()
                 kernel = library.kernel(spec.id, device=0)
@@ -411,7 +406,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int) -> tupl
                         fn.layouts.clear()
                         _loader.check_function_layout(spec, symbol, fn, 0)
                     layout_s.append(time.perf_counter() - t)
-                loads.unload_all()
+                unload_loaded()
                 return elapsed
 
             layout_s: list[float] = []
@@ -454,7 +449,6 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     _make_primary_current()
     local = LocalLayer(home)
     store = Store([local])
-    loads = Loads()
     inside: dict[str, float] = {"read + check": 0.0, "load": 0.0, "function": 0.0}
 
     def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -474,7 +468,6 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                    "cuLibraryGetKernel": timed("function", real["cuLibraryGetKernel"]),
                    "cuKernelGetFunction": timed("function", real["cuKernelGetFunction"])}
     real_read = local.read_verified
-    recorded = None  # the real driver, as a process's Devices() has it
     before = device.current()
     try:
         for i in range(samples + 5):  # 5 warm-up rounds
@@ -493,7 +486,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                     err, fn = drv.cuKernelGetFunction(kernel)
                 t3 = time.perf_counter()
                 direct_unload(library)
-                fresh_loads(recorded)  # a fresh load, as in a new process
+                fresh_loads()  # a fresh load, as in a new process
                 fresh = launch.Library(manifest, store)
                 for part in inside:
                     inside[part] = 0.0
@@ -508,7 +501,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
                     for name, fn in real.items():
                         setattr(drv, name, fn)
                     del local.read_verified
-                loads.unload_all()
+                unload_loaded()
                 if i < 5:
                     continue
                 for out, sample in ((peer, {"read + check": t1 - t0, "load": t2 - t1, "function": t3 - t2,
