@@ -18,7 +18,7 @@ without this module's third-party imports (xxhash, through the JIT and cubinstor
 from __future__ import annotations
 
 # _core: the facts every layer shares (ABI, id and flag grammar, digests, ELF, environment knobs).
-from cubinstore._core import abi, geometry, knobs, nvcc
+from cubinstore._core import abi, geometry, knobs, native, nvcc
 from cubinstore._core.abi import DEFAULT_NVCC_FLAGS, Arch, param_layout, param_type, render_param
 from cubinstore._core.cubin import CubinImage, header_is, header_problem, header_sm
 from cubinstore._core.cxxnames import function_name, names_entry, normalize_name
@@ -75,7 +75,7 @@ __all__ = [
     "decode_params", "demangle", "device", "direct", "dlpack_data_pointer", "expected_layout", "explain_key",
     "export", "family", "fetch_blobs", "function_name", "gc", "gemm_calibration", "gemm_launch", "gemm_model",
     "gemm_op", "gemm_staging", "gemm_tuning", "geometry", "host_us_per_call", "key", "knobs", "load_manifest",
-    "loader", "locate_toolkit", "make_bundle", "names_entry", "normalize_name", "nvcc", "ops_library",
+    "loader", "locate_toolkit", "make_bundle", "names_entry", "native", "normalize_name", "nvcc", "ops_library",
     "pack", "pack_args", "padded", "param_layout", "param_type", "parse_nvcc_argv", "pin", "reads_in_place",
     "release_artifact", "remote", "render_param", "staging", "template_for_sources", "type_problem", "unpack",
     "unpin", "verify_store", "warm", "warmset", "writes_in_place",

@@ -5,7 +5,8 @@
 #     libnginx-mod-http-dav-ext (PROPFIND, which sccache's WebDAV backend needs: benchmarks/bench_nvcc_dropin.py),
 #     docker-registry (the CNCF distribution registry: OCI release tests) and skopeo (their interop tests)
 #   - npm: bazelisk and buildifier (package-lock.json); .bazeliskrc points bazelisk at the local Bazel
-#   - PyPI: .venv with the test dependencies, the CUTLASS headers wheel and this package;
+#   - PyPI: .venv with the test dependencies, the CUTLASS headers wheel and this package (with its C
+#           helper, built by pip: a C compiler and Python's headers);
 #           .venv-buildgrid with BuildGrid (a gRPC remote cache for the tests)
 #   - tools/bootstrap_bazel7.sh: Bazel 7 (a Debian sid root), PostgreSQL, psycopg2 for BuildGrid
 set -euo pipefail
@@ -56,6 +57,9 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "$CUTLASS_WHEEL"
 # compat: a .pth path entry, not an import hook (every Python start, and so every cubinstore-nvcc call, skips ~8 ms)
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . --config-settings editable_mode=compat
+# That builds the optional C helper of a first load (setup.py); the tests run both of its paths.
+.venv/bin/python -c "from cubinstore.internals import native; assert native.built()" 2>/dev/null \
+  || { log "the C helper cubinstore/_core/_native.c did not build: install a C compiler and the headers of $("$PYTHON" --version) (python3-dev)"; exit 1; }
 
 if [ ! -x .venv-buildgrid/bin/bgd ]; then
   "$PYTHON" -m venv .venv-buildgrid

@@ -27,6 +27,13 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
 "$PY" -c "import torch; print('torch', torch.__version__)" >> "$OUT/gpu.txt" 2>&1 || true
 
+# The compiled first-load helper (cubinstore/_core/_native.c), for this host's Python, as pip install
+# builds it; without it the runtime takes its Python paths and the helper's GPU tests skip.
+if ! "$PY" setup.py -q build_ext --inplace > "$OUT/native.log" 2>&1; then
+  echo "device_run: the compiled helper did not build (Python paths only); see $OUT/native.log" >&2
+fi
+"$PY" -c "from cubinstore.internals import native; print('native helper:', native.built())" >> "$OUT/gpu.txt" 2>&1
+
 status=0
 step() {  # step NAME COMMAND...: run one step, its output to $OUT/NAME.log and a summary line here
   local name="$1"; shift

@@ -27,6 +27,7 @@ __all__ = [
     "Variable",
     "allow_shared_store",
     "verify_full",
+    "native",
     "cutlass_include",
     "disk_cache",
     "fetch_jobs",
@@ -122,11 +123,13 @@ VERIFY = Variable("CUBINSTORE_VERIFY", "str", "auto",
                   "auto: a first load from a store you own checks size and xxh3-128; full: sha256 on every first load")
 NVCC_PUBLISH = Variable("CUBINSTORE_NVCC_PUBLISH", "bool", False,
                         "cubinstore-nvcc uploads what it compiles to CUBINSTORE_REMOTE (trusted writers, CI)")
+NATIVE = Variable("CUBINSTORE_NATIVE", "bool", True,
+                  "a first load's read and driver calls in the compiled helper, where it was built; off: Python only")
 
 VARIABLES: tuple[Variable, ...] = (
     HOME, REMOTE, DISK_CACHE, OFFLINE, HTTP_TIMEOUT, HTTP_CONNECT_TIMEOUT, HTTP_RETRIES, HTTP_DEADLINE,
     LOCK_TIMEOUT, MEMORY_BYTES, MANIFEST, JIT, JIT_TIMEOUT, HOST_CC, CUTLASS_INCLUDE, ALLOW_SHARED_STORE,
-    TRUST_POLICY, FETCH_JOBS, NVCC, NVCC_PUBLISH, VERIFY,
+    TRUST_POLICY, FETCH_JOBS, NVCC, NVCC_PUBLISH, VERIFY, NATIVE,
 )
 
 # Not ours, read as third_party/cuda/cuda_toolkit.bzl reads them: where the JIT finds the toolkit.
@@ -331,6 +334,11 @@ def verify_full() -> bool:
     if value not in _VERIFY_MODES:
         raise BadArgumentError(f"{VERIFY.name}: expected one of {', '.join(_VERIFY_MODES)}, got {show(value)}")
     return value == "full"
+
+
+def native() -> bool:
+    """``CUBINSTORE_NATIVE``: use the compiled first-load helper (``cubinstore._core.native``) where it was built."""
+    return _bool(NATIVE)
 
 
 def trust_policy() -> Path | None:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from cubinstore._core import native
 from cubinstore._core.abi import MAX_PARAMS
 from cubinstore._core.log import get_logger
 from cubinstore.errors import CudaError
@@ -31,6 +32,10 @@ _driver: ModuleType | None = None
 _init_error: str | None = None
 _primary: dict[int, int] = {}  # device ordinal -> retained primary context handle
 _success: Any = None  # CUresult.CUDA_SUCCESS once the driver is initialised: the hot paths compare with it
+# The compiled helper's load_functions (cubinstore._core.native) and the CUresult it takes for a missing
+# entry point: set with the real driver where the helper was built, None under a test's bindings.
+_native_load: Any = None
+_not_found = 0
 
 
 @contextmanager
@@ -39,20 +44,44 @@ def use_bindings(bindings: Any, *, success: Any, primary: dict[int, int]) -> Ite
     CUresult of success, `primary` the retained primary contexts by ordinal) instead of
     `cuda.bindings.driver`; the real state again after it. For tests of these wrappers on a host
     without a GPU: a fake of the whole driver goes in through `device.use(Devices(fake))`."""
-    global _driver, _success, _primary
+    global _driver, _success, _primary, _native_load
     with _lock:
-        saved = _driver, _success, _primary
-        _driver, _success, _primary = bindings, success, dict(primary)
+        saved = _driver, _success, _primary, _native_load
+        _driver, _success, _primary, _native_load = bindings, success, dict(primary), None
     try:
         yield
     finally:
         with _lock:
-            _driver, _success, _primary = saved
+            _driver, _success, _primary, _native_load = saved
+
+
+def native_load() -> Any:
+    """The compiled helper's ``load_functions`` that ``load_functions`` calls (None: its calls are
+    made from Python): set with the real driver where the helper was built."""
+    driver()
+    return _native_load
+
+
+@contextmanager
+def using_native_load(load: Any) -> Iterator[None]:
+    """Within the block, ``load_functions`` makes a first load's driver calls through ``load`` (the
+    helper's function or a wrapper with its signature), or from Python where None; the process's
+    choice again after it. For benchmarks and tests that compare or count the two."""
+    global _native_load
+    driver()
+    with _lock:
+        saved = _native_load
+        _native_load = load
+    try:
+        yield
+    finally:
+        with _lock:
+            _native_load = saved
 
 
 def driver() -> ModuleType:
     """`cuda.bindings.driver`, with `cuInit` done exactly once (thread-safe)."""
-    global _driver, _init_error, _success
+    global _driver, _init_error, _success, _native_load, _not_found
     if _driver is not None:
         return _driver
     with _lock:
@@ -74,6 +103,9 @@ def driver() -> ModuleType:
             _init_error = f"cuInit failed: {_describe(drv, err)}"
             raise CudaError(_init_error)
         _success = drv.CUresult.CUDA_SUCCESS
+        helper = native.helper()
+        if helper is not None:
+            _native_load, _not_found = helper.load_functions, int(drv.CUresult.CUDA_ERROR_NOT_FOUND)
         _driver = drv
         logger.debug("CUDA driver initialised")
         return drv
@@ -234,12 +266,21 @@ def load_functions(data: bytes, entries: Iterable[str], ordinal: int, what: obje
 
     Returns the CUlibrary handle and each entry's CUfunction, in order, the list ending at the
     first entry the CUBIN lacks with a None (the caller names the kernel). Errors are worded as the
-    separate calls word them.
+    separate calls word them. With the real driver and the compiled helper (``cubinstore._core.native``)
+    the same driver calls are one call from Python.
     """
     drv = _driver if _driver is not None else driver()
     want = _primary.get(ordinal)
     if want is None:
         want = primary_context(ordinal)
+    load = _native_load
+    if load is not None:  # the same calls in C, in one call
+        entries = tuple(entries)
+        got = load(data, entries, want, _not_found)
+        if got.__class__ is tuple:
+            return got
+        # A driver error (the library unloaded, the context restored), or libcuda not loaded in this
+        # process: the calls below make the same calls again, and word what fails.
     err, before = drv.cuCtxGetCurrent()  # on_device, inlined
     if err != _success:
         check((err,), "cuCtxGetCurrent")

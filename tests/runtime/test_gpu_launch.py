@@ -9,6 +9,7 @@ the manifest sits in. The tests at the top run anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import native as native_paths
 
 from cubinstore import launch
 from cubinstore.errors import CudaError, ParamLayoutError
@@ -573,3 +575,80 @@ def test_one_kernel_on_each_of_two_devices(lib: launch.Library, torch: Any, hopp
     bare = type("Bare", (), {"__cuda_array_interface__": x0.__cuda_array_interface__})()
     with pytest.raises(BadArgumentError, match=r"^kernel 'axpy/f32/vec4/sm_90a' entry 'axpy_f32' parameter 2: expected ptr to CUDA memory on device 1, got .*Bare on device 0$"):
         k1.launch("axpy_f32", grid=1, block=256, args=(256, 1.0, bare, y1))
+
+
+# -- the compiled first-load helper (cubinstore._core.native) against Python's calls ---------------
+
+
+def _first_load(manifest: Manifest, store: Store, kernel_id: str) -> tuple[launch.Kernel, int]:
+    """A first load of ``kernel_id`` on device 0 through a fresh ``Devices``: the kernel, its library."""
+    device.use(device.Devices())
+    kernel = launch.Library(manifest, store).kernel(kernel_id, device=0)
+    (library,) = _loader.loaded_libraries()
+    return kernel, library
+
+
+def _unload(library: int) -> None:
+    drv = _cuda.driver()
+    with _cuda.on_device(0):
+        _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(library)), "cuLibraryUnload")
+
+
+@gpu
+@pytest.mark.parametrize("path", native_paths.PATHS)
+def test_a_first_load_by_either_path_launches_and_leaves_no_context_current(
+        manifest: Manifest, store: Store, torch: Any, hopper: None, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    calls: list[int] = []
+    load: Any = None
+    if path == "native":
+        native_paths.use(monkeypatch, "native")
+        real = _cuda.native_load()
+        assert real is not None  # set with the driver where the helper was built
+
+        def load(*args: Any) -> Any:
+            calls.append(1)
+            return real(*args)
+    drv = _cuda.driver()
+    kernel_id = next(i for i in _specs("axpy"))
+    before = device.current()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_cuda.using_native_load(load))
+        stack.callback(device.use, before)
+        kernel, library = _first_load(manifest, store, kernel_id)
+        _axpy_run(torch, kernel, 1_000_003)
+        _unload(library)
+        # From no current context: the load switches to the device's primary context and back.
+        _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(0)), "cuCtxSetCurrent(NULL)")
+        try:
+            kernel, library = _first_load(manifest, store, kernel_id)
+            current = _cuda.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+            assert current is None or int(current) == 0
+        finally:
+            _cuda.check(drv.cuCtxSetCurrent(drv.CUcontext(_cuda.primary_context(0))), "cuCtxSetCurrent(primary)")
+        _axpy_run(torch, kernel, 4099)
+        _unload(library)
+    assert len(calls) == (2 if path == "native" else 0)
+
+
+@gpu
+def test_the_helper_and_python_find_the_same_functions_and_word_failures_alike(
+        manifest: Manifest, store: Store, hopper: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    native_paths.use(monkeypatch, "native")
+    spec = manifest.by_id(next(i for i in _specs("axpy")))
+    data = store.get(spec.digest, spec.size)
+    entries = (*spec.entries, "no_such_entry", "never_asked")
+    results = []
+    for load in (_cuda.native_load(), None):
+        with _cuda.using_native_load(load):
+            library, functions = _cuda.load_functions(data, entries, 0, "axpy")
+        results.append([f is None for f in functions])
+        assert functions[0] is not None
+        _unload(library)
+    # Each entry's function, then a None at the first one the library lacks, and no further.
+    assert results[0] == results[1] == [False] * len(spec.entries) + [True]
+    helper = native_paths.built_helper()
+    garbage = b"\x7fELF" + b"\0" * 200
+    assert helper.load_functions(garbage, tuple(spec.entries), _cuda.primary_context(0), 500) not in (0, -1)
+    for load in (_cuda.native_load(), None):  # the helper's CUresult sends the call down Python's path
+        with _cuda.using_native_load(load), pytest.raises(CudaError, match=r"^cuLibrary(LoadData|GetKernel\('axpy_f32'\)) for axpy: CUDA_ERROR_INVALID_IMAGE"):
+            _cuda.load_functions(garbage, tuple(spec.entries), 0, "axpy")

@@ -450,6 +450,18 @@ def same_shard_blobs(n: int) -> list[tuple[Digest, bytes]]:
     return found
 
 
+def record_opens(monkeypatch: pytest.MonkeyPatch, local: LocalLayer) -> list[object]:
+    """What ``local``'s reads open from now on: each ``os.open``'s name and each entry its compiled
+    reader (``cubinstore._core.native``, which opens in C) is asked for."""
+    opened: list[object] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    native_read = local._read_native
+    if native_read is not None:
+        monkeypatch.setattr(local, "_read_native", lambda fd, name, *a: opened.append(name) or native_read(fd, name, *a))
+    return opened
+
+
 def test_a_local_hit_opens_only_its_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     local = LocalLayer(tmp_path / "home")
     blobs = same_shard_blobs(3)
@@ -458,9 +470,7 @@ def test_a_local_hit_opens_only_its_entry(tmp_path: Path, monkeypatch: pytest.Mo
     store = Store([local])
     assert store.get(*blobs[0][:1], len(blobs[0][1])) == blobs[0][1]  # opens the shard, and closes it
     assert store.get(*blobs[0][:1], len(blobs[0][1])) == blobs[0][1]  # opens and holds it
-    real_open = os.open
-    opened: list[object] = []
-    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    opened = record_opens(monkeypatch, local)
     for digest, data in blobs:
         assert store.get(digest, len(data)) == data
     assert opened == [digest.hex for digest, _ in blobs]  # no directory walked or reopened
@@ -504,9 +514,7 @@ def test_a_shard_directory_replaced_after_a_hit_is_read_again(tmp_path: Path, mo
     shard.rename(tmp_path / "old-shard")  # the held descriptor now names a directory elsewhere
     local.write(other, other_data)
     assert store.get(other, len(other_data)) == other_data  # through the layered path, which re-holds the shard
-    real_open = os.open
-    opened: list[object] = []
-    monkeypatch.setattr(os, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    opened = record_opens(monkeypatch, local)
     assert store.get(other, len(other_data)) == other_data
     assert opened == [other.hex]  # the one-open path again, through the new directory
     assert store.stats.misses == 0

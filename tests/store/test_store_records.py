@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import native as native_paths
 from helpers.blobs import disk_cache_with, random_blob
 
 from cubinstore import BadArgumentError, Digest, Manifest
@@ -37,6 +38,14 @@ def _user_xattrs(tmp_path: Path) -> None:
         pytest.skip(f"{tmp_path} has no user xattrs ({exc.strerror})")
     finally:
         probe.unlink()
+
+
+@pytest.fixture(autouse=True, params=native_paths.PATHS)
+def read_path(request: pytest.FixtureRequest, clean_env: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every case on both paths of ``read_verified``: the compiled helper's one call, and Python's."""
+    native_paths.use(monkeypatch, request.param)
+    return request.param
+
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = record.NAME

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from cubinstore._core import knobs as _env
+from cubinstore._core import native
 from cubinstore._core.abi import MAX_BLOB_SIZE
 from cubinstore._core.digest import Digest, verify
 from cubinstore.store.layer import Layer, limit_for
@@ -35,10 +36,12 @@ from cubinstore.store.local.root import (
     _DIR_FLAGS,
     READ_FLAGS,
     TEMP_PREFIX,
+    TOUCH_AFTER,
     NotRegularFile,
     StoreRoot,
     atomic_file_at,
     atomic_write_at,
+    entry_rule,
     owned_entry,
     read_at,
     read_below,
@@ -121,6 +124,8 @@ class LocalLayer(Counters, Layer):
         self._trusts: bool | None = None
         self._shard_owned: dict[str, bool] = {}
         self.checks = dict.fromkeys(CHECK_KEYS, 0)
+        helper = native.helper()  # read_verified's one-call read and check, where it was built
+        self._read_native = None if helper is None else helper.read_entry
         weakref.finalize(self, _close_all, self._shards)
         # Batches, grouped writes and staging (batch.py), and the fill locks (fill.py), which may
         # hand a lock to the batch.
@@ -304,7 +309,23 @@ class LocalLayer(Counters, Layer):
                 shard = self._open_shard(name)
                 if shard is None:
                     return None
+        trusts = self._trusts
+        # The ownership rule for the store (decided once) and the shard (as opened); the entry's, below.
+        trusted = (trusts if trusts is not None else self.trusts_records()) and self._shard_owned.get(name, False)
         try:
+            read = self._read_native
+            if read is not None:
+                # One call: the entry's ownership, size and record, checked as below. Anything but
+                # bytes or a missing name (0) is the Python path's to look at again, and to word.
+                got = read(shard, hex_, size, READ_FLAGS, TOUCH_AFTER,
+                           (_record.NAME, _record.head(hex_), _record.xxh3_128(), *entry_rule()) if trusted else None)
+                if got.__class__ is bytes:
+                    if trusted:
+                        self.checks["xxh3"] += 1
+                        return got
+                    return self._check_by_sha256(name, hex_, got, None, None, trusted=False)
+                if got == 0:
+                    return None
             got = read_entry_at(shard, hex_, size, path=f"{self._cas_text}/{name}/{hex_}")
         except (NotRegularFile, StoreError):  # a link, not a file, unreadable: Store.get tells which
             return None
@@ -316,21 +337,18 @@ class LocalLayer(Counters, Layer):
         data, st, record = got
         if len(data) != size:
             return None
-        trusts = self._trusts
-        # The ownership rule for the store (decided once), the shard (as opened) and the entry; then
-        # the record (version, sha256, xxh3-128).
-        if (trusts if trusts is not None else self.trusts_records()) and self._shard_owned.get(name, False) \
-                and owned_entry(st):
+        # The entry's ownership; then the record (version, sha256, xxh3-128).
+        if trusted and owned_entry(st):
             if record is not None and _record.matches(record, hex_, data):
                 self.checks["xxh3"] += 1
                 return data
             return self._check_by_sha256(name, hex_, data, st, record, trusted=True)
         return self._check_by_sha256(name, hex_, data, st, record, trusted=False)
 
-    def _check_by_sha256(self, name: str, hex_: str, data: bytes, st: os.stat_result, record: bytes | None, *,
+    def _check_by_sha256(self, name: str, hex_: str, data: bytes, st: os.stat_result | None, record: bytes | None, *,
                          trusted: bool) -> bytes | None:
         """``read_verified``'s check where no record vouches for ``data``: sha256; an entry of ours
-        (``trusted``) that passes gets its record, for the next process's first load."""
+        (``trusted``, with its ``st``) that passes gets its record, for the next process's first load."""
         if hashlib.sha256(data).hexdigest() != hex_:
             return None
         self.checks["sha256"] += 1

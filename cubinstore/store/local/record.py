@@ -19,7 +19,7 @@ import errno
 import os
 from typing import Any
 
-__all__ = ["NAME", "Recorder", "make", "matches", "write"]
+__all__ = ["NAME", "Recorder", "head", "make", "matches", "write"]
 
 NAME = "user.cubinstore.v1"
 _VERSION = b"\x01"
@@ -45,9 +45,14 @@ def xxh3_128() -> Any:
     return _xxh3 or None
 
 
+def head(hex_: str) -> bytes:
+    """The record's bytes before the xxh3-128 digest: its version, the sha256 ``hex_`` names."""
+    return _VERSION + bytes.fromhex(hex_)
+
+
 def _value(hex_: str, xxh3: bytes) -> bytes:
     """The record's bytes: its version, the sha256 ``hex_`` names, the xxh3-128 digest."""
-    return _VERSION + bytes.fromhex(hex_) + xxh3
+    return head(hex_) + xxh3
 
 
 def make(hex_: str, data: bytes) -> bytes | None:

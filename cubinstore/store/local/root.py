@@ -265,14 +265,15 @@ class StoreRoot:
 
 
 _geteuid = getattr(os, "geteuid", None)  # None on Windows: no owners to check
+OTHERS_WRITE = 0o022  # the ownership rule: no directory or entry of the store writable by group or others
 
 
 def unsafe_reasons(st: os.stat_result) -> list[str]:
     """The ownership rule, for a directory or an entry: why another local user could change it
     (writable by group or others, owned by someone other than this user or root); [] if none could."""
     problems = []
-    if st.st_mode & 0o022:
-        problems.append(f"writable by {'group and others' if st.st_mode & 0o022 == 0o022 else 'group' if st.st_mode & 0o020 else 'others'} "
+    if st.st_mode & OTHERS_WRITE:
+        problems.append(f"writable by {'group and others' if st.st_mode & OTHERS_WRITE == OTHERS_WRITE else 'group' if st.st_mode & 0o020 else 'others'} "
                         f"(mode {stat.S_IMODE(st.st_mode):#o})")
     if _geteuid is not None and st.st_uid not in (_geteuid(), 0):
         problems.append(f"owned by uid {st.st_uid}, not {_geteuid()}")
@@ -281,7 +282,13 @@ def unsafe_reasons(st: os.stat_result) -> list[str]:
 
 def owned_entry(st: os.stat_result) -> bool:
     """``unsafe_reasons(st) == []`` for the hit path: two compares, no list."""
-    return not st.st_mode & 0o022 and (_geteuid is None or st.st_uid == 0 or st.st_uid == _geteuid())
+    return not st.st_mode & OTHERS_WRITE and (_geteuid is None or st.st_uid == 0 or st.st_uid == _geteuid())
+
+
+def entry_rule() -> tuple[int, int, int]:
+    """``owned_entry`` as the native reader applies it (``cubinstore._core.native``): the two owners
+    an entry may have (this user, root) and the mode bits it must not have. POSIX only."""
+    return os.geteuid(), 0, OTHERS_WRITE
 
 
 def read_below(dir_fd: int, sub: str, name: str, limit: int, *, path: Path | str, touch: bool = False) -> bytes | None:

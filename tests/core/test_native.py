@@ -1,0 +1,173 @@
+"""The compiled first-load helper (``cubinstore._core._native``) on its own: what ``read_entry``
+returns for each kind of entry, and that ``load_functions`` touches no driver this process has not
+loaded. The paths through ``LocalLayer`` run in tests/store/test_store_records.py on both readers;
+the driver half on a GPU in tests/runtime/test_gpu_launch.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+from helpers import native as native_paths
+
+from cubinstore.internals import native
+from cubinstore.store.local import record
+from cubinstore.store.local.root import READ_FLAGS, TOUCH_AFTER, entry_rule
+
+MISSING, OTHER = 0, 1
+HEX = "ab" * 32
+
+
+@pytest.fixture
+def helper(monkeypatch: pytest.MonkeyPatch) -> Any:
+    native_paths.use(monkeypatch, "native")
+    return native.built()
+
+
+@pytest.fixture
+def shard(tmp_path: Path) -> Any:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield tmp_path, fd
+    os.close(fd)
+
+
+def entry(where: Path, data: bytes, *, recorded: bytes | None = None, mode: int = 0o444) -> Path:
+    path = where / HEX
+    path.write_bytes(data)
+    try:
+        os.setxattr(path, record.NAME, record.head(HEX) + xxhash.xxh3_128_digest(data) if recorded is None else recorded)
+    except OSError as exc:
+        pytest.skip(f"{where} has no user xattrs ({exc.strerror})")
+    path.chmod(mode)
+    return path
+
+
+def vouch(rule: tuple[int, int, int] | None = None) -> tuple[Any, ...]:
+    return (record.NAME, record.head(HEX), xxhash.xxh3_128_digest, *(rule or entry_rule()))
+
+
+def read(helper: Any, fd: int, size: int, checked: bool = True, name: str = HEX) -> Any:
+    return helper.read_entry(fd, name, size, READ_FLAGS, TOUCH_AFTER, vouch() if checked else None)
+
+
+def test_a_recorded_entry_of_ours_reads_back(helper: Any, shard: Any) -> None:
+    where, fd = shard
+    data = os.urandom(5000)
+    entry(where, data)
+    assert read(helper, fd, len(data)) == data
+    assert read(helper, fd, len(data), checked=False) == data
+
+
+def test_a_missing_name_is_0_and_a_wrong_size_1(helper: Any, shard: Any) -> None:
+    where, fd = shard
+    assert read(helper, fd, 10) == MISSING
+    entry(where, b"x" * 100)
+    assert read(helper, fd, 99) == OTHER and read(helper, fd, 101) == OTHER
+    assert read(helper, fd, 99, checked=False) == OTHER  # the size is checked either way
+
+
+@pytest.mark.parametrize("damage", ["flipped bit", "same-size replacement", "stale record", "no record",
+                                    "another digest's record", "garbage record"])
+def test_bytes_the_record_does_not_vouch_for_are_1(helper: Any, shard: Any, damage: str) -> None:
+    where, fd = shard
+    data = bytearray(os.urandom(4096))
+    path = entry(where, bytes(data), mode=0o644)
+    if damage == "flipped bit":
+        data[1234] ^= 0x10
+        path.write_bytes(data)
+    elif damage == "same-size replacement":
+        path.write_bytes(os.urandom(len(data)))
+    elif damage == "stale record":
+        os.setxattr(path, record.NAME, record.head(HEX) + xxhash.xxh3_128_digest(b"other"))
+    elif damage == "no record":
+        os.removexattr(path, record.NAME)
+    elif damage == "another digest's record":
+        os.setxattr(path, record.NAME, record.head("cd" * 32) + xxhash.xxh3_128_digest(bytes(data)))
+    else:
+        os.setxattr(path, record.NAME, b"\x01" * 300)
+    assert read(helper, fd, len(data)) == OTHER
+
+
+def test_the_ownership_rule_comes_from_the_caller(helper: Any, shard: Any) -> None:
+    where, fd = shard
+    data = os.urandom(1000)
+    path = entry(where, data, mode=0o664)  # group-writable: the rule's forbidden bits
+    assert read(helper, fd, len(data)) == OTHER
+    path.chmod(0o644)
+    assert read(helper, fd, len(data)) == data
+    me = os.geteuid()
+    assert helper.read_entry(fd, HEX, len(data), READ_FLAGS, TOUCH_AFTER, vouch((me + 1, me + 2, 0o022))) == OTHER
+    assert read(helper, fd, len(data), checked=False) == data  # unchecked: the caller hashes
+
+
+def test_links_fifos_and_directories_are_1_and_never_followed(helper: Any, shard: Any, tmp_path: Path) -> None:
+    where, fd = shard
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "target"
+    target.write_bytes(b"y" * 64)
+    (where / HEX).symlink_to(target)
+    assert read(helper, fd, 64, checked=False) == OTHER
+    (where / HEX).unlink()
+    os.mkfifo(where / HEX)  # O_NONBLOCK from the caller's flags: the open does not wait for a writer
+    assert read(helper, fd, 64, checked=False) == OTHER
+    (where / HEX).unlink()
+    (where / HEX).mkdir()
+    assert read(helper, fd, 64, checked=False) == OTHER
+
+
+def test_a_name_is_one_component_of_the_directory_given(helper: Any, shard: Any, tmp_path: Path) -> None:
+    where, fd = shard
+    data = os.urandom(100)
+    entry(where, data)
+    assert read(helper, fd, len(data), name=f"../{where.name}/{HEX}") == OTHER  # no path, even to itself
+    (tmp_path / "elsewhere").mkdir()
+    other = os.open(tmp_path / "elsewhere", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert read(helper, other, len(data)) == MISSING
+    finally:
+        os.close(other)
+
+
+def test_an_old_entry_gets_its_mtime_bumped_a_new_one_not(helper: Any, shard: Any) -> None:
+    where, fd = shard
+    data = os.urandom(100)
+    path = entry(where, data, mode=0o644)
+    old = time.time() - 2 * TOUCH_AFTER
+    os.utime(path, (old, old))
+    assert read(helper, fd, len(data)) == data
+    bumped = path.stat().st_mtime
+    assert bumped > old + TOUCH_AFTER
+    assert read(helper, fd, len(data)) == data
+    assert path.stat().st_mtime == bumped
+
+
+def test_an_xxh3_that_raises_propagates(helper: Any, shard: Any) -> None:
+    where, fd = shard
+    data = os.urandom(100)
+    entry(where, data)
+
+    def broken(_: bytes) -> bytes:
+        raise RuntimeError("xxh3 failed")
+
+    with pytest.raises(RuntimeError, match="xxh3 failed"):
+        helper.read_entry(fd, HEX, len(data), READ_FLAGS, TOUCH_AFTER,
+                          (record.NAME, record.head(HEX), broken, *entry_rule()))
+
+
+def test_load_functions_without_a_loaded_driver_is_minus_1(helper: Any) -> None:
+    # RTLD_NOLOAD: the helper only uses the libcuda the bindings loaded, never loads a driver itself.
+    if any("libcuda" in line for line in Path("/proc/self/maps").read_text().splitlines()):
+        pytest.skip("libcuda is loaded in this process")
+    assert helper.load_functions(b"\x7fELF", ("kernel",), 0, 500) == -1
+
+
+def test_cubinstore_native_0_turns_the_helper_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    native_paths.use(monkeypatch, "native")
+    assert native.helper() is native.built() is not None
+    monkeypatch.setenv("CUBINSTORE_NATIVE", "0")
+    assert native.helper() is None
