@@ -8,6 +8,8 @@
     python benchmarks/tune_gemm.py --refit gemm_measurements.json
     # on the GPU: the shipped model's picks on the held-out shapes against the best measured option
     PYTHONPATH=. python benchmarks/tune_gemm.py --judge-held-out --manifest bazel-bin/kernels/manifest.json
+    # anywhere: how far refits move the held-out picks, per split margin (two --calibrate runs' timings)
+    python benchmarks/tune_gemm.py --stability a.json b.json --judge held_out.json
 
 `--calibrate` times every `gemm` instantiation of the manifest with a few K-splits (1, and
 2, 3, 4, 6, 8, 16 and the model's own pick where the units stay within two waves), and every
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import logging
 import math
@@ -323,7 +326,7 @@ def _pick(model: Model, mnk: tuple[int, int, int], measured: dict[tuple[str, int
           gpu: Gpu) -> tuple[str, int]:
     """The model's choice (`_gemm_model.prefer`) among the measured options of one shape that it weighs."""
     options = model.options(*mnk, gpu.sm_count, sorted({kid for kid, _ in measured}), gpu.slots)
-    return _gemm_model.prefer(o for o in options if (o[1], o[2]) in measured)
+    return _gemm_model.prefer((o for o in options if (o[1], o[2]) in measured), model.split_margin)
 
 
 def _summary(regrets: Sequence[float], what: str) -> str:
@@ -462,6 +465,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help="how far a refit moves the held-out shapes: the picks of CALIBRATION (a module "
                            "--calibrate or --refit wrote) against the shipped one's, each timed by the "
                            "--judge-held-out timings saved in HELD_OUT_MEASUREMENTS (no GPU)")
+    mode.add_argument("--stability", type=Path, nargs="+", metavar="MEASUREMENTS",
+                      help="how far refits move the picks at each --margins: fits of these --calibrate timings "
+                           "(and --mixes mixes of the first two), judged on --judge's timings (no GPU)")
+    parser.add_argument("--judge", type=Path, metavar="MEASUREMENTS", help="--stability: the timings to judge on")
+    parser.add_argument("--margins", default="0,0.01,0.02,0.03,0.05", help="--stability: split margins, comma-separated")
+    parser.add_argument("--mixes", type=int, default=8, help="--stability: mixes of the first two files to fit too")
     parser.add_argument("--against", type=Path, default=None, metavar="CALIBRATION",
                         help="--compare: judge against this calibration module instead of the shipped one")
     parser.add_argument("--manifest", type=Path, default=ROOT / "bazel-bin" / "kernels" / "manifest.json")
@@ -491,6 +500,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
     elif args.compare:
         compare(*args.compare, against=args.against)
+    elif args.stability:
+        if args.judge is None:
+            parser.error("--stability needs --judge MEASUREMENTS")
+        stability(args.stability, args.judge, [float(x) for x in args.margins.split(",")], args.mixes)
     else:
         timings, provenance = measure(args)
         if args.measurements:
@@ -548,6 +561,45 @@ def compare(calibration: Path, held_out: Path, against: Path | None = None) -> i
     print(f"{len(moves)} held-out shapes; the refit moves {moved} by more than {REFIT_MOVE:.0%} "
           f"(largest {max(moves, default=0):.1%}); every other pick is the same or within it")
     return moved
+
+
+def mixed(first: Sequence[Timing], second: Sequence[Timing], seed: int) -> list[Timing]:
+    """Each timing of ``first`` or, at random (seeded), the same option's in ``second``: a further set of
+    fresh-like timings from two runs, for ``stability``."""
+    rng = random.Random(seed)
+    other = {(t.m, t.n, t.k, t.kernel_id, t.splits): t for t in second}
+    return [other.get((t.m, t.n, t.k, t.kernel_id, t.splits), t) if rng.random() < 0.5 else t for t in first]
+
+
+def stability(measurements: Sequence[Path], judge: Path, margins: Sequence[float], mixes: int) -> None:
+    """How far refits move the picks, per split margin (``_gemm_model.SPLIT_MARGIN``): a fit of each
+    file of --calibrate timings in ``measurements`` and of ``mixes`` mixes of the first two (``mixed``),
+    each with each margin, choosing among the options timed in ``judge`` (--judge-held-out's or
+    --calibrate's timings); per margin, how many (pair of fits, shape) picks differ by more than
+    REFIT_MOVE in measured time, the largest move, and the picks' mean regret against the best."""
+    sets = [load(path) for path in measurements]
+    fits = [fit(timings, Gpu.of(provenance)) for timings, provenance in sets]
+    if len(sets) >= 2:
+        fits += [fit(mixed(sets[0][0], sets[1][0], seed), Gpu.of(sets[0][1])) for seed in range(mixes)]
+    timings, provenance = load(judge)
+    gpu = Gpu.of(provenance)
+    shapes = _by_shape(timings)
+    print(f"{len(fits)} fits ({len(measurements)} files, {len(fits) - len(measurements)} mixes); judged on {judge.name}: "
+          f"{len(shapes)} shapes, {provenance.get('gpu')}, {provenance.get('date')}")
+    print(f"{'split margin':>12s} {'pairs':>6s} {f'moves > {REFIT_MOVE:.0%}':>11s} {'pairs moved':>11s} {'largest':>8s} "
+          f"{'regret (geomean, mean of fits)':>31s}")
+    for margin in margins:
+        picks = []
+        for machine, tiles in fits:
+            model = Model(machine, tiles, split_margin=margin)
+            picks.append({mnk: _pick(model, mnk, measured, gpu) for mnk, measured in shapes.items()})
+        moves = [[abs(shapes[mnk][b[mnk]] / shapes[mnk][a[mnk]] - 1) for mnk in shapes]
+                 for a, b in itertools.combinations(picks, 2)]
+        regret = statistics.mean(bench.geomean([shapes[mnk][pick[mnk]] / min(shapes[mnk].values()) for mnk in shapes])
+                                 for pick in picks)
+        print(f"{margin:12.1%} {len(moves):6d} {sum(m > REFIT_MOVE for pair in moves for m in pair):11d} "
+              f"{sum(max(pair) > REFIT_MOVE for pair in moves):11d} {max(max(pair) for pair in moves):8.1%} "
+              f"{regret - 1:31.2%}")
 
 
 def dry_run(args: argparse.Namespace) -> None:

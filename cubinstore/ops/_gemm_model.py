@@ -313,8 +313,9 @@ class Model:
     def __init__(self, machine: MachineCosts = DEFAULT_MACHINE,
                  tiles: Mapping[str, TileCosts] | None = None,
                  picks: Mapping[Shape, tuple[str, int]] | None = None,
-                 picks_sm_count: int | None = None) -> None:
+                 picks_sm_count: int | None = None, split_margin: float = SPLIT_MARGIN) -> None:
         self.machine = machine
+        self.split_margin = split_margin  # prefer's margin (a study of refits varies it: tune_gemm --stability)
         self._tiles = dict(tiles or {})
         self._costs: dict[str, TileCosts] = {}
         self._picks = dict(picks or {})
@@ -486,7 +487,7 @@ class Model:
                measured: bool = True, cluster_slots: ClusterSlots = None) -> tuple[str, int]:
         """(kernel id, splits): the measured pick of this exact shape where the library has its kernel
         (unless `measured` is False), else `prefer` of the options: the fewest splits among those
-        predicted within `SPLIT_MARGIN` of the fastest."""
+        predicted within `split_margin` (`SPLIT_MARGIN`) of the fastest."""
         _check_shape(m, n, k, sm_count)
         pick = self.measured_pick(m, n, k, sm_count) if measured else None
         if pick is not None and pick[0] in candidates:
@@ -497,15 +498,15 @@ class Model:
                 f"gemm {m}x{n}x{k} on {sm_count} SMs: expected at least one gemm candidate that fits, "
                 f"got {sorted(candidates)!r}"
             )
-        return prefer(options)
+        return prefer(options, self.split_margin)
 
 
-def prefer(options: Iterable[tuple[float, str, int]]) -> tuple[str, int]:
+def prefer(options: Iterable[tuple[float, str, int]], margin: float = SPLIT_MARGIN) -> tuple[str, int]:
     """(kernel id, splits) of the model's choice among (estimated us, kernel id, splits) options: the
-    fewest K splits (stream-K counted as the most) among those within `SPLIT_MARGIN` of the fastest,
-    then the fastest; ties go to the smaller id."""
+    fewest K splits (stream-K counted as the most) among those within `margin` of the fastest, then
+    the fastest; ties go to the smaller id."""
     options = list(options)
-    limit = min(options)[0] * (1 + SPLIT_MARGIN)
+    limit = min(options)[0] * (1 + margin)
     _, _, kernel_id, splits = min((MAX_SPLITS + 1 if s == _STREAM_K else s, t, kid, s)
                                   for t, kid, s in options if t <= limit)
     return kernel_id, splits

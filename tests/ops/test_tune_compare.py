@@ -68,3 +68,43 @@ def _load(path: Path) -> object:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# -- --stability: refits of fresh-like timings, per split margin ------------------------------------
+
+
+def _timings(us_of: dict[tuple[int, int, int, str, int], float]) -> list[tune_gemm.Timing]:
+    return [tune_gemm.Timing(m=m, n=n, k=k, kernel_id=kid, splits=s, us=us) for (m, n, k, kid, s), us in us_of.items()]
+
+
+def test_a_mix_takes_each_timing_from_one_run_or_the_other() -> None:
+    ids = sorted(_options())[:6]
+    first = _timings({(*s, kid, 1): 10.0 for s in SHAPES for kid in ids})
+    second = _timings({(*s, kid, 1): 20.0 for s in SHAPES for kid in ids})
+    mix = tune_gemm.mixed(first, second, seed=1)
+    assert [(t.m, t.n, t.k, t.kernel_id, t.splits) for t in mix] == [(t.m, t.n, t.k, t.kernel_id, t.splits) for t in first]
+    assert {t.us for t in mix} == {10.0, 20.0}
+    assert tune_gemm.mixed(first, second, seed=1) == mix and tune_gemm.mixed(first, second, seed=2) != mix
+
+
+def test_the_split_margin_is_the_models_own() -> None:
+    options = [(10.0, "a", 2), (10.2, "b", 1)]
+    assert gemm_model.prefer(options) == ("b", 1)  # within SPLIT_MARGIN: the fewer splits
+    assert gemm_model.prefer(options, 0.0) == ("a", 2)
+    ids = _options()
+    for margin in (0.0, 0.05):
+        model = gemm_model.Model(split_margin=margin)
+        for shape in SHAPES:
+            options = model.options(*shape, 132, sorted(ids), {2: 66, 4: 30})
+            assert model.choose(*shape, 132, ids, measured=False, cluster_slots={2: 66, 4: 30}) == \
+                gemm_model.prefer(options, margin)
+
+
+def test_identical_timings_refit_to_identical_picks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = sorted(_options())[:6]
+    us = {(*s, kid, sp): 10.0 + 0.7 * i + sp for s in SHAPES for i, kid in enumerate(ids) for sp in (1, 2)}
+    path = _held_out(tmp_path, us)
+    tune_gemm.stability([path, path], path, [0.0, 0.03], mixes=1)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().endswith("%")]
+    assert [row[0] for row in rows] == ["0.0%", "3.0%"]
+    assert all(row[1:5] == ["3", "0", "0", "0.0%"] for row in rows), rows  # 3 fits, 3 pairs, nothing moved
