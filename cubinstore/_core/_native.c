@@ -48,6 +48,14 @@ static int read_all(int fd, char *buf, Py_ssize_t size) {
     return 0;
 }
 
+/* The open entry's stat passes: a regular file of `size` bytes, and where the caller vouches by
+   owner, one of the two owners and none of the forbidden mode bits. */
+static int entry_ok(const struct stat *st, Py_ssize_t size, int owned, unsigned long owner_a, unsigned long owner_b,
+                    unsigned long forbidden) {
+    if (!S_ISREG(st->st_mode) || st->st_size != size) return 0;
+    return !owned || ((st->st_uid == owner_a || st->st_uid == owner_b) && !(st->st_mode & forbidden));
+}
+
 static PyObject *read_entry(PyObject *self, PyObject *args) {
     int dir_fd, flags;
     const char *name;
@@ -61,52 +69,52 @@ static PyObject *read_entry(PyObject *self, PyObject *args) {
     Py_buffer head = {0};
     PyObject *xxh3 = NULL;
     unsigned long owner_a = 0, owner_b = 0, forbidden = 0;
-    if (vouch != Py_None) {
-        if (!PyArg_ParseTuple(vouch, "sy*Okkk", &xattr_name, &head, &xxh3, &owner_a, &owner_b, &forbidden)) return NULL;
-    }
-
-    PyObject *data = PyBytes_FromStringAndSize(NULL, size);
-    if (data == NULL) {
-        PyBuffer_Release(&head);
+    if (vouch != Py_None
+            && !PyArg_ParseTuple(vouch, "sy*Okkk", &xattr_name, &head, &xxh3, &owner_a, &owner_b, &forbidden))
         return NULL;
-    }
-    /* The record: the head, then a digest of at most 64 bytes. */
-    unsigned char record[256];
-    ssize_t record_len = -1;
-    int outcome = OTHER;
+    const int vouching = xattr_name != NULL;
+
+    /* Open and stat first: nothing is allocated for a name that is missing or not the file asked for. */
+    struct stat st;
+    int fd, outcome = -1;
     Py_BEGIN_ALLOW_THREADS
-    int fd = openat(dir_fd, name, flags);
+    fd = openat(dir_fd, name, flags);
     if (fd < 0) {
         outcome = errno == ENOENT ? MISSING : OTHER;
-    } else {
-        struct stat st;
-        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == size
-                && (xattr_name == NULL || ((st.st_uid == owner_a || st.st_uid == owner_b) && !(st.st_mode & forbidden)))
-                && read_all(fd, PyBytes_AS_STRING(data), size) == 0) {
-            if (xattr_name != NULL) record_len = fgetxattr(fd, xattr_name, record, sizeof record);
-            if (xattr_name == NULL || record_len > head.len) {
-                outcome = -1; /* read; checked below */
-                struct timespec now;
-                if (clock_gettime(CLOCK_REALTIME, &now) == 0 && (double)(now.tv_sec - st.st_mtime) >= touch_after)
-                    (void)futimens(fd, NULL); /* best effort: a read-only store still serves reads */
-            }
-        }
+    } else if (fstat(fd, &st) != 0 || !entry_ok(&st, size, vouching, owner_a, owner_b, forbidden)) {
         close(fd);
+        outcome = OTHER;
     }
     Py_END_ALLOW_THREADS
-
-    if (outcome >= 0 || xattr_name == NULL) {
+    PyObject *data = outcome < 0 ? PyBytes_FromStringAndSize(NULL, size) : NULL;
+    if (data == NULL) {
+        if (fd >= 0 && outcome < 0) close(fd); /* the allocation failed */
         PyBuffer_Release(&head);
-        if (outcome >= 0) {
-            Py_DECREF(data);
-            return PyLong_FromLong(outcome);
-        }
-        return data;
+        return outcome < 0 ? NULL : PyLong_FromLong(outcome);
     }
-    int vouched = memcmp(record, head.buf, (size_t)head.len) == 0;
-    Py_ssize_t head_len = head.len;
+
+    unsigned char record[256]; /* the record: the head, then a digest of at most 64 bytes */
+    ssize_t record_len = -1;
+    Py_BEGIN_ALLOW_THREADS
+    if (read_all(fd, PyBytes_AS_STRING(data), size) != 0) {
+        outcome = OTHER;
+    } else {
+        if (vouching) record_len = fgetxattr(fd, xattr_name, record, sizeof record);
+        if (vouching && record_len <= head.len) {
+            outcome = OTHER; /* none, unreadable, or too short to hold the head and a digest */
+        } else {
+            struct timespec now;
+            if (clock_gettime(CLOCK_REALTIME, &now) == 0 && (double)(now.tv_sec - st.st_mtime) >= touch_after)
+                (void)futimens(fd, NULL); /* gc's clock, best effort: a read-only store still serves reads */
+        }
+    }
+    close(fd);
+    Py_END_ALLOW_THREADS
+
+    int vouched = outcome < 0 && (!vouching || memcmp(record, head.buf, (size_t)head.len) == 0);
+    const Py_ssize_t head_len = head.len;
     PyBuffer_Release(&head);
-    if (vouched) {
+    if (vouched && vouching) {
         PyObject *digest = PyObject_CallOneArg(xxh3, data);
         if (digest == NULL) {
             Py_DECREF(data);

@@ -70,6 +70,14 @@ def test_a_missing_name_is_0_and_a_wrong_size_1(helper: Any, shard: Any) -> None
     assert read(helper, fd, 99, checked=False) == OTHER  # the size is checked either way
 
 
+def test_nothing_is_allocated_for_a_size_the_file_does_not_have(helper: Any, shard: Any) -> None:
+    # A terabyte asked for: the open and fstat come first, so a miss or a wrong size is a code, not a MemoryError.
+    where, fd = shard
+    assert read(helper, fd, 1 << 40) == MISSING
+    entry(where, b"z" * 10)
+    assert read(helper, fd, 1 << 40) == OTHER and read(helper, fd, 1 << 40, checked=False) == OTHER
+
+
 @pytest.mark.parametrize("damage", ["flipped bit", "same-size replacement", "stale record", "no record",
                                     "another digest's record", "garbage record"])
 def test_bytes_the_record_does_not_vouch_for_are_1(helper: Any, shard: Any, damage: str) -> None:
