@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from cubinstore._core import knobs
+from cubinstore._core import knobs, native
 from cubinstore._core.digest import Digest
 from cubinstore._release.refs import load_manifest, with_build_trees
 from cubinstore.cli import EXIT_FAILED, EXIT_OK, M_HELP, err
@@ -169,6 +169,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     print(f"entries {len(entries)}")
     print(f"bytes {sum(e.size for e in entries)}")
     print(f"root {local.root}")
+    # How this process's first loads would check and read an entry (README: "Checks at load").
+    print(f"first_load_check {'records' if local.trusts_records() else 'sha256'}")
+    print(f"first_load_read {'native' if native.helper() is not None else 'python'}")
     return EXIT_OK
 
 

@@ -102,6 +102,14 @@ def test_prefetch_ls_verify_stats(nginx, make_release, cli, cli_env, clean_env: 
     assert stats["misses"] == "4" and stats["hits"] == "4" and stats["verification_failures"] == "0"
     assert int(stats["bytes_fetched"]) == sum(map(len, release.blobs.values()))
     assert stats["entries"] == "5"
+    # How a first load checks and reads an entry here: this user's store, records; the C helper where built.
+    from helpers.native import built_helper
+
+    built_helper()
+    assert stats["first_load_check"] == "records" and stats["first_load_read"] == "native"
+    out = cli(["stats"], {**cli_env, "CUBINSTORE_VERIFY": "full", "CUBINSTORE_NATIVE": "0"})
+    stats = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert stats["first_load_check"] == "sha256" and stats["first_load_read"] == "python"
 
 
 def test_prefetch_only_the_requested_arch(nginx, make_release, cli, cli_env, clean_env: Path) -> None:
