@@ -290,9 +290,12 @@ class LocalLayer(Counters, Layer):
         The hit path (``Store.get``, ``pack``): one open below the shard's held descriptor that
         follows no link (a shard's first hit opens and closes its directory too, see ``__init__``),
         one fstat, one read of at most ``size + 1`` bytes (with gc's mtime bump at most hourly),
-        one getxattr, one hash. Raises nothing and changes nothing else: a None (a miss, a link,
-        bad bytes, an I/O error) is the caller's to resolve through the layered ``Store.get``,
-        which words the error, quarantines bad bytes and fetches.
+        one getxattr, one hash. Where the compiled helper was built (``cubinstore._core.native``)
+        these are one call of its ``read_entry``, given the same rules; any outcome of it but the
+        bytes or a missing name takes the Python path below, which reads again and decides. Raises
+        nothing and changes nothing else: a None (a miss, a link, bad bytes, an I/O error) is the
+        caller's to resolve through the layered ``Store.get``, which words the error, quarantines
+        bad bytes and fetches.
         """
         hex_ = digest.hex
         name = hex_[:2]
