@@ -425,10 +425,13 @@ def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> lis
 
 def compiled_overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> list[str]:
     """Host time per call of a function compiled by torch.compile (inductor, default mode) that calls
-    ops.gemm, beside the same function on torch.mm: the GEMM alone, and with a ReLU after it."""
+    ops.gemm, beside the same function on torch.mm: the GEMM alone, and with a ReLU after it. Each is
+    the median of `--rounds` rounds, ours and torch's taking turns (which goes first alternating):
+    one pair of runs on a shared host swung by 0.8-1.2 between runs."""
     import cubinstore.ops as ops
 
-    print(f"\n== host time per call under torch.compile (inductor, default mode; {args.host_calls} back-to-back calls)")
+    print(f"\n== host time per call under torch.compile (inductor, default mode; {args.host_calls} back-to-back calls, "
+          f"median of {args.rounds} rounds taking turns)")
     print(f"{'M x N x K':>18s} {'function':>10s} {'ours host us':>12s} {'torch host us':>13s} {'ratio':>6s}")
     goals = []
     bodies = {
@@ -439,12 +442,17 @@ def compiled_overheads(torch: Any, args: argparse.Namespace, cycles_per_us: floa
         a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
         for name, (ours_fn, torch_fn) in bodies.items():
-            times = []
+            compiled = []
+            torch._dynamo.reset()
             for fn in (ours_fn, torch_fn):
-                torch._dynamo.reset()
-                compiled = torch.compile(fn, fullgraph=True)
-                compiled(a, b)  # compile outside the clock
-                times.append(host_us(torch, lambda c=compiled: c(a, b), args.host_calls, cycles_per_us))
+                c = torch.compile(fn, fullgraph=True)
+                c(a, b)  # compile outside the clock
+                compiled.append(c)
+            rounds: list[list[float]] = [[], []]
+            for r in range(args.rounds):
+                for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    rounds[i].append(host_us(torch, lambda c=compiled[i]: c(a, b), args.host_calls, cycles_per_us))
+            times = [statistics.median(t) for t in rounds]
             print(f"{f'{m}x{n}x{k}':>18s} {name:>10s} {times[0]:12.2f} {times[1]:13.2f} {times[0] / times[1]:6.2f}",
                   flush=True)
             goals.append(_goal(f"compiled {name}: host time per call vs torch at {m}x{n}x{k}", times[0] / times[1],
