@@ -212,21 +212,18 @@ static PyObject *load_functions(PyObject *self, PyObject *args) {
     PyBuffer_Release(&data);
     if (err != 0) return PyLong_FromLong(err);
 
-    /* The result; out of memory on the way, the library is unloaded again (nothing refers to it). */
     PyObject *list = PyList_New(found < count ? found + 1 : count);
-    PyObject *handle = list == NULL ? NULL : PyLong_FromVoidPtr(library);
-    for (Py_ssize_t i = 0; handle != NULL && i < found; i++) {
-        PyObject *function = PyLong_FromVoidPtr(functions[i]);
-        if (function == NULL) Py_CLEAR(handle);
-        else PyList_SET_ITEM(list, i, function);
-    }
-    if (handle == NULL) {
-        Py_XDECREF(list);
-        (void)cu_library_unload(library);
-        return NULL;
+    if (list == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < found; i++) {
+        PyObject *handle = PyLong_FromVoidPtr(functions[i]);
+        if (handle == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, handle);
     }
     if (found < count) PyList_SET_ITEM(list, found, Py_NewRef(Py_None));
-    return Py_BuildValue("(NN)", handle, list);
+    return Py_BuildValue("(NN)", PyLong_FromVoidPtr(library), list);
 }
 
 static PyMethodDef methods[] = {
