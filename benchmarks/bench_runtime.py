@@ -378,20 +378,12 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
         got = times[spec.id]
         warm.get(spec.digest, spec.size, name=spec.id)  # verified once in this process
 
-        def raw_load() -> float:
+        def plain_load(verify: bool) -> float:
+            """The plain peers: read (raw), or read + sha256 (peer), then bare cuda.bindings calls."""
             t = time.perf_counter()
             with open(path, "rb") as f:
                 data = f.read()
-            library = direct_load(spec, data)
-            elapsed = time.perf_counter() - t
-            direct_unload(library)
-            return elapsed
-
-        def peer_load() -> float:
-            t = time.perf_counter()
-            with open(path, "rb") as f:
-                data = f.read()
-            if hashlib.sha256(data).hexdigest() != spec.digest.hex:
+            if verify and hashlib.sha256(data).hexdigest() != spec.digest.hex:
                 raise SystemExit(f"{spec.id}: the local store's bytes do not verify")
             library = direct_load(spec, data)
             elapsed = time.perf_counter() - t
@@ -419,7 +411,7 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
             with _cuda.using_native_load(None):  # the driver's calls made from Python (cuda.bindings)
                 return our_load(python)
 
-        loads = (("raw", raw_load), ("peer", peer_load), ("ours", lambda: our_load(store, check_layout=True)),
+        loads = (("raw", lambda: plain_load(False)), ("peer", lambda: plain_load(True)), ("ours", lambda: our_load(store, check_layout=True)),
                  ("python", python_load), ("full", lambda: our_load(full)), ("again", lambda: our_load(warm)))
         return [lambda name=name, fn=fn: got[name].append(fn()) for name, fn in loads]
 

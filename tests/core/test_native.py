@@ -23,9 +23,8 @@ HEX = "ab" * 32
 
 
 @pytest.fixture
-def helper(monkeypatch: pytest.MonkeyPatch) -> Any:
-    native_paths.use(monkeypatch, "native")
-    return native.built()
+def helper() -> Any:
+    return native_paths.built_helper()
 
 
 @pytest.fixture

@@ -274,9 +274,7 @@ def test_a_benchmark_can_unload_what_it_loaded_and_load_afresh(manifest: Manifes
             handles = _loader.loaded_libraries()
             assert len(handles) == 1 and handles[0] != 0
             _axpy_run(torch, kernel, 4099)
-            drv = _cuda.driver()
-            with _cuda.on_device(0):
-                _cuda.check(drv.cuLibraryUnload(drv.CUlibrary(handles[0])), "cuLibraryUnload")
+            _unload(handles[0])
             device.use(device.Devices())
             assert _loader.loaded_libraries() == []
     finally:
