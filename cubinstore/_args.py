@@ -479,6 +479,18 @@ class ArgBuffer:
         start, end = self._span
         return bytes(self._view[start:end])
 
+    def plan(self) -> tuple[int, ...]:
+        """Where and how the compiled helper's ``launch`` writes each changing argument, as ``write``'s
+        short path does: (address, kind) pairs flattened, kind 1 for a ``ptr`` (an int in [0, 2**64),
+        8 bytes little-endian), 2 for a ``tensormap`` (128 bytes), 0 for a parameter it leaves to
+        ``write`` (then ``write`` packs them all)."""
+        base = ctypes.addressof(self._buffer)
+        plan: list[int] = []
+        for _index, name, at, size in self.varying:
+            kind = 1 if name == "ptr" and size == 8 else 2 if name == "tensormap" and size == TENSORMAP_BYTES else 0
+            plan += (base + at, kind)
+        return tuple(plan)
+
     def write(self, values: Sequence[Any]) -> None:
         """Pack the changing arguments, one per None of the constructor's `args`, in order."""
         if len(values) != len(self.varying):

@@ -124,7 +124,8 @@ VERIFY = Variable("CUBINSTORE_VERIFY", "str", "auto",
 NVCC_PUBLISH = Variable("CUBINSTORE_NVCC_PUBLISH", "bool", False,
                         "cubinstore-nvcc uploads what it compiles to CUBINSTORE_REMOTE (trusted writers, CI)")
 NATIVE = Variable("CUBINSTORE_NATIVE", "bool", True,
-                  "a first load's read and driver calls in the compiled helper, where it was built; off: Python only")
+                  "a first load's read and driver calls, and each launch, in the compiled helper, where it was built; "
+                  "off: Python only")
 
 VARIABLES: tuple[Variable, ...] = (
     HOME, REMOTE, DISK_CACHE, OFFLINE, HTTP_TIMEOUT, HTTP_CONNECT_TIMEOUT, HTTP_RETRIES, HTTP_DEADLINE,

@@ -1,8 +1,10 @@
-"""The compiled first-load helper (``_native.c``), where it was built; None where not.
+"""The compiled helper (``_native.c``), where it was built; None where not.
 
-A first load reads and checks a store entry, then makes three or four driver calls. Made from
-Python, each step is a chain of calls costing as much as the work; the helper makes each one call
-(``read_entry`` for ``LocalLayer.read_verified``, ``load_functions`` for the driver's). It is an
+A first load reads and checks a store entry, then makes three or four driver calls; a launch writes
+its changing arguments, then makes two or three. Made from Python, each step is a chain of calls
+costing as much as the work; the helper makes each one call (``read_entry`` for
+``LocalLayer.read_verified``, ``load_functions`` for the driver's load, ``launch`` for
+``PreparedLaunch`` and ``Kernel.launch``). It is an
 optional extension: ``pip install`` builds it where a C compiler and Python's headers are found,
 and without it (or with ``CUBINSTORE_NATIVE=0``) the Python paths do the same work. Its functions
 decide nothing: the callers pass every rule and take their Python path for anything but success.

@@ -36,6 +36,10 @@ _success: Any = None  # CUresult.CUDA_SUCCESS once the driver is initialised: th
 # entry point: set with the real driver where the helper was built, None under a test's bindings.
 _native_load: Any = None
 _not_found = 0
+# The helper's launch and the bindings' ids of the two launch attributes it packs (launch_config): set
+# with the real driver where the helper was built, None under a test's bindings.
+_native_launch: Any = None
+_attribute_ids = (-1, -1)  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, ..._PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 @contextmanager
@@ -44,15 +48,15 @@ def use_bindings(bindings: Any, *, success: Any, primary: dict[int, int]) -> Ite
     CUresult of success, `primary` the retained primary contexts by ordinal) instead of
     `cuda.bindings.driver`; the real state again after it. For tests of these wrappers on a host
     without a GPU: a fake of the whole driver goes in through `device.use(Devices(fake))`."""
-    global _driver, _success, _primary, _native_load
+    global _driver, _success, _primary, _native_load, _native_launch
     with _lock:
-        saved = _driver, _success, _primary, _native_load
-        _driver, _success, _primary, _native_load = bindings, success, dict(primary), None
+        saved = _driver, _success, _primary, _native_load, _native_launch
+        _driver, _success, _primary, _native_load, _native_launch = bindings, success, dict(primary), None, None
     try:
         yield
     finally:
         with _lock:
-            _driver, _success, _primary, _native_load = saved
+            _driver, _success, _primary, _native_load, _native_launch = saved
 
 
 def native_load() -> Any:
@@ -79,9 +83,41 @@ def using_native_load(load: Any) -> Iterator[None]:
             _native_load = saved
 
 
+def native_launch() -> Any:
+    """The compiled helper's ``launch`` (see ``cubinstore._core._native``) for launches through the real
+    driver, or None: then launches call ``cuLaunchKernelEx`` from Python. Its config comes from
+    ``launch_config``."""
+    driver()
+    return _native_launch
+
+
+@contextmanager
+def using_native_launch(launch: Any) -> Iterator[None]:
+    """Within the block, launches prepared (and ``Kernel.launch`` calls made) go through ``launch`` (the
+    helper's function or a wrapper with its signature), or through the bindings where None; the
+    process's choice again after it. For benchmarks and tests that compare or count the two."""
+    global _native_launch
+    driver()
+    with _lock:
+        saved = _native_launch
+        _native_launch = launch
+    try:
+        yield
+    finally:
+        with _lock:
+            _native_launch = saved
+
+
+def launch_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                  cluster: tuple[int, int, int] | None, pdl: bool) -> bytes:
+    """A launch's geometry and attributes packed for the helper's ``launch`` (where ``native_launch``)."""
+    cluster_id, pdl_id = _attribute_ids
+    return native.built().launch_config(grid, block, shared_mem, cluster, cluster_id, pdl_id if pdl else -1)  # type: ignore[union-attr]
+
+
 def driver() -> ModuleType:
     """`cuda.bindings.driver`, with `cuInit` done exactly once (thread-safe)."""
-    global _driver, _init_error, _success, _native_load, _not_found
+    global _driver, _init_error, _success, _native_load, _not_found, _native_launch, _attribute_ids
     if _driver is not None:
         return _driver
     with _lock:
@@ -104,8 +140,12 @@ def driver() -> ModuleType:
             raise CudaError(_init_error)
         _success = drv.CUresult.CUDA_SUCCESS
         helper = native.helper()
-        if helper is not None:
+        if helper is not None and helper.bind():  # its driver calls find libcuda's entry points
             _native_load, _not_found = helper.load_functions, int(drv.CUresult.CUDA_ERROR_NOT_FOUND)
+            ids = drv.CUlaunchAttributeID
+            _native_launch = helper.launch
+            _attribute_ids = (int(ids.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+                              int(ids.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION))
         _driver = drv
         logger.debug("CUDA driver initialised")
         return drv

@@ -5,7 +5,11 @@ the driver half on a GPU in tests/runtime/test_gpu_launch.py."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import struct
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,9 @@ from typing import Any
 import pytest
 import xxhash
 from helpers import native as native_paths
+from helpers.jit import real_toolkit
 
+from cubinstore.internals import ArgBuffer
 from cubinstore.internals import native
 from cubinstore.store.local import record
 from cubinstore.store.local.root import READ_FLAGS, TOUCH_AFTER, entry_rule
@@ -178,3 +184,109 @@ def test_cubinstore_native_0_turns_the_helper_off(monkeypatch: pytest.MonkeyPatc
     assert native.helper() is native.built() is not None
     monkeypatch.setenv("CUBINSTORE_NATIVE", "0")
     assert native.helper() is None
+
+
+# -- the launch (cubinstore.launch.PreparedLaunch, Kernel.launch; on a GPU in tests/runtime) ----------
+
+LAYOUT_PROBE = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include <cuda.h>
+int main(void) {
+    printf("CUlaunchConfig %zu\n", sizeof(CUlaunchConfig));
+    printf("CUlaunchConfig.sharedMemBytes %zu\n", offsetof(CUlaunchConfig, sharedMemBytes));
+    printf("CUlaunchConfig.hStream %zu\n", offsetof(CUlaunchConfig, hStream));
+    printf("CUlaunchConfig.attrs %zu\n", offsetof(CUlaunchConfig, attrs));
+    printf("CUlaunchConfig.numAttrs %zu\n", offsetof(CUlaunchConfig, numAttrs));
+    printf("CUlaunchAttribute %zu\n", sizeof(CUlaunchAttribute));
+    printf("CUlaunchAttribute.value %zu\n", offsetof(CUlaunchAttribute, value));
+    printf("CUlaunchAttributeValue.clusterDim.z %zu\n", offsetof(CUlaunchAttributeValue, clusterDim.z));
+    printf("CUlaunchAttributeValue.programmaticStreamSerializationAllowed %zu\n",
+           offsetof(CUlaunchAttributeValue, programmaticStreamSerializationAllowed));
+    printf("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION %d\n", (int)CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);
+    return 0;
+}
+"""
+
+
+def test_the_launch_structs_are_laid_out_as_cuda_h_lays_them_out(helper: Any, tmp_path: Path) -> None:
+    include = real_toolkit() / "include"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or not (include / "cuda.h").is_file():
+        pytest.skip(f"no C compiler or no {include}/cuda.h")
+    (tmp_path / "probe.c").write_text(LAYOUT_PROBE)
+    subprocess.run([compiler, "-I", str(include), "-o", str(tmp_path / "probe"), str(tmp_path / "probe.c")],
+                   check=True, timeout=120)
+    got = subprocess.run([str(tmp_path / "probe")], check=True, capture_output=True, text=True, timeout=30).stdout
+    want = {name: int(value) for name, value in (line.split() for line in got.splitlines())}
+    assert want.pop("CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION") == 4  # the probe read this cuda.h
+    assert helper.launch_layout() == want
+
+
+def test_a_launch_config_holds_the_geometry_and_the_attributes_asked_for(helper: Any) -> None:
+    layout = helper.launch_layout()
+    config, attribute = layout["CUlaunchConfig"], layout["CUlaunchAttribute"]
+    value_at = layout["CUlaunchAttribute.value"]
+
+    def attributes(blob: bytes, count: int) -> list[tuple[int, bytes]]:
+        found = []
+        for i in range(count):
+            at = config + i * attribute
+            found.append((struct.unpack_from("<i", blob, at)[0], blob[at + value_at : at + attribute]))
+        return found
+
+    blob = helper.launch_config((7, 2, 3), (128, 2, 1), 200 * 1024, (2, 1, 1), 4, 6)
+    assert struct.unpack_from("<7I", blob, 0) == (7, 2, 3, 128, 2, 1, 200 * 1024)
+    assert struct.unpack_from("<I", blob, layout["CUlaunchConfig.numAttrs"])[0] == 2
+    (cluster_id, cluster), (pdl_id, pdl) = attributes(blob, 2)
+    assert (cluster_id, struct.unpack_from("<3I", cluster)) == (4, (2, 1, 1))
+    assert (pdl_id, struct.unpack_from("<i", pdl)[0]) == (6, 1)
+    plain = helper.launch_config((1, 1, 1), (32, 1, 1), 0, None, 4, -1)
+    assert struct.unpack_from("<I", plain, layout["CUlaunchConfig.numAttrs"])[0] == 0
+    with pytest.raises(OverflowError):
+        helper.launch_config((-1, 1, 1), (32, 1, 1), 0, None, 4, -1)
+    with pytest.raises(OverflowError):
+        helper.launch_config((1, 1, 1), (32, 1, 1), 2**32, None, 4, -1)
+    with pytest.raises(OverflowError):
+        helper.launch_config((1, 1, 1), (32, 1, 1), 0, (2**32, 1, 1), 4, -1)
+
+
+def _no_libcuda() -> None:
+    if any("libcuda" in line for line in Path("/proc/self/maps").read_text().splitlines()):
+        pytest.skip("libcuda is loaded in this process: the helper would launch")
+
+
+def test_launch_writes_pointers_and_tensor_maps_where_the_plan_says(helper: Any) -> None:
+    _no_libcuda()
+    buffer = (ctypes.c_ubyte * 256)()
+    base = ctypes.addressof(buffer)
+    config = helper.launch_config((1, 1, 1), (32, 1, 1), 0, None, 4, -1)
+    tensor_map = bytes(range(128))
+    plan = (base, 1, base + 8, 2, base + 136, 1)
+    assert helper.launch(0, config, 0, 0, 0, plan, (2**64 - 1, tensor_map, 0x1234)) == -2  # written; no driver
+    assert bytes(buffer[:8]) == b"\xff" * 8
+    assert bytes(buffer[8:136]) == tensor_map
+    assert bytes(buffer[136:144]) == (0x1234).to_bytes(8, "little")
+    assert helper.bind() is False
+
+
+@pytest.mark.parametrize("value", [-1, 2**64, True, 1.0, b"\0" * 8, None], ids=repr)
+def test_launch_launches_nothing_for_a_value_it_does_not_write(helper: Any, value: Any) -> None:
+    # -1: the caller packs every value with its checks (ArgBuffer.write), which words the error.
+    buffer = (ctypes.c_ubyte * 128)()
+    at = ctypes.addressof(buffer)
+    config = helper.launch_config((1, 1, 1), (32, 1, 1), 0, None, 4, -1)
+    assert helper.launch(0, config, 0, 0, 0, (at, 1), (value,)) == -1
+    assert helper.launch(0, config, 0, 0, 0, (at, 2), (b"\0" * 127,)) == -1
+    assert helper.launch(0, config, 0, 0, 0, (at, 0), (0,)) == -1  # a kind it leaves to the caller
+    assert helper.launch(0, config, 0, 0, 0, (at, 1), (1, 2)) == -1  # not one value per plan entry
+    with pytest.raises(TypeError):
+        helper.launch(0, config[:-1], 0, 0, 0, (), ())
+
+
+def test_an_arg_buffers_plan_names_its_pointers_and_tensor_maps() -> None:
+    buffer = ArgBuffer("k", "e", ("ptr", "tensormap", "i32", "ptr"), (None, None, None, 5), device=0)
+    plan = buffer.plan()
+    assert plan[1::2] == (1, 2, 0)
+    base = ctypes.addressof(buffer._buffer)  # the buffer the plan points into
+    assert [a - base for a in plan[::2]] == [at for _i, _name, at, _size in buffer.varying]
