@@ -396,13 +396,28 @@ def graph_us(torch: Any, fn: Callable[[], Any], per_graph: int = 20, replays: in
     return start.elapsed_time(end) * 1e3 / (replays * per_graph)
 
 
+def bindings_host_us(torch: Any, fn: Callable[[], Any], calls: int, cycles_per_us: float) -> str:
+    """`host_us` of `fn` with its launches prepared through the bindings' cuLaunchKernelEx instead of the
+    compiled helper's launch ("-" where the helper was not built): what the helper saves a call."""
+    from cubinstore.internals import cuda, gemm_launch
+
+    if cuda.native_launch() is None:
+        return "-"
+    try:
+        with cuda.using_native_launch(None):
+            gemm_launch.forget_calls()
+            return f"{host_us(torch, fn, calls, cycles_per_us):.2f}"
+    finally:
+        gemm_launch.forget_calls()  # the helper's launches again
+
+
 def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> list[str]:
     import cubinstore.ops as ops
 
     print(f"\n== host time per call ({args.host_calls} back-to-back calls, GPU kept ahead) "
           f"and CUDA-graph replay time per call")
     print(f"{'M x N x K':>18s} {'ours host us':>12s} {'torch host us':>13s} {'ratio':>6s} "
-          f"{'ours graph us':>13s} {'torch graph us':>14s}")
+          f"{'ours graph us':>13s} {'torch graph us':>14s} {'ours, bindings us':>17s}")
     goals = []
     for m, n, k in HOST_SHAPES:
         a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -410,6 +425,7 @@ def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> lis
         d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ours = host_us(torch, lambda: ops.gemm(a, b), args.host_calls, cycles_per_us)
         theirs = host_us(torch, lambda: torch.mm(a, b.T), args.host_calls, cycles_per_us)
+        bindings = bindings_host_us(torch, lambda: ops.gemm(a, b), args.host_calls, cycles_per_us)
         graphs = []
         for fn in (lambda: ops.gemm(a, b, out=d), lambda: torch.mm(a, b.T, out=d)):
             try:
@@ -417,7 +433,7 @@ def overheads(torch: Any, args: argparse.Namespace, cycles_per_us: float) -> lis
             except Exception as exc:  # a capture failure is a result to print, not a crash
                 graphs.append(f"failed: {type(exc).__name__}: {str(exc)[:60]}")
         print(f"{f'{m}x{n}x{k}':>18s} {ours:12.2f} {theirs:13.2f} {ours / theirs:6.2f} {graphs[0]:>13s} "
-              f"{graphs[1]:>14s}", flush=True)
+              f"{graphs[1]:>14s} {bindings:>17s}", flush=True)
         goals.append(_goal(f"host time per call vs torch at {m}x{n}x{k}", ours / theirs, GOAL_HOST, at_least=False))
     goals += compiled_overheads(torch, args, cycles_per_us)
     return goals

@@ -142,6 +142,13 @@ _misses: dict[str, int] = {"selection": 0, "prepared": 0, "tensor_map": 0}
 _raw_stream: Any = None  # device ordinal -> torch's current raw CUstream handle
 
 
+def forget_calls() -> None:
+    """Drop every prepared call: the next call of each problem signature prepares its launch again (for
+    benchmarks that compare launch paths, ``cubinstore._driver.cuda.using_native_launch``)."""
+    with _lock:
+        _calls.clear()
+
+
 def cache_misses() -> dict[str, int]:
     """How often each cache of `gemm` missed: selection, prepared (a new problem signature), tensor_map."""
     with _lock:
