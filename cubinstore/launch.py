@@ -524,7 +524,7 @@ class PreparedLaunch:
         self._success = drv.CUresult.CUDA_SUCCESS
         self._stream: int | None = None
         self._lock = threading.Lock()
-        #: Launches made through this object (for tests and benchmarks: repeat calls reuse it).
+        #: Launches the driver accepted through this object (for tests and benchmarks: repeat calls reuse it).
         self.calls = 0
 
     def __call__(self, stream: int, *changing: Any) -> None:
@@ -567,9 +567,10 @@ class PreparedLaunch:
             finally:
                 if before != self._context:
                     self._check(drv.cuCtxSetCurrent(drv.CUcontext(before)), "cuCtxSetCurrent (restore)")
-            self.calls += 1
-        if result[0] != self._success:
-            self._check(result, self._what)
+            if result[0] == self._success:
+                self.calls += 1
+                return
+        self._check(result, self._what)
 
 
 _NOT_WRITTEN = -1  # the helper's launch: a changing value it does not write; nothing was launched
