@@ -9,6 +9,8 @@
 #   layouts     benchmarks/bench_gemm.py run --layouts-only (what the layouts ops.gemm copies cost)
 #   host        benchmarks/bench_gemm.py run --host-only (host time per call: eager, graph replay, compiled)
 #   judge       benchmarks/tune_gemm.py --judge-held-out (the model's picks on held-out shapes vs the best option)
+#   study       the refit study (docs/gemm.md): calibrate twice (nothing written) and judge;
+#               then on any host: tune_gemm.py --stability $OUT/study_a.json $OUT/study_b.json --judge $OUT/study_held.json
 #   tgemm       benchmarks/bench_tgemm.py
 #   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
 #   rows        benchmarks/gemm_row_alignment.py (A's and B's rows off the 128-byte lines, each alone)
@@ -56,10 +58,15 @@ for what in "$@"; do
     layouts) step layouts "$PY" benchmarks/bench_gemm.py run --layouts-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     host) step host "$PY" benchmarks/bench_gemm.py run --host-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     judge) step judge "$PY" benchmarks/tune_gemm.py --judge-held-out --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/held_out_measurements.json" ;;
+    study)  # --no-write: both runs time the shipped model's own picks, and the judge judges it
+      for run in a b; do
+        step "study_$run" "$PY" benchmarks/tune_gemm.py --calibrate --no-write --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/study_$run.json"
+      done
+      step study_held "$PY" benchmarks/tune_gemm.py --judge-held-out --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/study_held.json" ;;
     tgemm) step tgemm "$PY" benchmarks/bench_tgemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, tgemm, occupancy, rows)" >&2; exit 2 ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, study, tgemm, occupancy, rows)" >&2; exit 2 ;;
   esac
 done
 exit $status
