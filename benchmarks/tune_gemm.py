@@ -10,6 +10,8 @@
     PYTHONPATH=. python benchmarks/tune_gemm.py --judge-held-out --manifest bazel-bin/kernels/manifest.json
     # anywhere: how far refits move the held-out picks, per split margin (two --calibrate runs' timings)
     python benchmarks/tune_gemm.py --stability a.json b.json --judge held_out.json
+    # anywhere: each split margin judged on the tuning shapes alone (cross-validated), to choose one by
+    python benchmarks/tune_gemm.py --margin-cv a.json b.json
 
 `--calibrate` times every `gemm` instantiation of the manifest with a few K-splits (1, and
 2, 3, 4, 6, 8, 16 and the model's own pick where the units stay within two waves), and every
@@ -337,25 +339,44 @@ def _summary(regrets: Sequence[float], what: str) -> str:
             f"geometric mean, {max(regrets) - 1:.1%} at worst")
 
 
-def cross_validate(timings: Sequence[Timing], gpu: Gpu, repeats: int = CV_REPEATS, seed: int = 0) -> list[float]:
+def cross_validate(timings: Sequence[Timing], gpu: Gpu, repeats: int = CV_REPEATS, seed: int = 0,
+                   margins: Sequence[float | None] = (None,)) -> list[float] | dict[float | None, list[float]]:
     """Regrets (measured time of the pick / measured best) of picks on shapes the fit never saw.
 
     For each of `repeats` random halvings of the shapes (seeded: the same halvings every
     run), fits on one half and judges the model's picks on the other, then the other way
-    round: each shape is judged `repeats` times.
+    round: each shape is judged `repeats` times. With `margins` (split margins; None: the
+    model's own), the regrets of each margin's picks from the same fits, by margin.
     """
     shapes = _by_shape(timings)
-    regrets = []
+    regrets: dict[float | None, list[float]] = {margin: [] for margin in margins}
     for r in range(repeats):
         order = sorted(shapes)
         random.Random(seed + r).shuffle(order)
         for held_out in (set(order[::2]), set(order[1::2])):
             machine, tiles = fit([t for t in timings if (t.m, t.n, t.k) not in held_out], gpu)
-            model = Model(machine, tiles)
-            for mnk in sorted(held_out):
-                measured = shapes[mnk]
-                regrets.append(measured[_pick(model, mnk, measured, gpu)] / min(measured.values()))
-    return regrets
+            for margin in margins:
+                model = Model(machine, tiles) if margin is None else Model(machine, tiles, split_margin=margin)
+                for mnk in sorted(held_out):
+                    measured = shapes[mnk]
+                    regrets[margin].append(measured[_pick(model, mnk, measured, gpu)] / min(measured.values()))
+    return regrets[None] if tuple(margins) == (None,) else regrets
+
+
+def margin_cv(measurements: Sequence[Path], margins: Sequence[float], repeats: int) -> None:
+    """Each split margin judged on the tuning shapes alone: the cross-validated regret of its picks (fits
+    on half the shapes, picks on the other half, `repeats` halvings) in each file of --calibrate timings.
+    The held-out shapes play no part: this is what a margin may be chosen by."""
+    print(f"{'split margin':>12s} " + " ".join(f"{path.name[:24]:>24s}" for path in measurements) + f" {'mean':>7s}")
+    rows: dict[float, list[float]] = {margin: [] for margin in margins}
+    for path in measurements:
+        timings, provenance = load(path)
+        by_margin = cross_validate(timings, Gpu.of(provenance), repeats, margins=margins)
+        assert isinstance(by_margin, dict)
+        for margin in margins:
+            rows[margin].append(bench.geomean(by_margin[margin]) - 1)
+    for margin, values in rows.items():
+        print(f"{margin:12.1%} " + " ".join(f"{v:24.2%}" for v in values) + f" {statistics.mean(values):7.2%}")
 
 
 def report(model: Model, timings: Sequence[Timing], gpu: Gpu) -> float:
@@ -468,6 +489,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     mode.add_argument("--stability", type=Path, nargs="+", metavar="MEASUREMENTS",
                       help="how far refits move the picks at each --margins: fits of these --calibrate timings "
                            "(and --mixes mixes of the first two), judged on --judge's timings (no GPU)")
+    mode.add_argument("--margin-cv", type=Path, nargs="+", metavar="MEASUREMENTS",
+                      help="each --margins judged on the tuning shapes alone: cross-validated regret of its picks in "
+                           "each file of --calibrate timings (no GPU)")
     parser.add_argument("--judge", type=Path, metavar="MEASUREMENTS", help="--stability: the timings to judge on")
     parser.add_argument("--margins", default="0,0.01,0.02,0.03,0.05", help="--stability: split margins, comma-separated")
     parser.add_argument("--mixes", type=int, default=8, help="--stability: mixes of the first two files to fit too")
@@ -500,6 +524,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(calibrate(*load(args.refit), args.write, args.force, args.cv_repeats))
     elif args.compare:
         compare(*args.compare, against=args.against)
+    elif args.margin_cv:
+        margin_cv(args.margin_cv, [float(x) for x in args.margins.split(",")], args.cv_repeats)
     elif args.stability:
         if args.judge is None:
             parser.error("--stability needs --judge MEASUREMENTS")

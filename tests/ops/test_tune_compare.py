@@ -108,3 +108,23 @@ def test_identical_timings_refit_to_identical_picks(tmp_path: Path, capsys: pyte
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().endswith("%")]
     assert [row[0] for row in rows] == ["0.0%", "3.0%"]
     assert all(row[1:5] == ["3", "0", "0", "0.0%"] for row in rows), rows  # 3 fits, 3 pairs, nothing moved
+
+
+# -- --margin-cv: each split margin judged on the tuning shapes alone --------------------------------
+
+
+def test_each_margin_is_judged_by_the_same_fits_and_the_models_own_margin_is_the_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ids = sorted(_options())[:6]
+    us = {(*s, kid, sp): 10.0 + 0.7 * i + 0.3 * sp for s in SHAPES for i, kid in enumerate(ids) for sp in (1, 2)}
+    timings = _timings(us)
+    gpu = tune_gemm.Gpu.of(GPU)
+    by_margin = tune_gemm.cross_validate(timings, gpu, repeats=1, margins=(None, gemm_model.SPLIT_MARGIN, 0.0, 0.2))
+    assert isinstance(by_margin, dict)
+    assert by_margin[None] == by_margin[gemm_model.SPLIT_MARGIN] == tune_gemm.cross_validate(timings, gpu, repeats=1)
+    assert all(len(r) == len(SHAPES) and min(r) >= 1.0 for r in by_margin.values())
+    path = _held_out(tmp_path, us)
+    tune_gemm.margin_cv([path, path], [0.0, 0.2], repeats=1)
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().endswith("%")]
+    assert [row[0] for row in rows] == ["0.0%", "20.0%"]
+    assert all(row[1] == row[2] == row[3] for row in rows)  # the same file twice: the same regret, and its mean
