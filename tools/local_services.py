@@ -175,8 +175,10 @@ instances:
       - !bytestream
         storage: *cas
 # Bazel 7 opens many concurrent streams (uploads, Execute, WaitExecution): the default limits
-# make it see UNAVAILABLE.
-thread-pool-size: 500
+# make it see UNAVAILABLE. The pool's size is also gRPC's limit of concurrent RPCs; past it every
+# call (the worker's too) gets RESOURCE_EXHAUSTED. The first remote build uploads the toolkit's and
+# CUTLASS's headers at once and went past 500 (a CI-style run on 2 cores, 2026-12-06).
+thread-pool-size: 2000
 limiter: !limiter
   concurrent-request-limit: 0
 """
@@ -457,6 +459,11 @@ def in_worker_root(root: Path, workdir: Path, argv: list[str]) -> list[str]:
             f"HOME={WORKER_DIR}", *argv]
 
 
+# buildbox's gRPC retries (casd's and the worker's): UNAVAILABLE by default, and a server past its
+# limit of concurrent RPCs too; the delay doubles from 250 ms, 8 times.
+_BUSY_RETRY = "--retry-limit=8 --retry-delay=250 --retry-on-code=RESOURCE_EXHAUSTED"
+
+
 class BuildboxWorker(Server):
     """A remote-execution worker: buildbox-casd (the worker's local CAS, proxying BuildGrid's)
     and buildbox-worker polling BuildGrid's Bots service, in one worker root (casd stages each
@@ -476,11 +483,14 @@ class BuildboxWorker(Server):
     def _argv(self, port: int) -> list[str]:
         (self.workdir / "cache").mkdir(exist_ok=True)
         # casd listens on `port` too, so start() sees it ready; the worker talks to its socket.
+        # Both retry a busy server (RESOURCE_EXHAUSTED) with backoff, about a minute in all: a
+        # worker whose UpdateBotSession fails four times in a row exits, and the build then waits
+        # for it until Bazel's own timeout.
         script = (
-            'buildbox-casd --cas-remote="$0" --bind=127.0.0.1:"$1" --bind=unix:/worker/casd.sock '
+            f'buildbox-casd --cas-remote="$0" --bind=127.0.0.1:"$1" --bind=unix:/worker/casd.sock {_BUSY_RETRY} '
             '--quota-high=4G --reserved=1G /worker/cache & '
             'while [ ! -S /worker/casd.sock ]; do sleep 0.1; done; '
-            'exec buildbox-worker --bots-remote="$0" --cas-remote=unix:/worker/casd.sock '
+            f'exec buildbox-worker --bots-remote="$0" --cas-remote=unix:/worker/casd.sock {_BUSY_RETRY} '
             '--buildbox-run=/usr/bin/buildbox-run-hosttools --concurrent-jobs="$2" --max-wait-time=2 '
             '--platform OSFamily=linux cubinstore-test-worker'
         )
