@@ -171,7 +171,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     print(f"root {local.root}")
     # How this process's first loads would check and read an entry (README: "Checks at load").
     print(f"first_load_check {'records' if local.trusts_records() else 'sha256'}")
-    print(f"first_load_read {'native' if native.helper() is not None else 'python'}")
+    helper = "native" if native.helper() is not None else "python"
+    print(f"first_load_read {helper}")
+    print(f"launch {helper}")  # a prepared launch's argument writes and driver calls: one call of the helper
     return EXIT_OK
 
 

@@ -106,10 +106,10 @@ def test_prefetch_ls_verify_stats(nginx, make_release, cli, cli_env, clean_env: 
     from helpers.native import built_helper
 
     built_helper()
-    assert stats["first_load_check"] == "records" and stats["first_load_read"] == "native"
+    assert stats["first_load_check"] == "records" and stats["first_load_read"] == stats["launch"] == "native"
     out = cli(["stats"], {**cli_env, "CUBINSTORE_VERIFY": "full", "CUBINSTORE_NATIVE": "0"})
     stats = dict(line.split(" ", 1) for line in out.stdout.splitlines())
-    assert stats["first_load_check"] == "sha256" and stats["first_load_read"] == "python"
+    assert stats["first_load_check"] == "sha256" and stats["first_load_read"] == stats["launch"] == "python"
 
 
 def test_prefetch_only_the_requested_arch(nginx, make_release, cli, cli_env, clean_env: Path) -> None:
