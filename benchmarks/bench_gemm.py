@@ -1,7 +1,10 @@
 """Benchmark of cubinstore.ops.gemm against torch.mm on an H200/H100 (prints tables; not a test).
 
   # on the GPU host (torch, cuda-python; no Bazel): about 1-2 minutes of GPU time
-  PYTHONPATH=. python benchmarks/bench_gemm.py [run] --manifest <dir>/manifest.json
+  PYTHONPATH=. python benchmarks/bench_gemm.py [run] --manifest <dir>/manifest.json [--json a.json]
+
+  # anywhere: two runs' per-shape ratios side by side, with each run's means and worst shapes
+  python benchmarks/bench_gemm.py compare a.json b.json
 
   # anywhere with nvcc 13 and the CUTLASS headers, for a GPU host without Bazel: compile
   # every instantiation (GRID), recording nvcc's CPU seconds, into a directory with a manifest
@@ -345,6 +348,56 @@ def print_table(title: str, rows: Sequence[Row]) -> None:
                   f"{tflops(m, n, k, r.model[1]):9.1f} {'':>10s} {r.torch_ms / r.model[1]:7.1%}", flush=True)
 
 
+RESULTS_SCHEMA = "cubinstore/bench-gemm/v1"
+
+
+def save_rows(path: Path, device: str, sets: dict[str, Sequence[Row]]) -> None:
+    """One run's per-shape times (`run --json`), for `compare` to set beside another run's."""
+    shapes = [{"set": name, "m": r.shape.m, "n": r.shape.n, "k": r.shape.k, "group": r.shape.group,
+               "kernel": r.choice[0], "splits": r.choice[1], "ours_ms": r.ours_ms, "torch_ms": r.torch_ms,
+               "rel_err": r.error} for name, rows in sets.items() for r in rows]
+    doc = {"schema": RESULTS_SCHEMA, "device": device, "date": time.strftime("%Y-%m-%d"), "shapes": shapes}
+    write_atomic(path, (json.dumps(doc, indent=1) + "\n").encode())
+
+
+def _results(path: Path) -> dict[str, Any]:
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or doc.get("schema") != RESULTS_SCHEMA:
+        raise SystemExit(f"{path}: not a bench_gemm.py run --json file (schema {RESULTS_SCHEMA})")
+    return doc
+
+
+def compare(first: Path, second: Path) -> None:
+    """Two runs' ratios (torch.mm time / ops.gemm time) side by side, per shape and per set: the
+    geometric means and worst shapes, each run's and how far they differ."""
+    from gemm_shapes import LARGE_M
+
+    runs = [_results(first), _results(second)]
+    ratios = [{(s["set"], s["m"], s["n"], s["k"]): s["torch_ms"] / s["ours_ms"] for s in run["shapes"]} for run in runs]
+    picks = [{(s["set"], s["m"], s["n"], s["k"]): f"{s['kernel']} ({s['splits']})" for s in run["shapes"]} for run in runs]
+    print(f"A: {first.name}, {runs[0]['device']}, {runs[0]['date']}\nB: {second.name}, {runs[1]['device']}, {runs[1]['date']}")
+    for name in ("tuning", "held-out"):
+        keys = [key for key in ratios[0] if key[0] == name and key in ratios[1]]
+        if not keys:
+            continue
+        print(f"\n== {name} shapes: ratio = torch.mm time / ops.gemm time")
+        print(f"{'M x N x K':>18s} {'A':>7s} {'B':>7s} {'B / A':>7s}  pick (A; B where it differs)")
+        for key in keys:
+            a, b = ratios[0][key], ratios[1][key]
+            pick = picks[0][key] if picks[0][key] == picks[1][key] else f"{picks[0][key]}; {picks[1][key]}"
+            print(f"{'x'.join(map(str, key[1:])):>18s} {a:7.3f} {b:7.3f} {b / a:7.3f}  {pick}")
+        large = [key for key in keys if key[1] >= LARGE_M]
+        summary = [("geometric mean", keys), (f"geometric mean, M >= {LARGE_M}", large)] if name == "held-out" \
+            else [("geometric mean", keys)]
+        for what, subset in summary:
+            if subset:
+                print(f"{what + ' (' + str(len(subset)) + ')':>40s} " + "  ".join(
+                    f"{label} {geomean([r[key] for key in subset]):.3f}" for label, r in zip("AB", ratios)))
+        for label, r in zip("AB", ratios):
+            worst = min(keys, key=lambda key: r[key])
+            print(f"{'worst shape, ' + label:>40s} {'x'.join(map(str, worst[1:]))} {r[worst]:.3f}")
+
+
 def _goal(what: str, value: float, goal: float, at_least: bool = True) -> str:
     met = value >= goal if at_least else value <= goal
     return f"{what:58s} {value:7.3f}  goal {'>=' if at_least else '<='} {goal:.2f}: {'met' if met else 'NOT MET'}"
@@ -627,6 +680,8 @@ def run(args: argparse.Namespace) -> int:
     aligned = [r for r in large if r.shape.n % 8 == 0 and r.shape.k % 8 == 0]
     info.append(f"{'held-out, M >= ' + str(lm) + ', N and K multiples of 8 (' + str(len(aligned)) + ')':58s} "
                 f"{geomean([r.ratio for r in aligned]):7.3f}")
+    if args.json:
+        save_rows(args.json, props.name, {"tuning": tuning, "held-out": held})
     wrong_layouts = layout_costs(torch, library, l2, args)
     goals += overheads(torch, args, cycles_per_us)
     print("\n== against the issue's goals (ratio = torch.mm time / ops.gemm time)")
@@ -681,10 +736,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="only the table of the layouts ops.gemm copies (docs/gemm.md, 'Layouts that copy')")
     r.add_argument("--host-only", action="store_true",
                    help="only the host time per call tables (eager, CUDA-graph replay, under torch.compile)")
+    r.add_argument("--json", type=Path, default=None,
+                   help="also write each shape's times and pick here, for `compare` with another run")
+    cmp = sub.add_parser("compare", help="two runs' --json files side by side (no GPU)")
+    cmp.add_argument("first", type=Path)
+    cmp.add_argument("second", type=Path)
     r.add_argument("--instantiations", action="store_true",
                    help="also time every instantiation at 4096^3 with its load time from the local store")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("compile", "run", "-h", "--help"):
+    if not argv or argv[0] not in ("compile", "run", "compare", "-h", "--help"):
         argv.insert(0, "run")  # the default command
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -697,6 +757,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         except BadArgumentError as exc:
             raise SystemExit(f"compile: {exc}") from None
         compile_grid(args.out, args.nvcc, include)
+    elif args.command == "compare":
+        compare(args.first, args.second)
     else:
         sys.exit(run(args))
 

@@ -5,7 +5,8 @@
 #   tests       every GPU test (pytest -m gpu over tests/*/test_*gpu*.py)
 #   runtime     benchmarks/bench_runtime.py (import time, per-kernel loads, 1 vs 8 processes)
 #   calibrate   benchmarks/tune_gemm.py --calibrate (writes cubinstore/ops/_gemm_calibration.py; copied to $OUT)
-#   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay)
+#   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay; $OUT/gemm.json
+#               for bench_gemm.py compare with another run)
 #   layouts     benchmarks/bench_gemm.py run --layouts-only (what the layouts ops.gemm copies cost)
 #   host        benchmarks/bench_gemm.py run --host-only (host time per call: eager, graph replay, compiled)
 #   judge       benchmarks/tune_gemm.py --judge-held-out (the model's picks on held-out shapes vs the best option)
@@ -54,7 +55,7 @@ for what in "$@"; do
     calibrate)
       step calibrate "$PY" benchmarks/tune_gemm.py --calibrate --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/gemm_measurements.json"
       cp cubinstore/ops/_gemm_calibration.py "$OUT/" 2>/dev/null || true ;;
-    gemm) step gemm "$PY" benchmarks/bench_gemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    gemm) step gemm "$PY" benchmarks/bench_gemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" --json "$OUT/gemm.json" ;;
     layouts) step layouts "$PY" benchmarks/bench_gemm.py run --layouts-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     host) step host "$PY" benchmarks/bench_gemm.py run --host-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     judge) step judge "$PY" benchmarks/tune_gemm.py --judge-held-out --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/held_out_measurements.json" ;;
