@@ -339,28 +339,32 @@ def _summary(regrets: Sequence[float], what: str) -> str:
             f"geometric mean, {max(regrets) - 1:.1%} at worst")
 
 
-def cross_validate(timings: Sequence[Timing], gpu: Gpu, repeats: int = CV_REPEATS, seed: int = 0,
-                   margins: Sequence[float | None] = (None,)) -> list[float] | dict[float | None, list[float]]:
+def cross_validate(timings: Sequence[Timing], gpu: Gpu, repeats: int = CV_REPEATS, seed: int = 0) -> list[float]:
     """Regrets (measured time of the pick / measured best) of picks on shapes the fit never saw.
 
     For each of `repeats` random halvings of the shapes (seeded: the same halvings every
     run), fits on one half and judges the model's picks on the other, then the other way
-    round: each shape is judged `repeats` times. With `margins` (split margins; None: the
-    model's own), the regrets of each margin's picks from the same fits, by margin.
+    round: each shape is judged `repeats` times.
     """
+    return cross_validate_margins(timings, gpu, (_gemm_model.SPLIT_MARGIN,), repeats, seed)[_gemm_model.SPLIT_MARGIN]
+
+
+def cross_validate_margins(timings: Sequence[Timing], gpu: Gpu, margins: Sequence[float], repeats: int = CV_REPEATS,
+                           seed: int = 0) -> dict[float, list[float]]:
+    """``cross_validate``'s regrets for each split margin, every margin's picks made from the same fits."""
     shapes = _by_shape(timings)
-    regrets: dict[float | None, list[float]] = {margin: [] for margin in margins}
+    regrets: dict[float, list[float]] = {margin: [] for margin in margins}
     for r in range(repeats):
         order = sorted(shapes)
         random.Random(seed + r).shuffle(order)
         for held_out in (set(order[::2]), set(order[1::2])):
             machine, tiles = fit([t for t in timings if (t.m, t.n, t.k) not in held_out], gpu)
             for margin in margins:
-                model = Model(machine, tiles) if margin is None else Model(machine, tiles, split_margin=margin)
+                model = Model(machine, tiles, split_margin=margin)
                 for mnk in sorted(held_out):
                     measured = shapes[mnk]
                     regrets[margin].append(measured[_pick(model, mnk, measured, gpu)] / min(measured.values()))
-    return regrets[None] if tuple(margins) == (None,) else regrets
+    return regrets
 
 
 def margin_cv(measurements: Sequence[Path], margins: Sequence[float], repeats: int) -> None:
@@ -371,8 +375,7 @@ def margin_cv(measurements: Sequence[Path], margins: Sequence[float], repeats: i
     rows: dict[float, list[float]] = {margin: [] for margin in margins}
     for path in measurements:
         timings, provenance = load(path)
-        by_margin = cross_validate(timings, Gpu.of(provenance), repeats, margins=margins)
-        assert isinstance(by_margin, dict)
+        by_margin = cross_validate_margins(timings, Gpu.of(provenance), margins, repeats)
         for margin in margins:
             rows[margin].append(bench.geomean(by_margin[margin]) - 1)
     for margin, values in rows.items():
@@ -510,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sm-count", type=int, default=132, help="--dry-run: the GPU's SMs")
     args = parser.parse_args(argv)
+    margins = [float(x) for x in args.margins.split(",")]  # --margin-cv's and --stability's
     if args.dry_run:
         dry_run(args)
     elif args.judge_held_out:
@@ -525,11 +529,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.compare:
         compare(*args.compare, against=args.against)
     elif args.margin_cv:
-        margin_cv(args.margin_cv, [float(x) for x in args.margins.split(",")], args.cv_repeats)
+        margin_cv(args.margin_cv, margins, args.cv_repeats)
     elif args.stability:
         if args.judge is None:
             parser.error("--stability needs --judge MEASUREMENTS")
-        stability(args.stability, args.judge, [float(x) for x in args.margins.split(",")], args.mixes)
+        stability(args.stability, args.judge, margins, args.mixes)
     else:
         timings, provenance = measure(args)
         if args.measurements:

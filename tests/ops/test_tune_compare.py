@@ -119,9 +119,8 @@ def test_each_margin_is_judged_by_the_same_fits_and_the_models_own_margin_is_the
     us = {(*s, kid, sp): 10.0 + 0.7 * i + 0.3 * sp for s in SHAPES for i, kid in enumerate(ids) for sp in (1, 2)}
     timings = _timings(us)
     gpu = tune_gemm.Gpu.of(GPU)
-    by_margin = tune_gemm.cross_validate(timings, gpu, repeats=1, margins=(None, gemm_model.SPLIT_MARGIN, 0.0, 0.2))
-    assert isinstance(by_margin, dict)
-    assert by_margin[None] == by_margin[gemm_model.SPLIT_MARGIN] == tune_gemm.cross_validate(timings, gpu, repeats=1)
+    by_margin = tune_gemm.cross_validate_margins(timings, gpu, (gemm_model.SPLIT_MARGIN, 0.0, 0.2), repeats=1)
+    assert by_margin[gemm_model.SPLIT_MARGIN] == tune_gemm.cross_validate(timings, gpu, repeats=1)
     assert all(len(r) == len(SHAPES) and min(r) >= 1.0 for r in by_margin.values())
     path = _held_out(tmp_path, us)
     tune_gemm.margin_cv([path, path], [0.0, 0.2], repeats=1)
