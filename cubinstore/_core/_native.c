@@ -207,6 +207,25 @@ static int bind_driver(void) {
 
 #define MAX_ENTRIES 64
 
+/* The driver's current context made `want` for a call (enter), and the caller's put back after it (leave).
+   Both run without the GIL. enter returns the first error; leave returns the restore's. */
+typedef struct {
+    CUcontext before;
+    int switched;
+} ContextGuard;
+
+static CUresult enter_context(ContextGuard *guard, CUcontext want) {
+    guard->before = NULL;
+    CUresult err = cu_ctx_get_current(&guard->before);
+    guard->switched = err == 0 && guard->before != want;
+    if (guard->switched) err = cu_ctx_set_current(want);
+    return err;
+}
+
+static CUresult leave_context(const ContextGuard *guard) {
+    return guard->switched ? cu_ctx_set_current(guard->before) : 0;
+}
+
 static PyObject *load_functions(PyObject *self, PyObject *args) {
     Py_buffer data;
     PyObject *entries;
@@ -229,12 +248,10 @@ static PyObject *load_functions(PyObject *self, PyObject *args) {
     CUfunction functions[MAX_ENTRIES];
     Py_ssize_t found = 0;
     CUlibrary library = NULL;
-    CUcontext before = NULL, want = (CUcontext)(uintptr_t)context;
+    ContextGuard guard;
     CUresult err;
     Py_BEGIN_ALLOW_THREADS
-    err = cu_ctx_get_current(&before);
-    int switched = err == 0 && before != want;
-    if (switched) err = cu_ctx_set_current(want);
+    err = enter_context(&guard, (CUcontext)(uintptr_t)context);
     if (err == 0) {
         err = cu_library_load_data(&library, data.buf, NULL, NULL, 0, NULL, NULL, 0);
         for (; err == 0 && found < count; found++) {
@@ -248,12 +265,10 @@ static PyObject *load_functions(PyObject *self, PyObject *args) {
         }
         if (err != 0 && library != NULL) (void)cu_library_unload(library);
     }
-    if (switched) {
-        CUresult restored = cu_ctx_set_current(before);
-        if (err == 0 && restored != 0) {
-            (void)cu_library_unload(library);
-            err = restored;
-        }
+    CUresult restored = leave_context(&guard);
+    if (err == 0 && restored != 0) { /* loaded in the caller's context's stead: not handed over */
+        (void)cu_library_unload(library);
+        err = restored;
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
@@ -365,15 +380,11 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     config.attrs = config.numAttrs ? blob->attrs : NULL; /* in the immutable bytes, alive for the call */
     CUresult err;
     Py_BEGIN_ALLOW_THREADS
-    CUcontext before = NULL;
-    err = cu_ctx_get_current(&before);
-    int switched = err == 0 && before != want;
-    if (switched) err = cu_ctx_set_current(want);
+    ContextGuard guard;
+    err = enter_context(&guard, want);
     if (err == 0) err = cu_launch_kernel_ex(&config, function, params, NULL);
-    if (switched) {
-        CUresult restored = cu_ctx_set_current(before);
-        if (err == 0) err = restored;
-    }
+    CUresult restored = leave_context(&guard);
+    if (err == 0) err = restored;
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(err);
 }
