@@ -62,6 +62,18 @@ def arch_compatible(arch: str | Arch, cc: ComputeCapability) -> bool:
     return parsed.runs_on(check_cc(cc))
 
 
+# (arch, compute capability) -> arch_compatible(arch, cc): every first load selects by its full id, and
+# parsing the arch each time costs more than the rest of the selection. Bounded by the archs seen.
+_cubin_runs: dict[tuple[str, ComputeCapability], bool] = {}
+
+
+def _cubin_runs_on(arch: str, cc: ComputeCapability) -> bool:
+    runs = _cubin_runs.get((arch, cc))
+    if runs is None:
+        runs = _cubin_runs[(arch, cc)] = not is_ptx(arch) and Arch.parse(arch).runs_on(cc)
+    return runs
+
+
 # Only a big manifest is worth it: aging also moves the application's young objects (and any
 # young cyclic garbage) to the oldest generation, where they wait for the next full collection.
 AGE_AFTER_BYTES = 1 << 20
@@ -223,7 +235,8 @@ class Index:
             i = self.by_id.get(family_or_id)
             if i is not None:
                 spec = self.spec(i)
-                if not is_ptx(spec.arch) and Arch.parse(spec.arch).runs_on(cc):
+                runs = _cubin_runs.get((spec.arch, cc))  # _cubin_runs_on, its cached case inlined
+                if runs if runs is not None else _cubin_runs_on(spec.arch, cc):
                     if _log.isEnabledFor(logging.DEBUG):
                         _log.debug("selected %s (%s) for compute capability %d.%d", spec.id, spec.digest, cc[0], cc[1])
                     return spec
