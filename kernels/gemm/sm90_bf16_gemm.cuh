@@ -18,7 +18,7 @@
 // splits == 0 is stream-K: one to two waves of tiles are dealt out to the
 // clusters as equal ranges of K blocks (see Walk), reduced the same way.
 // With SWAP = 1 the host passes B and A in each other's place (m = N, n = M) and
-// the tiles are stored transposed into D (store_tile, store_tile_swapped_tma).
+// the tiles are stored transposed into D (store_tile_swapped, store_tile_swapped_tma).
 // See kernels/gemm/README.md for the launch contract.
 #pragma once
 
@@ -248,9 +248,12 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int stage, int ti
   }
 }
 
+// SWAP = 1 without TMA (D's rows, the kernel's m, not a multiple of 8, or D off 16 bytes): each
+// element alone, bounds checked. The 8 lanes of a column write 8 consecutive elements of a row of D.
 template <class C>
-__device__ __forceinline__ void store_tile(const float* acc, __nv_bfloat16* d, int m, int n,
-                                           int row0, int col0, int lane, int warp) {
+__device__ __forceinline__ void store_tile_swapped(const float* acc, __nv_bfloat16* d, int m, int n,
+                                                   int row0, int col0, int lane, int warp) {
+  static_assert(C::kSwap, "the unswapped tiles store through store_tile_staged");
 #pragma unroll
   for (int mi = 0; mi < C::kMmaM; ++mi) {
 #pragma unroll
@@ -261,22 +264,63 @@ __device__ __forceinline__ void store_tile(const float* acc, __nv_bfloat16* d, i
         // block, lane l rows l/4 and l/4+8, columns 8j + 2(l%4) + {0, 1}.
         const int row = row0 + mi * 64 + warp * 16 + lane / 4 + 8 * h;
         const int col = col0 + 8 * j + 2 * (lane % 4);
+        if (row >= m) continue;
+        // The tile is D's columns by its rows: (row, col) is D[col][row], rows of m elements.
         const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
         const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
-        if (row >= m) continue;
-        if constexpr (C::kSwap) {
-          // The tile is D's columns by its rows: (row, col) is D[col][row], rows of m elements.
-          if (col < n) d[static_cast<size_t>(col) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v0);
-          if (col + 1 < n) d[static_cast<size_t>(col + 1) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v1);
-          continue;
-        }
-        __nv_bfloat16* p = d + static_cast<size_t>(row) * static_cast<size_t>(n) + col;
-        if ((n & 1) == 0) {
-          // n even and col even: the pair is 4-byte aligned and col + 1 < n.
-          if (col < n) *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
-        } else {
-          if (col < n) p[0] = __float2bfloat16_rn(v0);
-          if (col + 1 < n) p[1] = __float2bfloat16_rn(v1);
+        if (col < n) d[static_cast<size_t>(col) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v0);
+        if (col + 1 < n) d[static_cast<size_t>(col + 1) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v1);
+      }
+    }
+  }
+}
+
+// An unswapped consumer's m64 block `mi`, columns 64 c .. 64 c + 63, into a 64 x 64 staging box in the
+// 128-byte swizzle (the eight rows a warp writes at once fall in 32 different banks). Warp w writes
+// the box's rows 16 w .. 16 w + 15: the wgmma accumulator layout of store_tile_swapped.
+template <class C>
+__device__ __forceinline__ void fill_box(const float* acc, uint8_t* box, int mi, int c, int lane, int warp) {
+#pragma unroll
+  for (int jl = 0; jl < 8; ++jl) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + lane / 4 + 8 * h;
+      const int j = 8 * c + jl;
+      const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
+      const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
+      const int byte = row * 128 + ((jl ^ (row & 7)) << 4) + (lane % 4) * 4;
+      *reinterpret_cast<__nv_bfloat162*>(box + byte) = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+}
+
+// SWAP = 0 without TMA (N not a multiple of 8, or D off 16 bytes): per m64 block and 64 columns, each
+// warp puts its 16 rows in the consumer's staging box (fill_box, as store_tile_tma), then writes those rows
+// out itself, 32 consecutive elements of one row an instruction (64 contiguous bytes, bounds
+// checked). A warp reads back only the rows it wrote, so a __syncwarp orders it. Element pairs
+// stored straight from the accumulators (what this replaced) scatter each instruction over 8 rows
+// of D, 2 bytes in every 4: on the H100 such shapes took 1.4x the model's estimate.
+template <class C>
+__device__ __forceinline__ void store_tile_staged(const float* acc, __nv_bfloat16* d, int m, int n, uint8_t* box,
+                                                  int row0, int col0, int lane, int warp) {
+  static_assert(!C::kSwap && C::kBN % 64 == 0, "the staged store is the unswapped tiles'");
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+#pragma unroll
+    for (int c = 0; c < C::kBN / 64; ++c) {
+      __syncwarp();  // this warp's rows of the previous box are written out
+      fill_box<C>(acc, box, mi, c, lane, warp);
+      __syncwarp();
+      const int r0 = row0 + 64 * mi + warp * 16, c0 = col0 + 64 * c;
+      const int rows = min(16, m - r0);  // the same for the whole warp
+      __nv_bfloat16* out = d + static_cast<size_t>(r0) * static_cast<size_t>(n) + c0;
+      const uint8_t* src = box + warp * 16 * 128;
+#pragma unroll 1
+      for (int r = 0; r < rows; ++r, out += n, src += 128) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int col = lane + 32 * half;  // chunk col / 8 of box row 16 warp + r sits at chunk (col / 8) ^ (r % 8)
+          if (c0 + col < n) out[col] = *reinterpret_cast<const __nv_bfloat16*>(src + (((col / 8) ^ (r & 7)) << 4) + (col % 8) * 2);
         }
       }
     }
@@ -301,19 +345,7 @@ __device__ __forceinline__ void store_tile_tma(const float* acc, const CUtensorM
       uint8_t* box = boxes + ((mi * (C::kBN / 64) + c) % C::kDBoxes) * C::kDBoxBytes;
       if (tid == 0) sm90::bulk_wait_group_read<C::kDBoxes - 1>();
       sm90::named_barrier_sync(barrier, 128);
-#pragma unroll
-      for (int jl = 0; jl < 8; ++jl) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // The wgmma accumulator layout of store_tile, within this 64 x 64 box.
-          const int row = warp * 16 + lane / 4 + 8 * h;
-          const int j = 8 * c + jl;
-          const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
-          const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
-          const int byte = row * 128 + ((jl ^ (row & 7)) << 4) + (lane % 4) * 4;
-          *reinterpret_cast<__nv_bfloat162*>(box + byte) = __floats2bfloat162_rn(v0, v1);
-        }
-      }
+      fill_box<C>(acc, box, mi, c, lane, warp);
       sm90::fence_proxy_async_smem();
       sm90::named_barrier_sync(barrier, 128);
       if (tid == 0) {
@@ -566,7 +598,11 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       }
       const int row0 = tm * C::kBM + cw * C::kWgRows, col0 = tn * C::kBN;
       if (!tma_store) {
-        store_tile<C>(acc, d, m, n, row0, col0, lane, warp);
+        if constexpr (C::kSwap) {
+          store_tile_swapped<C>(acc, d, m, n, row0, col0, lane, warp);
+        } else {
+          store_tile_staged<C>(acc, d, m, n, s_d + cw * C::kDBoxes * C::kDBoxBytes, row0, col0, lane, warp);
+        }
       } else if constexpr (C::kSwap) {  // each store path is compiled only for the tiles that use it
         store_tile_swapped_tma<C>(acc, tma_d, s_d + cw * C::kDBoxBytes, row0, col0, lane, warp, tid, cw);
       } else {

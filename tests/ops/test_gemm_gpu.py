@@ -155,6 +155,27 @@ def test_a_swapped_instantiation_writes_d_transposed_and_nothing_past_it(
         "a store wrote outside D"
 
 
+@pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if not G.GemmConfig.from_id(i).swap])
+@pytest.mark.parametrize(("m", "n", "offset"), [(333, 1001, 0), (97, 255, 0), (300, 512, 4), (1, 63, 0)],
+                         ids=["odd-n", "one-box-row-and-column", "off-16-bytes", "one-row"])
+def test_an_unswapped_instantiation_stores_d_off_16_bytes_through_its_box_and_nothing_past_it(
+    lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, offset: int
+) -> None:
+    # Without TMA, each warp puts its 16 rows of a 64 x 64 block in the staging box and writes them
+    # out a row at a time (store_tile_staged): every row and column must land, and none past M and N.
+    k = 520
+    a, b = gemm_operands(torch, m, n, k)
+    storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    d = storage[offset : offset + m * n].view(m, n)
+    assert not G.stores_by_tma(n, d.data_ptr())
+    for splits in (1, 3):
+        d.fill_(float("nan"))
+        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
+        check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}, D {offset * 2} bytes in, {splits} splits")
+        assert bool(torch.isnan(storage[:offset]).all() and torch.isnan(storage[offset + m * n :]).all()), \
+            "a store wrote outside D"
+
+
 def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, torch: Any) -> None:
     m, n, k = 300, 512, 1000
     a, b = gemm_operands(torch, m, n, k)
