@@ -18,7 +18,7 @@
 // splits == 0 is stream-K: one to two waves of tiles are dealt out to the
 // clusters as equal ranges of K blocks (see Walk), reduced the same way.
 // With SWAP = 1 the host passes B and A in each other's place (m = N, n = M) and
-// the tiles are stored transposed into D (store_tile_swapped, store_tile_swapped_tma).
+// the tiles are stored transposed into D (store_tile_swapped_tma, store_tile_swapped_staged, store_tile_swapped).
 // See kernels/gemm/README.md for the launch contract.
 #pragma once
 
@@ -248,36 +248,10 @@ __device__ __forceinline__ void release_stage(uint64_t* empty, int stage, int ti
   }
 }
 
-// SWAP = 1 without TMA (D's rows, the kernel's m, not a multiple of 8, or D off 16 bytes): each
-// element alone, bounds checked. The 8 lanes of a column write 8 consecutive elements of a row of D.
-template <class C>
-__device__ __forceinline__ void store_tile_swapped(const float* acc, __nv_bfloat16* d, int m, int n,
-                                                   int row0, int col0, int lane, int warp) {
-  static_assert(C::kSwap, "the unswapped tiles store through store_tile_staged");
-#pragma unroll
-  for (int mi = 0; mi < C::kMmaM; ++mi) {
-#pragma unroll
-    for (int j = 0; j < C::kBN / 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // wgmma accumulator layout: warp w holds rows 16w..16w+15 of the m64
-        // block, lane l rows l/4 and l/4+8, columns 8j + 2(l%4) + {0, 1}.
-        const int row = row0 + mi * 64 + warp * 16 + lane / 4 + 8 * h;
-        const int col = col0 + 8 * j + 2 * (lane % 4);
-        if (row >= m) continue;
-        // The tile is D's columns by its rows: (row, col) is D[col][row], rows of m elements.
-        const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
-        const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
-        if (col < n) d[static_cast<size_t>(col) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v0);
-        if (col + 1 < n) d[static_cast<size_t>(col + 1) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v1);
-      }
-    }
-  }
-}
-
 // An unswapped consumer's m64 block `mi`, columns 64 c .. 64 c + 63, into a 64 x 64 staging box in the
 // 128-byte swizzle (the eight rows a warp writes at once fall in 32 different banks). Warp w writes
-// the box's rows 16 w .. 16 w + 15: the wgmma accumulator layout of store_tile_swapped.
+// the box's rows 16 w .. 16 w + 15: the wgmma accumulator layout
+// (lane l holds rows l / 4 and l / 4 + 8 of its warp's 16, columns 8 j + 2 (l % 4) + {0, 1}).
 template <class C>
 __device__ __forceinline__ void fill_box(const float* acc, uint8_t* box, int mi, int c, int lane, int warp) {
 #pragma unroll
@@ -362,16 +336,12 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// SWAP = 1 through TMA: per m64 block, the consumer's 64 tile rows become the 64 columns of a
-// BN-row box of D in the 128-byte swizzle, and one thread stores the box at (row0 + 64 mi, col0);
-// `tma_d` maps D with a (64, BN) box, so the store ends at this tile's last row of D and is
-// clipped at M and N. The accumulators of one warp's 8 x 8 block (8 tile rows, 8 tile columns)
-// go transposed with stmatrix: stored row c (D's row 8 j + c) is the 8 tile rows of that block
-// as 16 bytes, the chunk (2 warp + h) ^ (c & 7) of box row 8 j + c.
+// A swapped consumer's m64 block `mi` into its BN-row staging box in the 128-byte swizzle: the
+// accumulators of one warp's 8 x 8 block (8 tile rows, 8 tile columns) go transposed with stmatrix:
+// stored row c (D's row 8 j + c) is the 8 tile rows of that block as 16 bytes, the chunk
+// (2 warp + h) ^ (c & 7) of box row 8 j + c. Every warp writes into every row of the box.
 template <class C>
-__device__ __forceinline__ void store_tile_swapped_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
-                                                       int row0, int col0, int lane, int warp, int tid, int cw) {
-  const uint32_t barrier = 2 + static_cast<uint32_t>(cw);
+__device__ __forceinline__ void fill_box_swapped(const float* acc, uint8_t* box, int mi, int lane, int warp) {
   const uint32_t base = sm90::smem_addr(box);
   // Lane 8 i + r addresses row r of matrix i; matrix i of a store is (column block j + i / 2, h = i % 2).
   const int r = lane % 8;
@@ -381,27 +351,94 @@ __device__ __forceinline__ void store_tile_swapped_tma(const float* acc, const C
     const int c = 8 * j + r;
     return base + static_cast<uint32_t>(c * 128 + (((2 * warp + h) ^ r) << 4));
   };
+  const float* a = acc + mi * C::kAccPerMma;
+#pragma unroll
+  for (int j = 0; j + 1 < C::kBN / 8; j += 2) {
+    sm90::stmatrix_x4_trans(row_addr(j + jstep, half), pack_bf16x2(a[4 * j], a[4 * j + 1]),
+                            pack_bf16x2(a[4 * j + 2], a[4 * j + 3]), pack_bf16x2(a[4 * j + 4], a[4 * j + 5]),
+                            pack_bf16x2(a[4 * j + 6], a[4 * j + 7]));
+  }
+  if constexpr ((C::kBN / 8) % 2 == 1) {
+    constexpr int j = C::kBN / 8 - 1;
+    sm90::stmatrix_x2_trans(row_addr(j, half), pack_bf16x2(a[4 * j], a[4 * j + 1]),
+                            pack_bf16x2(a[4 * j + 2], a[4 * j + 3]));
+  }
+}
+
+// SWAP = 1 through TMA: per m64 block, the consumer's 64 tile rows become the 64 columns of a
+// BN-row box of D (fill_box_swapped), and one thread stores the box at (row0 + 64 mi, col0);
+// `tma_d` maps D with a (64, BN) box, so the store ends at this tile's last row of D and is
+// clipped at M and N.
+template <class C>
+__device__ __forceinline__ void store_tile_swapped_tma(const float* acc, const CUtensorMap& tma_d, uint8_t* box,
+                                                       int row0, int col0, int lane, int warp, int tid, int cw) {
+  const uint32_t barrier = 2 + static_cast<uint32_t>(cw);
 #pragma unroll
   for (int mi = 0; mi < C::kMmaM; ++mi) {
-    const float* a = acc + mi * C::kAccPerMma;
     if (tid == 0) sm90::bulk_wait_group_read<0>();
     sm90::named_barrier_sync(barrier, 128);
-#pragma unroll
-    for (int j = 0; j + 1 < C::kBN / 8; j += 2) {
-      sm90::stmatrix_x4_trans(row_addr(j + jstep, half), pack_bf16x2(a[4 * j], a[4 * j + 1]),
-                              pack_bf16x2(a[4 * j + 2], a[4 * j + 3]), pack_bf16x2(a[4 * j + 4], a[4 * j + 5]),
-                              pack_bf16x2(a[4 * j + 6], a[4 * j + 7]));
-    }
-    if constexpr ((C::kBN / 8) % 2 == 1) {
-      constexpr int j = C::kBN / 8 - 1;
-      sm90::stmatrix_x2_trans(row_addr(j, half), pack_bf16x2(a[4 * j], a[4 * j + 1]),
-                              pack_bf16x2(a[4 * j + 2], a[4 * j + 3]));
-    }
+    fill_box_swapped<C>(acc, box, mi, lane, warp);
     sm90::fence_proxy_async_smem();
     sm90::named_barrier_sync(barrier, 128);
     if (tid == 0) {
       sm90::tma_store_2d(&tma_d, box, row0 + 64 * mi, col0);
       sm90::bulk_commit_group();
+    }
+  }
+}
+
+// SWAP = 1 without TMA (D's rows, the kernel's m, not a multiple of 8, or D off 16 bytes) on a
+// two-consumer tile: per m64 block the box is filled as for TMA, and after the warpgroup's barrier
+// (every warp wrote into every row) warp w writes out the box rows w, w + 4, ...: 64 consecutive
+// elements of a row of D, 32 an instruction (64 contiguous bytes), bounds checked. On the H100
+// (2026-12-06) 0.90-1.02 of the element stores' time with clusters of 4 (128x200), 0.95-1.05 without.
+template <class C>
+__device__ __forceinline__ void store_tile_swapped_staged(const float* acc, __nv_bfloat16* d, int m, int n,
+                                                          uint8_t* box, int row0, int col0, int lane, int warp,
+                                                          int cw) {
+  const uint32_t barrier = 2 + static_cast<uint32_t>(cw);
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+    sm90::named_barrier_sync(barrier, 128);  // the previous block's rows are written out
+    fill_box_swapped<C>(acc, box, mi, lane, warp);
+    sm90::named_barrier_sync(barrier, 128);
+    const int e0 = row0 + 64 * mi;  // D's column of the box's first element
+    const int rows = min(C::kBN, n - col0);
+#pragma unroll 1
+    for (int c = warp; c < rows; c += 4) {
+      __nv_bfloat16* out = d + static_cast<size_t>(col0 + c) * static_cast<size_t>(m) + e0;
+      const uint8_t* src = box + c * 128;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int e = lane + 32 * half;  // chunk e / 8 of box row c sits at chunk (e / 8) ^ (c % 8)
+        if (e0 + e < m) out[e] = *reinterpret_cast<const __nv_bfloat16*>(src + (((e / 8) ^ (c & 7)) << 4) + (e % 8) * 2);
+      }
+    }
+  }
+}
+
+// SWAP = 1 without TMA on a one-consumer tile (BM = 64): each element alone, bounds checked; the 8 lanes
+// of a tile column write 8 consecutive elements of a row of D. (Staged through the box, such a tile
+// took 3-13% longer on the H100, 2026-12-06: its only consumer waits at both barriers.)
+template <class C>
+__device__ __forceinline__ void store_tile_swapped(const float* acc, __nv_bfloat16* d, int m, int n,
+                                                   int row0, int col0, int lane, int warp) {
+#pragma unroll
+  for (int mi = 0; mi < C::kMmaM; ++mi) {
+#pragma unroll
+    for (int j = 0; j < C::kBN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Lane l holds tile rows l / 4 and l / 4 + 8 of its warp's 16, columns 8 j + 2 (l % 4) + {0, 1}:
+        // (row, col) is D[col][row], rows of m elements.
+        const int row = row0 + mi * 64 + warp * 16 + lane / 4 + 8 * h;
+        const int col = col0 + 8 * j + 2 * (lane % 4);
+        if (row >= m) continue;
+        const float v0 = acc[mi * C::kAccPerMma + 4 * j + 2 * h];
+        const float v1 = acc[mi * C::kAccPerMma + 4 * j + 2 * h + 1];
+        if (col < n) d[static_cast<size_t>(col) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v0);
+        if (col + 1 < n) d[static_cast<size_t>(col + 1) * static_cast<size_t>(m) + row] = __float2bfloat16_rn(v1);
+      }
     }
   }
 }
@@ -599,7 +636,11 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       const int row0 = tm * C::kBM + cw * C::kWgRows, col0 = tn * C::kBN;
       if (!tma_store) {
         if constexpr (C::kSwap) {
-          store_tile_swapped<C>(acc, d, m, n, row0, col0, lane, warp);
+          if constexpr (C::kConsumers > 1) {
+            store_tile_swapped_staged<C>(acc, d, m, n, s_d + cw * C::kDBoxBytes, row0, col0, lane, warp, cw);
+          } else {
+            store_tile_swapped<C>(acc, d, m, n, row0, col0, lane, warp);
+          }
         } else {
           store_tile_staged<C>(acc, d, m, n, s_d + cw * C::kDBoxes * C::kDBoxBytes, row0, col0, lane, warp);
         }
