@@ -336,7 +336,7 @@ def stores_by_tma(n: int, address: int) -> bool:
     """Whether the kernel stores D (N columns, at `address`) through TMA, and so reads `tma_d`.
 
     The kernel's rule (kernels/gemm/README.md): rows of a multiple of 16 bytes and a 16-byte
-    aligned start, which a tensor map needs; otherwise it stores pairs of elements itself.
+    aligned start, which a tensor map needs; otherwise it stores D itself, an element at a time.
     """
     return n % 8 == 0 and address % 16 == 0
 

@@ -9,8 +9,10 @@ copy. Any K is read in place: the columns past K are never read (``gemm``'s tens
 K, and TMA fills zeros past the end; ``skinny`` loads K's last 1..7 elements one by one), so a
 copy's padding stays unwritten.
 
-D is written in place when it is row-major and, N even, 4-byte aligned (the kernel stores
-pairs of elements as words); otherwise into a fresh D, copied into ``out`` after the launch.
+D is written in place when it is row-major and, N even, 4-byte aligned; otherwise into a fresh
+D, copied into ``out`` after the launch. (The 4 bytes are the rule of the element-pair stores the
+``gemm`` kernels had before 2026-12-06; theirs and ``skinny``'s stores now need 2, and the GPU
+tests of every ``out`` layout cover the copy, not yet an in-place store 2 bytes in.)
 
 A ``skinny_any`` point (``any_rows``) reads rows at any element address and any stride, so only
 an operand whose elements are not contiguous along K (or whose rows overlap) is copied for it:
@@ -58,8 +60,8 @@ def reads_in_place(op: Operand, rows: int, cols: int, *, any_rows: bool = False)
 
 
 def writes_in_place(out: Operand, m: int, n: int) -> bool:
-    """Whether the kernels can store D into `out` (M x N) directly: row-major rows of N, and when N
-    is even (pairs stored as 4-byte words) a 4-byte aligned start."""
+    """Whether D is stored into `out` (M x N) directly: row-major rows of N, and when N is even a
+    4-byte aligned start (see the module's docstring)."""
     row_stride, col_stride = out.strides
     if (n > 1 and col_stride != 1) or (m > 1 and row_stride != n):
         return False
