@@ -70,7 +70,7 @@ _cubin_runs: dict[tuple[str, ComputeCapability], bool] = {}
 def _cubin_runs_on(arch: str, cc: ComputeCapability) -> bool:
     runs = _cubin_runs.get((arch, cc))
     if runs is None:
-        runs = _cubin_runs[(arch, cc)] = not is_ptx(arch) and Arch.parse(arch).runs_on(cc)
+        runs = _cubin_runs[(arch, cc)] = arch_compatible(arch, cc)
     return runs
 
 
@@ -235,8 +235,7 @@ class Index:
             i = self.by_id.get(family_or_id)
             if i is not None:
                 spec = self.spec(i)
-                runs = _cubin_runs.get((spec.arch, cc))  # _cubin_runs_on, its cached case inlined
-                if runs if runs is not None else _cubin_runs_on(spec.arch, cc):
+                if _cubin_runs_on(spec.arch, cc):
                     if _log.isEnabledFor(logging.DEBUG):
                         _log.debug("selected %s (%s) for compute capability %d.%d", spec.id, spec.digest, cc[0], cc[1])
                     return spec
