@@ -136,23 +136,33 @@ def test_a_cluster_points_grid_is_no_more_than_the_device_holds_at_once(
     assert grids == {min(held, G.sm_count(0) // cfg.cluster) * cfg.cluster}
 
 
+def _stores_d_and_nothing_past_it(torch: Any, kernel_id: str, m: int, n: int, offset: int, *, tma: bool,
+                                  splits: tuple[int, ...]) -> None:
+    """`kernel_id` at M x N x 520 into a NaN-poisoned D `offset` elements into its buffer, once per split
+    count: D's store is TMA's exactly when `tma`, every element of D is written, and none around it."""
+    k = 520
+    a, b = gemm_operands(torch, m, n, k)
+    storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    d = storage[offset : offset + m * n].view(m, n)
+    assert G.stores_by_tma(n, d.data_ptr()) == tma
+    for count in splits:
+        d.fill_(float("nan"))
+        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=count)
+        check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}, D {offset * 2} bytes in, {count} splits")
+        assert bool(torch.isnan(storage[:offset]).all() and torch.isnan(storage[offset + m * n :]).all()), \
+            "a store wrote outside D"
+
+
 @pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if G.GemmConfig.from_id(i).swap])
 @pytest.mark.parametrize(("m", "n", "offset"), [(200, 1000, 0), (97, 1000, 0), (200, 1000, 4), (105, 999, 0)],
                          ids=["tma", "one-row-past-a-tile", "scalar-off-16-bytes", "scalar-odd-n"])
 def test_a_swapped_instantiation_writes_d_transposed_and_nothing_past_it(
     lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, offset: int
 ) -> None:
-    # The kernel's tile runs BN rows of D by BM columns; its store (a (64, BN) TMA box or one
-    # element at a time) must land at D[row][col] and stop at M and N.
-    k = 520
-    a, b = gemm_operands(torch, m, n, k)
-    storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-    d = storage[offset : offset + m * n].view(m, n)
-    assert G.stores_by_tma(n, d.data_ptr()) == (n % 8 == 0 and offset == 0)
-    ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=1)
-    check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}, D {offset * 2} bytes in")
-    assert bool(torch.isnan(storage[:offset]).all() and torch.isnan(storage[offset + m * n :]).all()), \
-        "a store wrote outside D"
+    # The kernel's tile runs BN rows of D by BM columns; its store (a (64, BN) TMA box, or without
+    # TMA the box written out a row at a time, or for BM = 64 one element at a time) must land at
+    # D[row][col] and stop at M and N.
+    _stores_d_and_nothing_past_it(torch, kernel_id, m, n, offset, tma=n % 8 == 0 and offset == 0, splits=(1,))
 
 
 @pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if not G.GemmConfig.from_id(i).swap])
@@ -163,17 +173,7 @@ def test_an_unswapped_instantiation_stores_d_off_16_bytes_through_its_box_and_no
 ) -> None:
     # Without TMA, each warp puts its 16 rows of a 64 x 64 block in the staging box and writes them
     # out a row at a time (store_tile_staged): every row and column must land, and none past M and N.
-    k = 520
-    a, b = gemm_operands(torch, m, n, k)
-    storage = torch.full((m * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
-    d = storage[offset : offset + m * n].view(m, n)
-    assert not G.stores_by_tma(n, d.data_ptr())
-    for splits in (1, 3):
-        d.fill_(float("nan"))
-        ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=splits)
-        check_gemm(torch, d, a, b, f"{kernel_id} at {m}x{n}x{k}, D {offset * 2} bytes in, {splits} splits")
-        assert bool(torch.isnan(storage[:offset]).all() and torch.isnan(storage[offset + m * n :]).all()), \
-            "a store wrote outside D"
+    _stores_d_and_nothing_past_it(torch, kernel_id, m, n, offset, tma=False, splits=(1, 3))
 
 
 def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, torch: Any) -> None:
