@@ -122,6 +122,7 @@ class LocalLayer(Counters, Layer):
         # Whether first loads may check records (trusts_records; None: not decided yet), each shard
         # directory's ownership (as it was opened), and what this process's first loads checked.
         self._trusts: bool | None = None
+        self._vouch: tuple[object, ...] = ()  # (xxh3-128, entry_rule()): set with _trusts
         self._shard_owned: dict[str, bool] = {}
         self.checks = dict.fromkeys(CHECK_KEYS, 0)
         helper = native.helper()  # read_verified's one-call read and check, where it was built
@@ -321,7 +322,7 @@ class LocalLayer(Counters, Layer):
                 # One call: the entry's ownership, size and record, checked as below. Anything but
                 # bytes or a missing name (0) is the Python path's to look at again, and to word.
                 got = read(shard, hex_, size, READ_FLAGS, TOUCH_AFTER,
-                           (_record.NAME, _record.head(hex_), _record.xxh3_128(), *entry_rule()) if trusted else None)
+                           (_record.NAME, _record.head(hex_), *self._vouch) if trusted else None)
                 if got.__class__ is bytes:
                     if trusted:
                         self.checks["xxh3"] += 1
@@ -367,7 +368,9 @@ class LocalLayer(Counters, Layer):
         not ``full``, the store was not declared shared, xxhash is installed, and the root, ``v1`` and
         ``v1/cas`` pass the ownership rule (decided once per store object)."""
         if self._trusts is None:
-            self._trusts = (not _env.verify_full() and not self._fs.allow_shared and _record.xxh3_128() is not None
+            # The native reader's rule, fixed with the decision: the hash, and the owners an entry may have.
+            self._vouch = (_record.xxh3_128(), *entry_rule())
+            self._trusts = (not _env.verify_full() and not self._fs.allow_shared and self._vouch[0] is not None
                             and self._fs.owned("v1", "cas"))
         return self._trusts
 
