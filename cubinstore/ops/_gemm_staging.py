@@ -9,10 +9,11 @@ copy. Any K is read in place: the columns past K are never read (``gemm``'s tens
 K, and TMA fills zeros past the end; ``skinny`` loads K's last 1..7 elements one by one), so a
 copy's padding stays unwritten.
 
-D is written in place when it is row-major and, N even, 4-byte aligned; otherwise into a fresh
-D, copied into ``out`` after the launch. (The 4 bytes are the rule of the element-pair stores the
-``gemm`` kernels had before 2026-12-06; theirs and ``skinny``'s stores now need 2, and the GPU
-tests of every ``out`` layout cover the copy, not yet an in-place store 2 bytes in.)
+D is written in place when it is row-major, at any element address; otherwise into a fresh D,
+copied into ``out`` after the launch. Every store of D the kernels make without TMA is one bf16
+element (``gemm``'s staged and element stores, ``skinny``'s), and TMA stores only a D whose start
+and rows are 16-byte aligned (``stores_by_tma``, decided per launch). (Until 2026-12-07 a D with
+N even also had to start on 4 bytes: the rule of the element-pair stores the ``gemm`` kernels had.)
 
 A ``skinny_any`` point (``any_rows``) reads rows at any element address and any stride, so only
 an operand whose elements are not contiguous along K (or whose rows overlap) is copied for it:
@@ -60,12 +61,10 @@ def reads_in_place(op: Operand, rows: int, cols: int, *, any_rows: bool = False)
 
 
 def writes_in_place(out: Operand, m: int, n: int) -> bool:
-    """Whether D is stored into `out` (M x N) directly: row-major rows of N, and when N is even a
-    4-byte aligned start (see the module's docstring)."""
+    """Whether D is stored into `out` (M x N) directly: row-major rows of N, at any element address
+    (see the module's docstring)."""
     row_stride, col_stride = out.strides
-    if (n > 1 and col_stride != 1) or (m > 1 and row_stride != n):
-        return False
-    return n % 2 == 1 or out.address % 4 == 0
+    return not ((n > 1 and col_stride != 1) or (m > 1 and row_stride != n))
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,9 @@ def _stores_d_and_nothing_past_it(torch: Any, kernel_id: str, m: int, n: int, of
 
 
 @pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if G.GemmConfig.from_id(i).swap])
-@pytest.mark.parametrize(("m", "n", "offset"), [(200, 1000, 0), (97, 1000, 0), (200, 1000, 4), (105, 999, 0)],
-                         ids=["tma", "one-row-past-a-tile", "scalar-off-16-bytes", "scalar-odd-n"])
+@pytest.mark.parametrize(("m", "n", "offset"), [(200, 1000, 0), (97, 1000, 0), (200, 1000, 4), (200, 1000, 1),
+                                                (105, 999, 0)],
+                         ids=["tma", "one-row-past-a-tile", "scalar-off-16-bytes", "scalar-2-bytes-in", "scalar-odd-n"])
 def test_a_swapped_instantiation_writes_d_transposed_and_nothing_past_it(
     lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, offset: int
 ) -> None:
@@ -166,14 +167,26 @@ def test_a_swapped_instantiation_writes_d_transposed_and_nothing_past_it(
 
 
 @pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if not G.GemmConfig.from_id(i).swap])
-@pytest.mark.parametrize(("m", "n", "offset"), [(333, 1001, 0), (97, 255, 0), (300, 512, 4), (1, 63, 0)],
-                         ids=["odd-n", "one-box-row-and-column", "off-16-bytes", "one-row"])
+@pytest.mark.parametrize(("m", "n", "offset"), [(333, 1001, 0), (97, 255, 0), (300, 512, 4), (300, 512, 1),
+                                                (1, 63, 0)],
+                         ids=["odd-n", "one-box-row-and-column", "off-16-bytes", "2-bytes-in", "one-row"])
 def test_an_unswapped_instantiation_stores_d_off_16_bytes_through_its_box_and_nothing_past_it(
     lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int, offset: int
 ) -> None:
     # Without TMA, each warp puts its 16 rows of a 64 x 64 block in the staging box and writes them
     # out a row at a time (store_tile_staged): every row and column must land, and none past M and N.
     _stores_d_and_nothing_past_it(torch, kernel_id, m, n, offset, tma=False, splits=(1, 3))
+
+
+@pytest.mark.parametrize("kernel_id", family_ids(G.SKINNY_FAMILY))
+@pytest.mark.parametrize(("m", "n"), [(7, 1000), (16, 257)], ids=["n-even", "n-odd"])
+def test_a_skinny_instantiation_stores_d_2_bytes_in_and_nothing_past_it(
+    lib: launch.Library, torch: Any, kernel_id: str, m: int, n: int
+) -> None:
+    # Its stores are one element each: a D one element into its buffer is stored in place.
+    if kernel_id.startswith("<"):
+        pytest.skip(kernel_id)
+    _stores_d_and_nothing_past_it(torch, kernel_id, m, n, 1, tma=False, splits=(1,))
 
 
 def test_an_out_view_off_16_bytes_is_stored_without_tma(lib: launch.Library, torch: Any) -> None:

@@ -92,8 +92,8 @@ def test_k_of_one_column_copies_rows_of_8() -> None:
     (op("out", (64, 32)), False),
     (op("out", (64, 32), (1, 64)), True),  # a transposed D
     (op("out", (64, 32), (40, 1)), True),  # a column slice of a wider D
-    (op("out", (64, 32), offset=1), True),  # N even: pairs are stored as 4-byte words
-    (op("out", (64, 32), offset=2), False),  # 4 bytes in: words still aligned (TMA is skipped, not the kernel)
+    (op("out", (64, 32), offset=1), False),  # 2 bytes in: every store off TMA is one element
+    (op("out", (64, 32), offset=2), False),  # 4 bytes in (TMA is skipped, not the kernel)
     (op("out", (64, 33), offset=1), False),  # N odd: stored one element at a time
     (op("out", (1, 32), (7, 1)), False),  # one row: its stride is never stepped
     (op("out", (64, 1), (5, 9)), True),  # one column, rows 5 apart
