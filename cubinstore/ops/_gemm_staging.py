@@ -12,8 +12,8 @@ copy's padding stays unwritten.
 D is written in place when it is row-major, at any element address; otherwise into a fresh D,
 copied into ``out`` after the launch. Every store of D the kernels make without TMA is one bf16
 element (``gemm``'s staged and element stores, ``skinny``'s), and TMA stores only a D whose start
-and rows are 16-byte aligned (``stores_by_tma``, decided per launch). (Until 2026-12-07 a D with
-N even also had to start on 4 bytes: the rule of the element-pair stores the ``gemm`` kernels had.)
+and rows are 16-byte aligned (``stores_by_tma``, decided per launch). (Before the eighth session
+of 2026-12-06, a D with N even also had to start on 4 bytes: the element-pair stores' rule.)
 
 A ``skinny_any`` point (``any_rows``) reads rows at any element address and any stride, so only
 an operand whose elements are not contiguous along K (or whose rows overlap) is copied for it:

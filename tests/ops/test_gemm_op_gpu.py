@@ -316,7 +316,8 @@ def test_threads_sharing_the_caches_get_their_own_results(lib: launch.Library, t
 def test_an_out_view_one_element_in_is_stored_in_place(lib: launch.Library, torch: Any) -> None:
     # Off TMA every store of D is one element, so a row-major view one element into a buffer is
     # stored into directly, as a view 4 bytes in is: no copy for either signature, nothing written
-    # around D. (Until 2026-12-07 an N-even D had to start on 4 bytes, and this one was copied.)
+    # around D. (Before the eighth session of 2026-12-06, an N-even D had to start on 4 bytes, and
+    # this one was copied.)
     m, n, k = 64, 256, 128
     a, b = gemm_operands(torch, m, n, k)
     buf = torch.full((m * n + 2,), float("nan"), dtype=torch.bfloat16, device="cuda:0")
