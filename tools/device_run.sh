@@ -15,6 +15,7 @@
 #   tgemm       benchmarks/bench_tgemm.py
 #   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
 #   rows        benchmarks/gemm_row_alignment.py (A's and B's rows off the 128-byte lines, each alone)
+#   outliers    benchmarks/gemm_split_outliers.py (split launches far slower than their kernel's other splits)
 # e.g. tools/device_run.sh tests runtime gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +68,8 @@ for what in "$@"; do
     tgemm) step tgemm "$PY" benchmarks/bench_tgemm.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, study, tgemm, occupancy, rows)" >&2; exit 2 ;;
+    outliers) step outliers "$PY" benchmarks/gemm_split_outliers.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, study, tgemm, occupancy, rows, outliers)" >&2; exit 2 ;;
   esac
 done
 exit $status
