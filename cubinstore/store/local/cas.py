@@ -122,7 +122,7 @@ class LocalLayer(Counters, Layer):
         # Whether first loads may check records (trusts_records; None: not decided yet), each shard
         # directory's ownership (as it was opened), and what this process's first loads checked.
         self._trusts: bool | None = None
-        self._vouch: tuple[object, ...] = ()  # (xxh3-128, entry_rule()): set with _trusts
+        self._vouch: tuple[object, ...] = ()  # the native reader's (xxh3-128, *entry_rule()): set with _trusts
         self._shard_owned: dict[str, bool] = {}
         self.checks = dict.fromkeys(CHECK_KEYS, 0)
         helper = native.helper()  # read_verified's one-call read and check, where it was built
@@ -368,10 +368,14 @@ class LocalLayer(Counters, Layer):
         not ``full``, the store was not declared shared, xxhash is installed, and the root, ``v1`` and
         ``v1/cas`` pass the ownership rule (decided once per store object)."""
         if self._trusts is None:
-            # The native reader's rule, fixed with the decision: the hash, and the owners an entry may have.
-            self._vouch = (_record.xxh3_128(), *entry_rule())
-            self._trusts = (not _env.verify_full() and not self._fs.allow_shared and self._vouch[0] is not None
-                            and self._fs.owned("v1", "cas"))
+            xxh3 = _record.xxh3_128()
+            trusts = (not _env.verify_full() and not self._fs.allow_shared and xxh3 is not None
+                      and self._fs.owned("v1", "cas"))
+            if trusts and self._read_native is not None:
+                # The native reader's rule, fixed with the decision: the hash, and the owners an entry
+                # may have (entry_rule is POSIX's, as the reader is: not asked where there is none).
+                self._vouch = (xxh3, *entry_rule())
+            self._trusts = trusts
         return self._trusts
 
     def _open_shard(self, name: str, *, note: bool = False) -> int | None:
