@@ -7,22 +7,33 @@ median of the same instantiation's splits at that shape (docs/gemm.md).
     python benchmarks/gemm_split_outliers.py --scan a.json b.json held_out.json
     # on the GPU: time such options again, with and without splits, three ways each
     PYTHONPATH=. python benchmarks/gemm_split_outliers.py --manifest bazel-bin/kernels/manifest.json
+    # on the GPU: time every option of the tuning and held-out shapes as --calibrate does, and
+    # look again at each batch that comes out slow (how often, host or GPU, all calls or some)
+    PYTHONPATH=. python benchmarks/gemm_split_outliers.py --sweep --manifest bazel-bin/kernels/manifest.json
 
 On the GPU, each option (and the same instantiation unsplit) is timed: as tune_gemm.py does,
 three times (median of 30 calls, inputs rotated over 4x the L2); 30 calls on one input set, each
 timed alone (min / median / max); and 10 calls, each waited for on the host (wall time). A slow
 kernel shows in all three; host time the GPU did not hide, in the rotated medians only.
+
+--sweep repeats the calibration's order (shape by shape, each option checked, then 3 warm-up
+calls and 30 timed ones behind a sleep kernel) and records each batch's host time per call. A
+batch above OUTLIER x the median of its instantiation's batches before it at that shape (splits
+ascending, 1 first) is printed with its calls' spread and the error of every D it wrote, and timed
+again at once, twice, and once more waited for call by call.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gemm as bench  # noqa: E402  (the sibling script: loading, operands, timing)
@@ -102,14 +113,125 @@ def probe(manifest: Path) -> None:
         del data, ref
 
 
+def timed_batch(torch: Any, fn: Callable[[int], None], sets: int, reps: int = 30,
+                warmup: int = 3) -> tuple[list[float], float]:
+    """bench_gemm.time_ms's batch, keeping every call's device time (us, sorted) and the host's
+    enqueue time per call (us): above about 250 us a call the sleep kernel no longer hides it."""
+    for i in range(warmup):
+        fn(i % sets)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda._sleep(int(2e6 + reps * 4e5))
+    began = time.perf_counter()
+    for i in range(reps):
+        starts[i].record()
+        fn(i % sets)
+        ends[i].record()
+    host = (time.perf_counter() - began) / reps * 1e6
+    torch.cuda.synchronize()
+    return sorted(1e3 * s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)), host
+
+
+def _error(d: Any, ref: Any) -> float:
+    return float((d.float() - ref).norm() / ref.norm())
+
+
+def _spread(calls: list[float]) -> str:
+    return f"{calls[0]:.1f} / {statistics.median(calls):.1f} / {calls[-1]:.1f}"
+
+
+def sweep(manifest: Path, save: Path | None) -> None:
+    import torch
+
+    import cubinstore.ops as ops
+    from gemm_shapes import HELD_OUT, TUNING
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    props = torch.cuda.get_device_properties(0)
+    library = bench.open_library(manifest, Path(tempfile.mkdtemp(prefix="cubinstore-outliers-")))
+    ops.set_library(library)
+    ids = sorted(spec.id for spec in bench.op_specs(library.manifest))
+    gpu = tune.Gpu(props.multi_processor_count, bench.l2_bytes(props), bench.gemm_module().cluster_slots(library, 0))
+    todo = tune.plan_timings(ids, gpu, TUNING + HELD_OUT)
+    print(f"device: {props.name}; {len(todo)} timings; columns: device us min / median / max of the batch's "
+          "30 calls, host us a call while enqueuing", flush=True)
+    by_shape: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
+    for shape, kid, splits in todo:
+        by_shape.setdefault(shape.mnk, []).append((kid, splits))
+    batches = flagged = 0
+    hosts: list[float] = []
+    timings: dict[bool, list[tune.Timing]] = {True: [], False: []}  # by "a tuning shape"
+    tuning = {shape.mnk for shape in TUNING}
+    started = time.perf_counter()
+    for (m, n, k), runs in by_shape.items():
+        data = bench.Operands(torch, m, n, k, bench.ROTATE_L2 * gpu.l2_bytes)
+        ref = data.reference(0)
+        medians: dict[str, dict[int, float]] = {}
+        for kid, splits in runs:
+            run = bench.ours_mm(data, kid, splits)
+            if not bench.checked_error(torch, run, data, ref) < bench.MAX_REL_ERROR:
+                print(f"  WRONG {kid} splits {splits} at {m}x{n}x{k}", flush=True)
+                continue
+            calls, host = timed_batch(torch, run, data.sets)
+            batches += 1
+            hosts.append(host)
+            median = statistics.median(calls)
+            timings[(m, n, k) in tuning].append(tune.Timing(m, n, k, kid, splits, median))
+            before = medians.setdefault(kid, {})  # this instantiation's batches so far (splits ascending)
+            before[splits] = median
+            typical = statistics.median(us for s, us in before.items() if s != splits) if len(before) > 1 else 0.0
+            if splits == 1 or not typical or median <= OUTLIER * typical:
+                continue
+            flagged += 1
+            # D of every set the batch wrote, against float32, before anything else writes it.
+            worst = max(_error(data.d[i], data.reference(i)) for i in range(min(data.sets, 30)))
+            again = [timed_batch(torch, run, data.sets) for _ in range(2)]
+            began = time.perf_counter()
+            for _ in range(10):
+                run(0)
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - began) / 10 * 1e6
+            print(f"{m}x{n}x{k} {kid} splits {splits} (its other batches' median {typical:.1f}): "
+                  f"{_spread(calls)}, host {host:.1f}, error {worst:.1e}; again {_spread(again[0][0])}, "
+                  f"host {again[0][1]:.1f}; {_spread(again[1][0])}, host {again[1][1]:.1f}; waited for {wall:.1f} "
+                  f"({data.sets} sets)", flush=True)
+        del data, ref
+        if save is not None:  # after each shape: a run cut short keeps what it timed
+            _save(save, timings, props, gpu, torch)
+    hosts.sort()
+    print(f"{flagged} of {batches} batches above {OUTLIER}x in {time.perf_counter() - started:.0f} s; host us a call "
+          f"while enqueuing: median {statistics.median(hosts):.1f}, p99 {hosts[int(0.99 * len(hosts))]:.1f}, "
+          f"max {hosts[-1]:.1f}")
+
+
+def _save(where: Path, timings: dict[bool, list[tune.Timing]], props: Any, gpu: tune.Gpu, torch: Any) -> None:
+    """The timings as --calibrate and --judge-held-out save them (medians of 30 calls, not 15)."""
+    provenance = {
+        "gpu": props.name, "sm_count": gpu.sm_count, "cluster_slots": gpu.slots, "l2_bytes": gpu.l2_bytes,
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
+        "reps": 30, "rotation": bench.ROTATE_L2,
+    }
+    for is_tuning, name in ((True, "sweep_tuning.json"), (False, "sweep_held.json")):
+        runs = timings[is_tuning]
+        tune.save(where / name, runs, {**provenance, "timings": len(runs),
+                                       "shapes": len({(t.m, t.n, t.k) for t in runs})})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--scan", type=Path, nargs="+", metavar="MEASUREMENTS", help="saved timings to scan (CPU)")
     mode.add_argument("--manifest", type=Path, help="time the flagged options again (GPU)")
+    parser.add_argument("--sweep", action="store_true", help="with --manifest: time every tuning and held-out "
+                        "option as --calibrate does and look again at the slow batches (GPU)")
+    parser.add_argument("--save", type=Path, help="with --sweep: write the timings there, as sweep_tuning.json "
+                        "and sweep_held.json (tune_gemm.py's format: --stability, --judge)")
     args = parser.parse_args()
     if args.scan:
         scan(args.scan)
+    elif args.sweep:
+        sweep(args.manifest, args.save)
     else:
         probe(args.manifest)
 

@@ -33,6 +33,7 @@ PICKS the measured best of each shape where the fitted model's pick among the ti
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import itertools
@@ -630,6 +631,13 @@ def stability(measurements: Sequence[Path], judge: Path, margins: Sequence[float
         print(f"{margin:12.1%} {len(moves):6d} {sum(m > REFIT_MOVE for pair in moves for m in pair):11d} "
               f"{sum(max(pair) > REFIT_MOVE for pair in moves):11d} {max(max(pair) for pair in moves):8.1%} "
               f"{regret - 1:31.2%}")
+        for mnk in shapes:  # the shapes that moved: how many fits pick each of their options, at what time
+            chosen = collections.Counter(pick[mnk] for pick in picks)
+            fastest, slowest = min(shapes[mnk][o] for o in chosen), max(shapes[mnk][o] for o in chosen)
+            if slowest / fastest - 1 > REFIT_MOVE:
+                print(f"{'':12s}   {'x'.join(map(str, mnk))} moves {slowest / fastest - 1:.1%}: " + "; ".join(
+                    f"{kid} ({splits}) {shapes[mnk][(kid, splits)]:.1f} us in {n} fits"
+                    for (kid, splits), n in chosen.most_common()))
 
 
 def dry_run(args: argparse.Namespace) -> None:

@@ -10,12 +10,16 @@
 #   layouts     benchmarks/bench_gemm.py run --layouts-only (what the layouts ops.gemm copies cost)
 #   host        benchmarks/bench_gemm.py run --host-only (host time per call: eager, graph replay, compiled)
 #   judge       benchmarks/tune_gemm.py --judge-held-out (the model's picks on held-out shapes vs the best option)
+#   timings     benchmarks/tune_gemm.py --calibrate --no-write: the tuning shapes' timings alone, to
+#               $OUT/timings.json (a second file for --stability beside a sweep's, say)
 #   study       the refit study (docs/gemm.md): calibrate twice (nothing written) and judge;
 #               then on any host: tune_gemm.py --stability $OUT/study_a.json $OUT/study_b.json --judge $OUT/study_held.json
 #   tgemm       benchmarks/bench_tgemm.py
 #   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
 #   rows        benchmarks/gemm_row_alignment.py (A's and B's rows off the 128-byte lines, each alone)
 #   outliers    benchmarks/gemm_split_outliers.py (split launches far slower than their kernel's other splits)
+#   sweep       benchmarks/gemm_split_outliers.py --sweep (every tuning and held-out option, slow batches looked
+#               at again; the timings to $OUT/sweep_tuning.json and sweep_held.json)
 # e.g. tools/device_run.sh tests runtime gemm
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +64,7 @@ for what in "$@"; do
     layouts) step layouts "$PY" benchmarks/bench_gemm.py run --layouts-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     host) step host "$PY" benchmarks/bench_gemm.py run --host-only --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     judge) step judge "$PY" benchmarks/tune_gemm.py --judge-held-out --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/held_out_measurements.json" ;;
+    timings) step timings "$PY" benchmarks/tune_gemm.py --calibrate --no-write --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/timings.json" ;;
     study)  # --no-write: both runs time the shipped model's own picks, and the judge judges it
       for run in a b; do
         step "study_$run" "$PY" benchmarks/tune_gemm.py --calibrate --no-write --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/study_$run.json"
@@ -69,7 +74,8 @@ for what in "$@"; do
     occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     outliers) step outliers "$PY" benchmarks/gemm_split_outliers.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, study, tgemm, occupancy, rows, outliers)" >&2; exit 2 ;;
+    sweep) step sweep "$PY" benchmarks/gemm_split_outliers.py --sweep --manifest "$CUBINSTORE_TEST_MANIFEST" --save "$OUT" ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -110,6 +110,28 @@ def test_identical_timings_refit_to_identical_picks(tmp_path: Path, capsys: pyte
     assert all(row[1:5] == ["3", "0", "0", "0.0%"] for row in rows), rows  # 3 fits, 3 pairs, nothing moved
 
 
+
+def test_a_shape_that_moves_is_named_with_the_options_the_fits_took(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two fits, each favouring another tile everywhere; the judge times the first's 20% faster.
+    ids = sorted(_options())
+    first, second = [kid for kid in ids if kid.startswith("gemm/bm128/bn256")][:2]
+    machine = gemm_model.DEFAULT_MACHINE
+    cheap, dear = gemm_model.TileCosts(0.01, 0.01), gemm_model.TileCosts(100.0, 100.0)
+    fits = iter([(machine, {kid: cheap if kid == favoured else dear for kid in ids}) for favoured in (first, second)])
+    monkeypatch.setattr(tune_gemm, "fit", lambda timings, gpu: next(fits))
+    us = {(*s, kid, sp): 30.0 for s in SHAPES for kid in ids for sp in (1, 2, 3, 4, 6, 8, 16, 0)}
+    us.update({(*s, first, sp): 10.0 for s in SHAPES for sp in (1, 2, 3, 4, 6, 8, 16, 0)})
+    us.update({(*s, second, sp): 12.0 for s in SHAPES for sp in (1, 2, 3, 4, 6, 8, 16, 0)})
+    path = _held_out(tmp_path, us)
+    tune_gemm.stability([path, path], path, [0.03], mixes=0)
+    out = capsys.readouterr().out
+    moved = [line for line in out.splitlines() if "%: " in line]
+    assert len(moved) == len(SHAPES), out
+    for line in moved:
+        assert "moves 20.0%" in line and f"{first} (" in line and f"{second} (" in line, line
+        assert "10.0 us in 1 fits" in line and "12.0 us in 1 fits" in line, line
+
 # -- --margin-cv: each split margin judged on the tuning shapes alone --------------------------------
 
 
