@@ -14,8 +14,9 @@ shape, and ``choose`` takes the fastest:
   where the last wave of tiles is partly idle) its whole tiles, then its pieces of the
   remaining tiles, each a unit, its equal share of their K blocks, and its partial
   written and those it reads back (``_stream_k_work``);
-- **the feed of unaligned rows**: when K is not a multiple of 64, the rows of A and B are
-  not 128-byte aligned and each 128-byte box row TMA reads spans two L2 lines; an SM then
+- **the feed of unaligned rows**: when K (with K off 8, the K rounded up to 8 of the copy a
+  tile reads: ``_unaligned_rows``) is not a multiple of 64, the rows of A and B are not
+  128-byte aligned and each 128-byte box row TMA reads spans two L2 lines; an SM then
   takes its operands at about half its usual rate, so a K block takes at least its CTA's
   bytes (BM + BN / cluster rows: a cluster-2 CTA loads half of B and multicasts it) over
   ``unaligned_feed_bytes_per_us``. On the H200 (2026-12-02) every instantiation drew
@@ -67,6 +68,7 @@ from typing import Any, Final
 from cubinstore.errors import BadArgumentError
 from cubinstore.ops import _gemm_config as _configs
 from cubinstore.ops import _gemm_calibration as _calibration
+from cubinstore.ops._gemm_staging import padded
 
 __all__ = [
     "DEFAULT_MACHINE",
@@ -197,12 +199,14 @@ def _total_us(launch_us: float, busiest_us: float, memory_us: float, overlap_los
 
 
 def _unaligned_rows(k: int) -> bool:
-    """Whether rows of K bf16 (A's and B's, contiguous) start off the 128-byte lines TMA reads.
+    """Whether the rows a ``gemm`` tile reads of contiguous A and B start off the 128-byte lines TMA reads.
 
-    ops.gemm caches one choice per shape, so the model judges by K, the row stride of
-    contiguous operands; a padded row stride that is aligned although K is not goes unseen.
+    ops.gemm caches one choice per shape, so the model judges by the row stride of contiguous
+    operands as the tile reads them: K, or with K off 8 the copy's rows of K rounded up to 8
+    (``_gemm_staging.padded``: 28671 is read in rows of 28672, on the lines). A user's padded rows
+    of another stride go unseen.
     """
-    return (2 * k) % 128 != 0
+    return (2 * padded(k)) % 128 != 0
 
 
 @dataclass(frozen=True)
