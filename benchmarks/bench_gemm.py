@@ -195,8 +195,9 @@ class Operands:
         return self.a[i].float() @ self.b[i].float().T
 
 
-def time_ms(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup: int) -> float:
-    """Median device time of `fn(i % sets)` over `reps` calls, in milliseconds."""
+def timed_calls(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup: int) -> tuple[list[float], float]:
+    """Each of `reps` calls of `fn(i % sets)`, after `warmup` untimed ones: its device time (us,
+    sorted), and the host's time a call to enqueue them (us)."""
     for i in range(warmup):
         fn(i % sets)
     torch.cuda.synchronize()
@@ -204,12 +205,19 @@ def time_ms(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     # Keep the GPU busy while Python enqueues (at most about 0.2 ms of host time a call).
     torch.cuda._sleep(int(2e6 + reps * 4e5))
+    began = time.perf_counter()
     for i in range(reps):
         starts[i].record()
         fn(i % sets)
         ends[i].record()
+    host_us = (time.perf_counter() - began) / reps * 1e6
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+    return sorted(1e3 * s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)), host_us
+
+
+def time_ms(torch: Any, fn: Callable[[int], None], sets: int, reps: int, warmup: int) -> float:
+    """Median device time of `fn(i % sets)` over `reps` calls, in milliseconds."""
+    return statistics.median(timed_calls(torch, fn, sets, reps, warmup)[0]) / 1e3
 
 
 def torch_mm(torch: Any, data: Operands) -> Callable[[int], None]:

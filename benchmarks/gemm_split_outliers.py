@@ -92,19 +92,8 @@ def probe(manifest: Path) -> None:
             run = bench.ours_mm(data, kernel_id, s)
             err = bench.checked_error(torch, run, data, ref)
             rotated = [1e3 * bench.time_ms(torch, run, data.sets, 30, 3) for _ in range(3)]
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(30)]
-            torch.cuda._sleep(int(2e7))  # the GPU kept busy while the 30 calls are enqueued
-            for start, end in events:
-                start.record()
-                run(0)
-                end.record()
-            torch.cuda.synchronize()
-            alone = sorted(1e3 * start.elapsed_time(end) for start, end in events)
-            began = time.perf_counter()
-            for _ in range(10):
-                run(0)
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - began) / 10 * 1e6
+            alone, _ = bench.timed_calls(torch, run, 1, 30, 0)  # 30 calls on input set 0
+            wall = waited_for(torch, run)
             print(f"{m}x{n}x{k} {kernel_id} splits {s}: error {err:.1e}, rotated "
                   f"{' / '.join(f'{x:.1f}' for x in rotated)}, one set {alone[0]:.1f} / {alone[15]:.1f} / "
                   f"{alone[-1]:.1f}, wall {wall:.1f} ({data.sets} input sets)", flush=True)
@@ -113,24 +102,19 @@ def probe(manifest: Path) -> None:
         del data, ref
 
 
-def timed_batch(torch: Any, fn: Callable[[int], None], sets: int, reps: int = 30,
-                warmup: int = 3) -> tuple[list[float], float]:
-    """bench_gemm.time_ms's batch, keeping every call's device time (us, sorted) and the host's
-    enqueue time per call (us): above about 250 us a call the sleep kernel no longer hides it."""
-    for i in range(warmup):
-        fn(i % sets)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    torch.cuda._sleep(int(2e6 + reps * 4e5))
+def timed_batch(torch: Any, fn: Callable[[int], None], sets: int) -> tuple[list[float], float]:
+    """tune_gemm's batch (3 warm-up calls, 30 timed): each call's device time (us, sorted) and the
+    host's enqueue time a call (us): above about 250 us a call the sleep kernel no longer hides it."""
+    return bench.timed_calls(torch, fn, sets, 30, 3)
+
+
+def waited_for(torch: Any, fn: Callable[[int], None], calls: int = 10) -> float:
+    """Mean wall time (us) of `calls` calls of `fn(0)`, each waited for on the host."""
     began = time.perf_counter()
-    for i in range(reps):
-        starts[i].record()
-        fn(i % sets)
-        ends[i].record()
-    host = (time.perf_counter() - began) / reps * 1e6
-    torch.cuda.synchronize()
-    return sorted(1e3 * s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)), host
+    for _ in range(calls):
+        fn(0)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - began) / calls * 1e6
 
 
 def _error(d: Any, ref: Any) -> float:
@@ -187,11 +171,7 @@ def sweep(manifest: Path, save: Path | None) -> None:
             # D of every set the batch wrote, against float32, before anything else writes it.
             worst = max(_error(data.d[i], data.reference(i)) for i in range(min(data.sets, 30)))
             again = [timed_batch(torch, run, data.sets) for _ in range(2)]
-            began = time.perf_counter()
-            for _ in range(10):
-                run(0)
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - began) / 10 * 1e6
+            wall = waited_for(torch, run)
             print(f"{m}x{n}x{k} {kid} splits {splits} (its other batches' median {typical:.1f}): "
                   f"{_spread(calls)}, host {host:.1f}, error {worst:.1e}; again {_spread(again[0][0])}, "
                   f"host {again[0][1]:.1f}; {_spread(again[1][0])}, host {again[1][1]:.1f}; waited for {wall:.1f} "

@@ -52,3 +52,48 @@ def test_compare_refuses_a_file_that_is_not_a_run(tmp_path: Path) -> None:
     other.write_text(json.dumps({"schema": "something/else"}))
     with pytest.raises(SystemExit, match=r"x.json: not a bench_gemm.py run --json file"):
         bench_gemm.compare(other, other)
+
+
+class _Clock:
+    """A stand-in for torch.cuda's events: each event records the device time the calls before it took."""
+
+    def __init__(self, call_us: list[float]) -> None:
+        self.now_ms, self.durations = 0.0, iter(call_us)
+        self.sleeps: list[int] = []
+
+    def call(self) -> None:
+        self.now_ms += next(self.durations) / 1e3
+
+    def stand_in(self) -> object:
+        clock = self
+
+        class Event:
+            def __init__(self, enable_timing: bool) -> None:
+                assert enable_timing
+                self.at = None
+
+            def record(self) -> None:
+                self.at = clock.now_ms
+
+            def elapsed_time(self, end: "Event") -> float:
+                return end.at - self.at
+
+        cuda = type("cuda", (), {"Event": Event, "synchronize": staticmethod(lambda: None),
+                                 "_sleep": staticmethod(self.sleeps.append)})
+        return type("torch", (), {"cuda": cuda})
+
+
+def test_a_batch_times_each_call_alone_after_the_warm_up_and_time_ms_is_their_median() -> None:
+    # 2 warm-up calls (untimed, 1000 us each), then 5 timed: the sets rotate from the first call.
+    clock = _Clock([1000.0, 1000.0, 30.0, 10.0, 50.0, 20.0, 40.0] * 2)
+    seen: list[int] = []
+
+    def fn(i: int) -> None:
+        seen.append(i)
+        clock.call()
+
+    calls, host_us = bench_gemm.timed_calls(clock.stand_in(), fn, 3, 5, 2)
+    assert calls == pytest.approx([10.0, 20.0, 30.0, 40.0, 50.0]) and host_us >= 0.0
+    assert seen == [0, 1, 0, 1, 2, 0, 1]
+    assert clock.sleeps == [int(2e6 + 5 * 4e5)]  # the GPU kept busy while the 5 are enqueued
+    assert bench_gemm.time_ms(clock.stand_in(), fn, 3, 5, 2) == pytest.approx(0.030)
