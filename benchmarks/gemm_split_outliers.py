@@ -26,7 +26,6 @@ again at once, twice, and once more waited for call by call.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import statistics
 import sys
@@ -137,12 +136,9 @@ def sweep(manifest: Path, save: Path | None) -> None:
     ops.set_library(library)
     ids = sorted(spec.id for spec in bench.op_specs(library.manifest))
     gpu = tune.Gpu(props.multi_processor_count, bench.l2_bytes(props), bench.gemm_module().cluster_slots(library, 0))
-    todo = tune.plan_timings(ids, gpu, TUNING + HELD_OUT)
-    print(f"device: {props.name}; {len(todo)} timings; columns: device us min / median / max of the batch's "
-          "30 calls, host us a call while enqueuing", flush=True)
-    by_shape: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
-    for shape, kid, splits in todo:
-        by_shape.setdefault(shape.mnk, []).append((kid, splits))
+    by_shape = tune.plan_by_shape(ids, gpu, TUNING + HELD_OUT)
+    print(f"device: {props.name}; {sum(map(len, by_shape.values()))} timings; columns: device us min / median / "
+          "max of the batch's 30 calls, host us a call while enqueuing", flush=True)
     batches = flagged = 0
     hosts: list[float] = []
     timings: dict[bool, list[tune.Timing]] = {True: [], False: []}  # by "a tuning shape"
@@ -187,15 +183,9 @@ def sweep(manifest: Path, save: Path | None) -> None:
 
 def _save(where: Path, timings: dict[bool, list[tune.Timing]], props: Any, gpu: tune.Gpu, torch: Any) -> None:
     """The timings as --calibrate and --judge-held-out save them (medians of 30 calls, not 15)."""
-    provenance = {
-        "gpu": props.name, "sm_count": gpu.sm_count, "cluster_slots": gpu.slots, "l2_bytes": gpu.l2_bytes,
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": str(torch.version.cuda),
-        "reps": 30, "rotation": bench.ROTATE_L2,
-    }
     for is_tuning, name in ((True, "sweep_tuning.json"), (False, "sweep_held.json")):
         runs = timings[is_tuning]
-        tune.save(where / name, runs, {**provenance, "timings": len(runs),
-                                       "shapes": len({(t.m, t.n, t.k) for t in runs})})
+        tune.save(where / name, runs, tune.provenance_of(torch, props, gpu, 30, runs))
 
 
 def main() -> None:

@@ -176,6 +176,25 @@ def plan_timings(kernel_ids: Sequence[str], gpu: Gpu,
             for s in split_tries(model, *shape.mnk, gpu, kid)]
 
 
+def plan_by_shape(kernel_ids: Sequence[str], gpu: Gpu, shapes: Sequence[gemm_shapes.Shape]
+                  ) -> dict[tuple[int, int, int], list[tuple[str, int]]]:
+    """`plan_timings` shape by shape, in its order: (M, N, K) -> its (kernel id, splits)."""
+    by_shape: dict[tuple[int, int, int], list[tuple[str, int]]] = defaultdict(list)
+    for shape, kid, splits in plan_timings(kernel_ids, gpu, shapes):
+        by_shape[shape.mnk].append((kid, splits))
+    return by_shape
+
+
+def provenance_of(torch: Any, props: Any, gpu: Gpu, reps: int, timings: Sequence[Timing]) -> dict[str, Any]:
+    """Where and how `timings` were measured, as saved beside them and written into a calibration."""
+    return {
+        "gpu": props.name, "sm_count": gpu.sm_count, "cluster_slots": gpu.slots, "l2_bytes": gpu.l2_bytes,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__, "cuda": str(torch.version.cuda), "reps": reps,
+        "rotation": bench.ROTATE_L2, "shapes": len({(t.m, t.n, t.k) for t in timings}), "timings": len(timings),
+    }
+
+
 # -- measuring (GPU) ------------------------------------------------------------------------------
 
 
@@ -193,13 +212,11 @@ def measure(args: argparse.Namespace,
     ops.set_library(library)
     ids = sorted(spec.id for spec in bench.op_specs(library.manifest))
     slots = bench.gemm_module().cluster_slots(library, 0)
-    todo = plan_timings(ids, Gpu(sms, l2, slots), shapes)
-    print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB, clusters held at once {slots}; "
-          f"torch {torch.__version__}; {len(todo)} timings over {len(shapes)} shapes", flush=True)
+    gpu = Gpu(sms, l2, slots)
+    by_shape = plan_by_shape(ids, gpu, shapes)
+    print(f"device: {props.name}, {sms} SMs, L2 {l2 >> 20} MiB, clusters held at once {slots}; torch "
+          f"{torch.__version__}; {sum(map(len, by_shape.values()))} timings over {len(shapes)} shapes", flush=True)
     timings: list[Timing] = []
-    by_shape: dict[tuple[int, int, int], list[tuple[str, int]]] = defaultdict(list)
-    for shape, kid, splits in todo:
-        by_shape[shape.mnk].append((kid, splits))
     for (m, n, k), runs in by_shape.items():
         data = bench.Operands(torch, m, n, k, bench.ROTATE_L2 * l2)
         ref = data.reference(0)
@@ -219,13 +236,7 @@ def measure(args: argparse.Namespace,
             sys.exit(f"no instantiation gave a right answer at {m}x{n}x{k}")
         print(f"{f'{m}x{n}x{k}':>18s} best {best[1]} ({best[2]}) {best[0]:9.1f} us = "
               f"{bench.tflops(m, n, k, best[0] / 1e3):6.1f} TFLOP/s; torch {torch_us:9.1f} us", flush=True)
-    provenance = {
-        "gpu": props.name, "sm_count": sms, "cluster_slots": slots, "l2_bytes": l2,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__, "cuda": str(torch.version.cuda), "reps": args.reps,
-        "rotation": bench.ROTATE_L2, "shapes": len(by_shape), "timings": len(timings),
-    }
-    return timings, provenance
+    return timings, provenance_of(torch, props, gpu, args.reps, timings)
 
 
 def save(path: Path, timings: list[Timing], provenance: dict[str, Any]) -> None:

@@ -149,3 +149,17 @@ def test_each_margin_is_judged_by_the_same_fits_and_the_models_own_margin_is_the
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().endswith("%")]
     assert [row[0] for row in rows] == ["0.0%", "20.0%"]
     assert all(row[1] == row[2] == row[3] for row in rows)  # the same file twice: the same regret, and its mean
+
+
+def test_saved_timings_read_back_with_the_gpu_they_were_measured_on(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    torch = SimpleNamespace(__version__="2.11.0+cu130", version=SimpleNamespace(cuda="13.0"))
+    gpu = tune_gemm.Gpu(132, 62914560, {2: 66, 4: 30})
+    timings = _timings({(16, 8192, 28672, "gemm/x", 2): 118.2, (16, 8192, 28672, "gemm/x", 1): 150.0,
+                        (1, 5000, 3000, "gemm/x", 1): 22.5})
+    path = tmp_path / "t.json"
+    tune_gemm.save(path, timings, tune_gemm.provenance_of(torch, SimpleNamespace(name="NVIDIA H200"), gpu, 30, timings))
+    back, provenance = tune_gemm.load(path)
+    assert back == timings and tune_gemm.Gpu.of(provenance) == gpu
+    assert (provenance["gpu"], provenance["reps"], provenance["shapes"], provenance["timings"]) == ("NVIDIA H200", 30, 2, 3)
