@@ -44,10 +44,9 @@ def gemm(a: Any, b: Any, *, out: Any = None) -> Any:
     aligned; otherwise the launch copies them first (K off 8, a transposed or sliced view, an
     odd offset; docs/gemm.md, "Layouts that copy", says what that costs), except a B with rows
     off 16 bytes for few rows of A, which the skinny_any kernels read in place; and a D that is not
-    row-major is computed apart and copied into `out`. Rows
-    that start on 128-byte lines (a row stride a multiple of 64 elements, e.g. a weight stored
-    padded: ``torch.empty(n, k_pad)[:, :k]``) load up to 1.5x faster than rows off them, and a
-    padded weight is never copied.
+    row-major is computed apart and copied into `out`. Rows that start on 128-byte lines (a row
+    stride a multiple of 64 elements, e.g. a weight stored padded: ``torch.empty(n, k_pad)[:, :k]``)
+    load up to 1.5x faster than rows off them, and a padded weight is never copied.
     Under `torch.compile` (and on fake or other tensor subclasses) the
     call is the custom op `torch.ops.cubinstore.gemm` (`gemm_out` with `out`), which
     dynamo puts in the graph; eager calls on plain tensors skip torch's dispatcher.

@@ -187,7 +187,6 @@ def test_unaligned_rows_bound_a_k_block_by_the_bytes_a_cta_loads() -> None:
             assert unaligned.kblock_us == pytest.approx(expected, rel=1e-12), (kernel_id, splits)
 
 
-
 def test_with_k_off_8_a_tile_is_costed_on_the_rows_of_the_copy_it_reads() -> None:
     # ops.gemm copies contiguous operands with K off 8 into rows of K rounded up to 8
     # (_gemm_staging.padded): K = 28671 is read in rows of 28672, on the 128-byte lines, so it
@@ -205,6 +204,7 @@ def test_with_k_off_8_a_tile_is_costed_on_the_rows_of_the_copy_it_reads() -> Non
     # 118-121 us at 16x8192x28671 where skinny took 151-156; judged by K, the model took skinny.
     assert _h200_choose(16, 8192, 28671, BUILT) == _h200_choose(16, 8192, 28672, BUILT)
     assert _h200_choose(16, 8192, 28671, BUILT)[0].startswith("gemm/")
+
 
 def test_unaligned_rows_cost_more_the_more_ctas_share_the_l2() -> None:
     # 128x192 in pairs at K = 2008: 128 CTAs take the L2 together at M = 1000, 32 at M = 250

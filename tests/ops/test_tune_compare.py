@@ -110,7 +110,6 @@ def test_identical_timings_refit_to_identical_picks(tmp_path: Path, capsys: pyte
     assert all(row[1:5] == ["3", "0", "0", "0.0%"] for row in rows), rows  # 3 fits, 3 pairs, nothing moved
 
 
-
 def test_a_shape_that_moves_is_named_with_the_options_the_fits_took(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     # Two fits, each favouring another tile everywhere; the judge times the first's 20% faster.
@@ -131,6 +130,7 @@ def test_a_shape_that_moves_is_named_with_the_options_the_fits_took(
     for line in moved:
         assert "moves 20.0%" in line and f"{first} (" in line and f"{second} (" in line, line
         assert "10.0 us in 1 fits" in line and "12.0 us in 1 fits" in line, line
+
 
 # -- --margin-cv: each split margin judged on the tuning shapes alone --------------------------------
 
