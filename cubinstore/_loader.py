@@ -214,7 +214,8 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
             sm = _check_arch(spec, ordinal, cc)
         need = spec.min_driver
         if need is not None:
-            host = devices.driver_version()  # asked once per process (Devices caches it)
+            known = devices.known_driver_version  # Devices' one cache, read without a call once asked
+            host = known[0] if known is not None else devices.driver_version()
             if host is not None and host < need:
                 _refuse_driver(spec, need, host)
         debug = logger.isEnabledFor(logging.DEBUG)

@@ -84,6 +84,7 @@ class Library:
         self._store_lock = threading.Lock()
         # (id_or_family, compute capability, params) -> the spec select() chose: the manifest never changes.
         self._selected: dict[tuple[Any, ...], KernelSpec] = {}
+        self._select = manifest.selector  # Manifest.select less its wrapper's call (every first load selects)
 
     @property
     def store(self) -> Store:
@@ -110,12 +111,10 @@ class Library:
         `CUBINSTORE_JIT`), compiled from the release's own sources under a content key; else
         `KernelNotFoundError` names the nearest points.
         """
-        devices = _device.current()
-        if device is None:  # _device_ordinal's commonest cases, inlined
-            ordinal, cc = devices.checked(devices.driver.current_device())
-        elif device.__class__ is int:
-            ordinal, cc = devices.checked(device)
+        if device is None or device.__class__ is int:  # _device_ordinal's commonest cases, in one call
+            devices, ordinal, cc = _device.checked(device)
         else:
+            devices = _device.current()
             ordinal = _device_ordinal(devices, device)
             cc = devices.compute_capability(ordinal)
         try:
@@ -125,7 +124,7 @@ class Library:
             key, spec = None, None
         if spec is None:
             try:
-                spec = self.manifest.select(id_or_family, cc, **params)
+                spec = self._select(id_or_family, cc, params)
             except KernelNotFoundError:
                 if not params or not self.manifest.find(id_or_family):  # not a point of a known family
                     raise

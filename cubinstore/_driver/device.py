@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-__all__ = ["Devices", "check_ordinal", "compute_capability", "count", "current", "shared_mem_optin", "sm_count", "use"]
+__all__ = ["Devices", "check_ordinal", "checked", "compute_capability", "count", "current", "shared_mem_optin",
+           "sm_count", "use"]
 
 _CC_MAJOR = "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"
 _CC_MINOR = "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"
@@ -44,7 +45,9 @@ class Devices:
         self._count: int | None = None
         self._attributes: dict[tuple[int, str], int] = {}
         self._capabilities: dict[int, tuple[int, int]] = {}
-        self._driver_version: tuple[int | None] | None = None
+        #: ``driver_version()``'s answer in a 1-tuple once asked, else None: the loader reads it here, a
+        #: first load's one call fewer (issue 31).
+        self.known_driver_version: tuple[int | None] | None = None
 
     def count(self) -> int:
         """How many devices the driver reports."""
@@ -67,16 +70,6 @@ class Devices:
         from cubinstore.errors import BadArgumentError
 
         raise BadArgumentError(f"invalid device {ordinal!r}: expected an ordinal in [0, {self.count()})")
-
-    def checked(self, ordinal: Any) -> tuple[int, tuple[int, int]]:
-        """``check_ordinal(ordinal)`` and its ``compute_capability``, in one call (every ``Library.kernel``)."""
-        count = self._count
-        if type(ordinal) is int and count is not None and 0 <= ordinal < count:
-            cc = self._capabilities.get(ordinal)
-            if cc is not None:
-                return ordinal, cc
-        ordinal = self.check_ordinal(ordinal)
-        return ordinal, self.compute_capability(ordinal)
 
     def attribute(self, ordinal: int, name: str) -> int:
         """``CU_DEVICE_ATTRIBUTE_<...>`` ``name`` of device ``ordinal`` (one that cannot change while the process runs)."""
@@ -101,14 +94,14 @@ class Devices:
 
         None for a driver object without ``driver_version`` (a test's fake that does not model it):
         then no kernel's ``min_driver`` is checked against it."""
-        known = self._driver_version
+        known = self.known_driver_version
         if known is None:
             ask = getattr(self.driver, "driver_version", None)
             known = (None if ask is None else int(ask()),)
             with self._lock:
-                if self._driver_version is None:
-                    self._driver_version = known
-                known = self._driver_version
+                if self.known_driver_version is None:
+                    self.known_driver_version = known
+                known = self.known_driver_version
         return known[0]
 
     def sm_count(self, ordinal: int) -> int:
@@ -149,6 +142,22 @@ def use(devices: Devices) -> Devices:
 def current() -> Devices:
     """The ``Devices`` in use: its facts, and (``.driver``) the driver the loader and launcher call."""
     return _devices
+
+
+def checked(ordinal: Any) -> tuple[Devices, int, tuple[int, int]]:
+    """The ``Devices`` in use, ``ordinal`` checked (``check_ordinal``; None: the driver's current device)
+    and its compute capability: what every ``Library.kernel`` asks first, in one call (issue 31: each
+    Python call of a first load costs 0.3-7 us on a GPU host, its caches cold)."""
+    devices = _devices
+    if ordinal is None:
+        ordinal = devices.driver.current_device()
+    count = devices._count
+    if type(ordinal) is int and count is not None and 0 <= ordinal < count:  # a device seen before: no call
+        cc = devices._capabilities.get(ordinal)
+        if cc is not None:
+            return devices, ordinal, cc
+    ordinal = devices.check_ordinal(ordinal)
+    return devices, ordinal, devices.compute_capability(ordinal)
 
 
 def count() -> int:

@@ -15,7 +15,7 @@ everything else and words every error); ``spec`` (``KernelSpec``, ``EntrySpec``)
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -222,3 +222,9 @@ class Manifest:
         ``sm_90`` on 9.0), then the highest minor not above the GPU's.
         """
         return self._index.select(family_or_id, compute_capability, params)
+
+    @property
+    def selector(self) -> Callable[[str, ComputeCapability, Mapping[str, ParamValue]], KernelSpec]:
+        """``select`` itself, its ``params`` as one mapping: for a caller that selects on every first load
+        (``Library.kernel``), which then pays no call of this class's wrapper (issue 31)."""
+        return self._index.select

@@ -110,7 +110,7 @@ def test_an_unhashable_param_is_not_cached_but_still_selected(fake: FakeDriver) 
     real = manifest()
     spec = real.by_id("f/p1/sm_90a")
     asked: list[Any] = []
-    stub = SimpleNamespace(select=lambda *a, **k: asked.append(k) or spec)
+    stub = SimpleNamespace(selector=lambda id_or_family, cc, params: asked.append(params) or spec)
     lib = launch.Library(stub, store=FakeStore())  # type: ignore[arg-type]
     for _ in range(3):
         assert lib.kernel("f", p=[1]).spec is spec  # type: ignore[arg-type]
