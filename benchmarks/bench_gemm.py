@@ -311,8 +311,9 @@ def bench_shape(torch: Any, library: Any, shape: Any, l2: int, args: argparse.Na
     ours, theirs = ours_mm(data), torch_mm(torch, data)
     error = checked_error(torch, ours, data, data.reference(0))
     reps = _reps(torch, theirs, args)
-    choice, model_fn = selection(library, m, n, k), None
-    own = model_choice(library, m, n, k)
+    copies = gemm_module().layout_copies(library, data.a[0], data.b[0], data.d[0])
+    choice, model_fn = selection(library, m, n, k, copies), None
+    own = model_choice(library, m, n, k, copies)
     if own != choice:  # a measured pick: time the model's own choice beside it
         model_fn = ours_mm(data, *own)
     # Rounds taking turns, each side's median over them: one round of a small shape (10 us) has
@@ -327,18 +328,22 @@ def bench_shape(torch: Any, library: Any, shape: Any, l2: int, args: argparse.Na
     return Row(shape, choice, statistics.median(ours_t), statistics.median(torch_t), error, reps, model)
 
 
-def model_choice(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
-    """What the model alone chooses for M x N x K on device 0 (the calibration's measured picks left out)."""
+def model_choice(library: Any, m: int, n: int, k: int, copies: Any = None) -> tuple[str, int]:
+    """What the model alone chooses for M x N x K on device 0 (the calibration's measured picks left
+    out), with `copies` (`layout_copies` of the operands) as `select` weighs them."""
     from cubinstore.internals import gemm_model as _gemm_model
 
     g = gemm_module()
+    extra = {} if copies is None else {"copies": copies}
     return _gemm_model.choose(m, n, k, g.sm_count(0), g.candidates(library), measured=False,
-                              cluster_slots=g.cluster_slots(library, 0))
+                              cluster_slots=g.cluster_slots(library, 0), **extra)
 
 
-def selection(library: Any, m: int, n: int, k: int) -> tuple[str, int]:
-    """What ops.gemm runs for M x N x K on device 0 (gemm.select, cached there)."""
-    return gemm_module().select(library, 0, m, n, k)
+def selection(library: Any, m: int, n: int, k: int, copies: Any = None) -> tuple[str, int]:
+    """What ops.gemm runs for M x N x K on device 0 (gemm.select, cached there), with `copies`
+    (`layout_copies` of the operands) where the layout makes a family copy."""
+    g = gemm_module()
+    return g.select(library, 0, m, n, k) if copies is None else g.select(library, 0, m, n, k, copies)
 
 
 def print_table(title: str, rows: Sequence[Row]) -> None:
@@ -609,7 +614,8 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
         if not error < MAX_REL_ERROR:
             wrong.append(f"{what} {m}x{n}x{k}")
         # What the launch runs and copies: the selection's kernel, or the skinny_any point standing in for it.
-        ran, decided = g.reads(library, g.select(library, 0, m, n, k)[0], g._describe("a", given_a[0]),
+        chosen = selection(library, m, n, k, g.layout_copies(library, given_a[0], given_b[0], given_d[0]))
+        ran, decided = g.reads(library, chosen[0], g._describe("a", given_a[0]),
                                g._describe("b", given_b[0]), g._describe("out", given_d[0]), chosen=True)
         copies = "+".join(name for name, on in (("A", decided.a.copy), ("B", decided.b.copy),
                                                 ("D", decided.copy_out)) if on) or "none"

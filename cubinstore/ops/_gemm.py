@@ -53,7 +53,7 @@ from cubinstore.ops._gemm_config import (
     plan,
     stores_by_tma,
 )
-from cubinstore.ops._gemm_staging import Feed, Staging, staging
+from cubinstore.ops._gemm_staging import NO_COPIES, Copies, Feed, Staging, copies_of, skinny_staging, staging
 from cubinstore.ops._library import get_library
 
 if TYPE_CHECKING:
@@ -64,6 +64,8 @@ __all__ = [
     "cache_misses",
     "candidates",
     "cluster_slots",
+    "copies_for",
+    "layout_copies",
     "reads",
     "run",
     "select",
@@ -233,15 +235,18 @@ def cluster_slots(library: Library, device: int) -> dict[int, int]:
     return slots
 
 
-def select(library: Library, device: int, m: int, n: int, k: int) -> tuple[str, int]:
-    """(kernel id, K splits) for an M x N x K problem on `device`, chosen once per (library, device, M, N, K)."""
-    key = (library, device, m, n, k)
+def select(library: Library, device: int, m: int, n: int, k: int,
+           copies: tuple[Copies, Copies] = (NO_COPIES, NO_COPIES)) -> tuple[str, int]:
+    """(kernel id, K splits) for an M x N x K problem on `device`, chosen once per (library, device,
+    M, N, K, copies); `copies`: what a `gemm` tile's launch and a `skinny` point's would copy
+    (`copies_for`)."""
+    key = (library, device, m, n, k, copies)
     chosen = _selections.get(key)
     if chosen is None:
         from cubinstore.ops import _gemm_model
 
         chosen = _gemm_model.choose(m, n, k, sm_count(device), candidates(library),
-                                    cluster_slots=cluster_slots(library, device))
+                                    cluster_slots=cluster_slots(library, device), copies=copies)
         with _lock:
             _misses["selection"] += 1
             if len(_selections) >= _SELECTION_CACHE:
@@ -431,7 +436,7 @@ def _prepare(
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     chose = kernel_id is None
     if chose:
-        kernel_id, chosen_splits = select(library, device, m, n, k)
+        kernel_id, chosen_splits = select(library, device, m, n, k, copies_for(library, a_op, b_op, out_op))
         splits = chosen_splits if splits is None else splits
     splits = 1 if splits is None else splits
     kernel_id, stage = reads(library, kernel_id, a_op, b_op, out_op, chosen=chose)
@@ -491,15 +496,28 @@ def reads(library: Library, kernel_id: str, a: Operand, b: Operand, out: Operand
     runs as named. A bad id is a BadArgumentError before anything is loaded.
     """
     config = config_of(kernel_id)
-    skinny = isinstance(config, SkinnyConfig)
-    stage = staging(a, b, out, any_rows=skinny and config.any_rows)  # type: ignore[union-attr]
-    if not (chosen and skinny and stage.b.copy):
-        return kernel_id, stage
-    twin = any_rows_points(library).get((config.bm, config.bn))  # type: ignore[union-attr]
-    if twin is None:
-        return kernel_id, stage
-    in_place = staging(a, b, out, any_rows=True)
-    return (twin, in_place) if not in_place.b.copy else (kernel_id, stage)
+    if not (chosen and isinstance(config, SkinnyConfig) and not config.any_rows):
+        return kernel_id, staging(a, b, out, any_rows=isinstance(config, SkinnyConfig) and config.any_rows)
+    twin = any_rows_points(library).get((config.bm, config.bn))
+    runs_twin, stage = skinny_staging(a, b, out, has_twin=twin is not None)
+    return (twin if runs_twin else kernel_id), stage  # type: ignore[return-value]
+
+
+def copies_for(library: Library, a: Operand, b: Operand, out: Operand | None) -> tuple[Copies, Copies]:
+    """What a `gemm` tile's launch and a `skinny` point's (its `skinny_any` twin where `reads` runs
+    that) would copy for these operands: with K off 8, say, a tile copies contiguous A and B
+    into rows of `padded(K)` where a skinny point's twin reads them in place."""
+    (m, k), n = a.shape, b.shape[0]
+    tile = copies_of(staging(a, b, out), m, n, k)
+    # As for a point with a twin (kernels/skinny_any builds one for each BM and BN of kernels/skinny);
+    # a library that lacks some twins has those points' copies counted short.
+    _, skinny = skinny_staging(a, b, out, has_twin=bool(any_rows_points(library)))
+    return tile, copies_of(skinny, m, n, k)
+
+
+def layout_copies(library: Library, a: Any, b: Any, out: Any = None) -> tuple[Copies, Copies]:
+    """`copies_for` of torch tensors: what their layouts make each family copy."""
+    return copies_for(library, _describe("a", a), _describe("b", b), None if out is None else _describe("out", out))
 
 
 def any_rows_points(library: Library) -> dict[tuple[int, int], str]:

@@ -68,7 +68,7 @@ from typing import Any, Final
 from cubinstore.errors import BadArgumentError
 from cubinstore.ops import _gemm_config as _configs
 from cubinstore.ops import _gemm_calibration as _calibration
-from cubinstore.ops._gemm_staging import padded
+from cubinstore.ops._gemm_staging import NO_COPIES, Copies, padded
 
 __all__ = [
     "DEFAULT_MACHINE",
@@ -158,6 +158,12 @@ class MachineCosts:
     # All busy CTAs' unaligned loads together: the L2 serves two lines for each 128-byte row, so
     # a full grid draws less each than one CTA alone (the H200: 41-59 KB/us a CTA at 120-132).
     unaligned_l2_bytes_per_us: float = _H200_SMS * 50e3
+    # An operand copy ops.gemm makes before a launch (_gemm_staging: rows of K off 8 into rows of
+    # padded(K), say): a launch, then the bytes read and written. Not fitted (the calibration
+    # times kernels alone): bench_gemm.py's layouts table, the H200, 2026-12-06: one copy of 1 MB
+    # took 4.3-5.2 us; two copies took 16.4 us for 18 MB, 82.8 for 134 MB and 545.6 for 941 MB.
+    copy_us: float = 3.5
+    copy_bytes_per_us: float = 1.75e6
 
 
 DEFAULT_MACHINE: Final = MachineCosts()
@@ -465,20 +471,29 @@ class Model:
             out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, _STREAM_K))
         return out
 
+    def copy_us(self, copies: Copies) -> float:
+        """What a launch's operand copies add to it (`MachineCosts.copy_us`, `copy_bytes_per_us`)."""
+        return copies.count * self.machine.copy_us + copies.bytes / self.machine.copy_bytes_per_us
+
     def options(self, m: int, n: int, k: int, sm_count: int, candidates: Iterable[str],
-                cluster_slots: ClusterSlots = None) -> list[tuple[float, str, int]]:
-        """(predicted us, kernel id, splits) of every option the model weighs, unsorted."""
+                cluster_slots: ClusterSlots = None,
+                copies: tuple[Copies, Copies] = (NO_COPIES, NO_COPIES)) -> list[tuple[float, str, int]]:
+        """(predicted us, kernel id, splits) of every option the model weighs, unsorted; `copies`:
+        what a `gemm` tile's launch and a `skinny` point's copy first (`_gemm.copies_for`), added."""
         _check_shape(m, n, k, sm_count)
+        tile_copy, skinny_copy = (self.copy_us(c) for c in copies)
         out: list[tuple[float, str, int]] = []
         for kernel_id in candidates:
             cfg = _config(kernel_id)
             if isinstance(cfg, _configs.SkinnyConfig):
                 if m <= cfg.bm and k <= cfg.max_k:  # one block of rows: B is read once
-                    out.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
+                    time = self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us
+                    out.append((time + skinny_copy, kernel_id, 1))
             elif cfg.swap and kernel_id not in self._tiles:
                 continue  # the defaults come from unswapped tiles: a swapped one is weighed once measured
             elif sm_count >= cfg.cluster:
-                out += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)), cluster_slots)
+                times = self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)), cluster_slots)
+                out += [(time + tile_copy, kid, splits) for time, kid, splits in times] if tile_copy else times
         return out
 
     def measured_pick(self, m: int, n: int, k: int, sm_count: int) -> tuple[str, int] | None:
@@ -488,15 +503,17 @@ class Model:
         return self._picks.get((m, n, k))
 
     def choose(self, m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
-               measured: bool = True, cluster_slots: ClusterSlots = None) -> tuple[str, int]:
+               measured: bool = True, cluster_slots: ClusterSlots = None,
+               copies: tuple[Copies, Copies] = (NO_COPIES, NO_COPIES)) -> tuple[str, int]:
         """(kernel id, splits): the measured pick of this exact shape where the library has its kernel
-        (unless `measured` is False), else `prefer` of the options: the fewest splits among those
+        (unless `measured` is False, or the families copy differently: the calibration timed kernels
+        alone), else `prefer` of the options, copies included: the fewest splits among those
         predicted within `split_margin` (`SPLIT_MARGIN`) of the fastest."""
         _check_shape(m, n, k, sm_count)
-        pick = self.measured_pick(m, n, k, sm_count) if measured else None
+        pick = self.measured_pick(m, n, k, sm_count) if measured and copies[0] == copies[1] else None
         if pick is not None and pick[0] in candidates:
             return pick
-        options = self.options(m, n, k, sm_count, sorted(candidates), cluster_slots)
+        options = self.options(m, n, k, sm_count, sorted(candidates), cluster_slots, copies)
         if not options:
             raise BadArgumentError(
                 f"gemm {m}x{n}x{k} on {sm_count} SMs: expected at least one gemm candidate that fits, "
@@ -557,14 +574,16 @@ _MODEL: Final = calibrated_model()
 
 
 def choose(m: int, n: int, k: int, sm_count: int, candidates: frozenset[str],
-           measured: bool = True, cluster_slots: ClusterSlots = None) -> tuple[str, int]:
+           measured: bool = True, cluster_slots: ClusterSlots = None,
+           copies: tuple[Copies, Copies] = (NO_COPIES, NO_COPIES)) -> tuple[str, int]:
     """(kernel id, splits) for an M x N x K problem on `sm_count` SMs, the id among `candidates`;
     `measured=False` leaves out the calibration's measured picks (the model alone);
-    `cluster_slots`: the clusters of each size the device holds at once (`ClusterSlots`).
+    `cluster_slots`: the clusters of each size the device holds at once (`ClusterSlots`);
+    `copies`: what a `gemm` tile's launch and a `skinny` point's would copy first.
 
     Deterministic; raises `BadArgumentError` naming the shape if no candidate fits.
     """
-    return _MODEL.choose(m, n, k, sm_count, candidates, measured, cluster_slots)
+    return _MODEL.choose(m, n, k, sm_count, candidates, measured, cluster_slots, copies)
 
 
 def predict_us(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int,

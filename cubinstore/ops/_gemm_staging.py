@@ -30,7 +30,10 @@ from typing import Final
 
 from cubinstore.ops._gemm_config import Operand
 
-__all__ = ["ROW_ELEMS", "Feed", "Staging", "padded", "reads_in_place", "staging", "writes_in_place"]
+__all__ = [
+    "NO_COPIES", "ROW_ELEMS", "Copies", "Feed", "Staging", "copies_of", "padded", "reads_in_place", "skinny_staging",
+    "staging", "writes_in_place",
+]
 
 #: bf16 elements in 16 bytes: the row-stride multiple the kernels need.
 ROW_ELEMS: Final = 8
@@ -101,3 +104,40 @@ def staging(a: Operand, b: Operand, out: Operand | None, *, any_rows: bool = Fal
     (m, k), n = a.shape, b.shape[0]
     copy_out = out is not None and not writes_in_place(out, m, n)
     return Staging(_feed(a, m, k, any_rows), _feed(b, n, k, any_rows), copy_out)
+
+
+def skinny_staging(a: Operand, b: Operand, out: Operand | None, *, has_twin: bool) -> tuple[bool, Staging]:
+    """(whether its ``skinny_any`` twin runs instead, and the copies) for a selected ``skinny``
+    point whose library has (`has_twin`) the ``skinny_any`` point of its BM and BN.
+
+    The twin runs where the point would copy B and the twin reads B in place: copying B, the
+    operand a skinny launch is bound by, costs more than the twin's slower loads.
+    """
+    stage = staging(a, b, out)
+    if not (has_twin and stage.b.copy):
+        return False, stage
+    in_place = staging(a, b, out, any_rows=True)
+    return (True, in_place) if not in_place.b.copy else (False, stage)
+
+
+@dataclass(frozen=True)
+class Copies:
+    """What a launch's copies move: the selection weighs them (``_gemm_model.Model.choose``)."""
+
+    count: int  # copy launches
+    bytes: int  # read and written, together
+
+
+NO_COPIES: Final = Copies(0, 0)
+
+
+def copies_of(stage: Staging, m: int, n: int, k: int) -> Copies:
+    """The copies of `stage` for an M x N x K problem: each operand copied is read (K a row) and
+    written (rows of ``padded(K)``); D copied out is written once more and read back."""
+    count = total = 0
+    for copied, rows in ((stage.a.copy, m), (stage.b.copy, n)):
+        if copied:
+            count, total = count + 1, total + 2 * rows * (k + padded(k))
+    if stage.copy_out:
+        count, total = count + 1, total + 2 * 2 * m * n
+    return Copies(count, total)

@@ -24,6 +24,7 @@ from cubinstore.internals import MachineCosts, Model, TileCosts
 from cubinstore.internals import gemm_calibration as _gemm_calibration
 from cubinstore.internals import gemm_launch as G
 from cubinstore.internals import gemm_model as _gemm_model
+from cubinstore.internals import gemm_staging
 from cubinstore.internals import gemm_tuning as _gemm_tuning
 from cubinstore.manifest import Manifest
 
@@ -204,6 +205,38 @@ def test_with_k_off_8_a_tile_is_costed_on_the_rows_of_the_copy_it_reads() -> Non
     # 118-121 us at 16x8192x28671 where skinny took 151-156; judged by K, the model took skinny.
     assert _h200_choose(16, 8192, 28671, BUILT) == _h200_choose(16, 8192, 28672, BUILT)
     assert _h200_choose(16, 8192, 28671, BUILT)[0].startswith("gemm/")
+
+
+def test_the_selection_weighs_the_copies_a_layout_makes_each_family() -> None:
+    # 16x8192x28671 from contiguous tensors: a gemm tile needs A and B copied into rows of 28672
+    # (941 MB moved: 545.6 us on the H200, 2026-12-06, against 117 for the tile itself), where a
+    # skinny point's skinny_any twin reads them in place. Weighing the kernels alone took the
+    # tile, and ops.gemm ran at 0.57 of torch.mm there.
+    ids = BUILT | _built_skinny_ids()
+    m, n, k = 16, 8192, 28671
+    tile = gemm_staging.Copies(2, 2 * (m + n) * (k + 28672))
+    assert _h200_choose(m, n, k, ids)[0].startswith("gemm/")  # rows of 28672 already: no copy
+    assert _h200_choose(m, n, k, ids, copies=(tile, gemm_staging.NO_COPIES))[0].startswith("skinny/")
+    # A copy both families make (A's rows off 16 bytes, say) changes nothing.
+    both = gemm_staging.Copies(1, 2 * m * (k + 28672))
+    assert _h200_choose(m, n, k, ids, copies=(both, both)) == _h200_choose(m, n, k, ids)
+    model = _gemm_model.calibrated_model()
+    assert model.copy_us(tile) == pytest.approx(2 * model.machine.copy_us + tile.bytes / model.machine.copy_bytes_per_us)
+
+
+def test_a_measured_pick_holds_only_where_both_families_copy_alike() -> None:
+    # The calibration timed kernels alone: where the layout makes one family copy and not the
+    # other, the pick is the model's, copies weighed.
+    ids = BUILT | _built_skinny_ids()
+    same = (gemm_staging.Copies(1, 10**6),) * 2
+    differ = (gemm_staging.Copies(1, 10**6), gemm_staging.NO_COPIES)
+    overruled = 0
+    for (m, n, k), pick in sorted(_gemm_calibration.PICKS.items()):
+        assert _h200_choose(m, n, k, ids, copies=same) == pick
+        model_alone = _h200_choose(m, n, k, ids, copies=differ, measured=False)
+        assert _h200_choose(m, n, k, ids, copies=differ) == model_alone
+        overruled += model_alone != pick
+    assert overruled > 0
 
 
 def test_unaligned_rows_cost_more_the_more_ctas_share_the_l2() -> None:

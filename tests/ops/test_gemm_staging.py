@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from cubinstore.internals import Feed, Operand, Staging, check_operands, padded, reads_in_place, staging, writes_in_place
+from cubinstore.internals import gemm_staging
 
 BASE = 0x7F0000000000  # 512-byte aligned, as torch's caching allocator hands out
 
@@ -117,3 +118,28 @@ def test_every_odd_shape_gets_rows_the_kernels_can_read(m: int, n: int, k: int) 
     for feed, rows in ((s.a, m), (s.b, n)):
         assert feed.row_stride % 8 == 0 and feed.row_stride >= k
         assert feed.copy == (k % 8 != 0 and rows > 1)
+
+
+def test_copies_count_each_copy_and_the_bytes_it_reads_and_writes() -> None:
+    # K off 8, contiguous: A (16 rows) and B (8192 rows) are each read in rows of K and written
+    # in rows of padded(K); the selection weighs what that moves (941 MB at 16x8192x28671).
+    s = decide(op("a", (16, 28671)), op("b", (8192, 28671)))
+    assert gemm_staging.copies_of(s, 16, 8192, 28671) == gemm_staging.Copies(2, 2 * (16 + 8192) * (28671 + 28672))
+    # D through a copy: written into a fresh D, then read back and written into `out`.
+    s = decide(op("a", (300, 1000)), op("b", (500, 1000)), op("out", (300, 500), (1, 300)))
+    assert gemm_staging.copies_of(s, 300, 500, 1000) == gemm_staging.Copies(1, 2 * 2 * 300 * 500)
+    assert gemm_staging.copies_of(decide(op("a", (300, 1000)), op("b", (500, 1000))), 300, 500, 1000) == (
+        gemm_staging.NO_COPIES)
+
+
+@pytest.mark.parametrize(("b_strides", "twin", "runs_twin", "b_copied"), [
+    ((4095, 1), True, True, False),  # K off 8, contiguous: the twin reads B where it lies
+    ((4095, 1), False, False, True),  # no twin in the library: the point copies B
+    ((4096, 1), True, False, False),  # B padded: the point reads it, no twin
+    ((1, 4095), True, False, True),  # not contiguous along K: copied whichever runs
+])
+def test_a_skinny_point_gives_way_to_its_twin_only_where_that_saves_copying_b(
+        b_strides: tuple[int, int], twin: bool, runs_twin: bool, b_copied: bool) -> None:
+    a, b = op("a", (16, 4095)), op("b", (8192, 4095), b_strides)
+    ran_twin, stage = gemm_staging.skinny_staging(a, b, None, has_twin=twin)
+    assert (ran_twin, stage.b.copy) == (runs_twin, b_copied)
