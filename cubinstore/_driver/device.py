@@ -146,8 +146,8 @@ def current() -> Devices:
 
 def checked(ordinal: Any) -> tuple[Devices, int, tuple[int, int]]:
     """The ``Devices`` in use, ``ordinal`` checked (``check_ordinal``; None: the driver's current device)
-    and its compute capability: what every ``Library.kernel`` asks first, in one call (issue 31: each
-    Python call of a first load costs 0.3-7 us on a GPU host, its caches cold)."""
+    and its compute capability: what every ``Library.kernel`` asks first, in one call where a first
+    load made two (issue 31)."""
     devices = _devices
     if ordinal is None:
         ordinal = devices.driver.current_device()
