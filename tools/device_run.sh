@@ -18,6 +18,8 @@
 #   occupancy   benchmarks/gemm_occupancy.py (co-resident clusters of each gemm instantiation)
 #   rows        benchmarks/gemm_row_alignment.py (A's and B's rows off the 128-byte lines, each alone)
 #   outliers    benchmarks/gemm_split_outliers.py (split launches far slower than their kernel's other splits)
+#   splitcost   benchmarks/gemm_split_cost.py run (split launches with parts of their protocol taken out;
+#               needs .device/split_cost from `gemm_split_cost.py build` on the build host)
 #   sweep       benchmarks/gemm_split_outliers.py --sweep (every tuning and held-out option, slow batches looked
 #               at again; the timings to $OUT/sweep_tuning.json and sweep_held.json)
 # e.g. tools/device_run.sh tests runtime gemm
@@ -74,8 +76,9 @@ for what in "$@"; do
     occupancy) step occupancy "$PY" benchmarks/gemm_occupancy.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     outliers) step outliers "$PY" benchmarks/gemm_split_outliers.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
+    splitcost) step splitcost "$PY" benchmarks/gemm_split_cost.py run --manifest "$CUBINSTORE_TEST_MANIFEST" --variants .device/split_cost ;;
     sweep) step sweep "$PY" benchmarks/gemm_split_outliers.py --sweep --manifest "$CUBINSTORE_TEST_MANIFEST" --save "$OUT" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, sweep)" >&2; exit 2 ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, splitcost, sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status
