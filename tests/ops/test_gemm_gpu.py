@@ -244,7 +244,7 @@ def in_layout(torch: Any, x: Any, layout: str) -> Any:
 def test_every_odd_shape_matches_float32_reference(lib: launch.Library, torch: Any, m: int, n: int, k: int) -> None:
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), NAN, dtype=torch.bfloat16, device="cuda:0")
-    what = f"ops.gemm (selected: {G.select(lib, 0, m, n, k)}) at {m}x{n}x{k}"
+    what = f"ops.gemm (selected: {G.select(lib, 0, m, n, k, G.layout_copies(lib, a, b))}) at {m}x{n}x{k}"
     assert ops.gemm(a, b, out=d) is d
     check_gemm(torch, d, a, b, what + " into out")
     check_gemm(torch, ops.gemm(a, b), a, b, what)
@@ -261,7 +261,7 @@ def test_every_layout_matches_float32_reference_and_leaves_the_operands_alone(
     a, b = in_layout(torch, a0, layout_a), in_layout(torch, b0, layout_b)
     before_a, before_b = a.clone(), b.clone()
     d = ops.gemm(a, b)
-    check_gemm(torch, d, a, b, f"A {layout_a}, B {layout_b} at {m}x{n}x{k} (selected: {G.select(lib, 0, m, n, k)})")
+    check_gemm(torch, d, a, b, f"A {layout_a}, B {layout_b} at {m}x{n}x{k} (selected: {G.select(lib, 0, m, n, k, G.layout_copies(lib, a, b))})")
     assert torch.equal(a, before_a) and torch.equal(b, before_b), "an operand was written"
 
 
