@@ -261,7 +261,8 @@ def test_every_layout_matches_float32_reference_and_leaves_the_operands_alone(
     a, b = in_layout(torch, a0, layout_a), in_layout(torch, b0, layout_b)
     before_a, before_b = a.clone(), b.clone()
     d = ops.gemm(a, b)
-    check_gemm(torch, d, a, b, f"A {layout_a}, B {layout_b} at {m}x{n}x{k} (selected: {G.select(lib, 0, m, n, k, G.layout_copies(lib, a, b))})")
+    selected = G.select(lib, 0, m, n, k, G.layout_copies(lib, a, b))
+    check_gemm(torch, d, a, b, f"A {layout_a}, B {layout_b} at {m}x{n}x{k} (selected: {selected})")
     assert torch.equal(a, before_a) and torch.equal(b, before_b), "an operand was written"
 
 
