@@ -60,8 +60,9 @@ def _reducer_leads(factor: int) -> tuple[str, str]:
         f"    constexpr int kLead = ({work} + C::kBM * C::kBN * C::kBK - 1) / (C::kBM * C::kBN * C::kBK);\n"
         "    const int lead = splits > 1 ? max(0, min(kLead, kblocks - splits)) : 0;  // variant: reducer leads\n"
         "    kb0 = static_cast<int>(static_cast<long long>(split) * (kblocks - lead) / splits);\n"
-        "    kb1 = split == splits - 1 ? kblocks\n"
-        "                              : static_cast<int>(static_cast<long long>(split + 1) * (kblocks - lead) / splits);")
+        "    kb1 = split == splits - 1\n"
+        "              ? kblocks\n"
+        "              : static_cast<int>(static_cast<long long>(split + 1) * (kblocks - lead) / splits);")
 
 
 VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {

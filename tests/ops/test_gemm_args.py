@@ -492,7 +492,8 @@ def test_selection_is_made_once_per_shape_and_library(tmp_path: Path, h200: None
     G.select(ops_launch.open(library.manifest), 0, 777, 4096, 4096)  # and so is another library
     assert G.cache_misses()["selection"] == before + 3
     # and so are the copies another layout makes (K off 8, contiguous: a tile copies A and B), once each
-    a, b = (G.Operand(name, "bfloat16", (rows, 4095), (4095, 1), "cuda:0", 0) for name, rows in (("a", 777), ("b", 4096)))
+    a, b = (G.Operand(name, "bfloat16", (rows, 4095), (4095, 1), "cuda:0", 0)
+            for name, rows in (("a", 777), ("b", 4096)))
     copies = (G.copies_of(G.staging(a, b, None), 777, 4096, 4095), G.NO_COPIES)
     for _ in range(2):
         G.select(library, 0, 777, 4096, 4095)

@@ -221,7 +221,8 @@ def test_the_selection_weighs_the_copies_a_layout_makes_each_family() -> None:
     both = gemm_staging.Copies(1, 2 * m * (k + 28672))
     assert _h200_choose(m, n, k, ids, copies=(both, both)) == _h200_choose(m, n, k, ids)
     model = _gemm_model.calibrated_model()
-    assert model.copy_us(tile) == pytest.approx(2 * model.machine.copy_us + tile.bytes / model.machine.copy_bytes_per_us)
+    machine = model.machine
+    assert model.copy_us(tile) == pytest.approx(2 * machine.copy_us + tile.bytes / machine.copy_bytes_per_us)
 
 
 def test_a_measured_pick_holds_only_where_both_families_copy_alike() -> None:
