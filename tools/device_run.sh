@@ -19,7 +19,7 @@
 #   rows        benchmarks/gemm_row_alignment.py (A's and B's rows off the 128-byte lines, each alone)
 #   outliers    benchmarks/gemm_split_outliers.py (split launches far slower than their kernel's other splits)
 #   splitcost   benchmarks/gemm_split_cost.py run (split launches with parts of their protocol taken out;
-#               needs .device/split_cost from `gemm_split_cost.py build` on the build host)
+#               .device/split_cost, which tools/stage_device.sh builds)
 #   sweep       benchmarks/gemm_split_outliers.py --sweep (every tuning and held-out option, slow batches looked
 #               at again; the timings to $OUT/sweep_tuning.json and sweep_held.json)
 # e.g. tools/device_run.sh tests runtime gemm

@@ -32,3 +32,5 @@ cp -rL "$cutlass_include" .device/cutlass_include
 echo "staged $(find .device/kernels -name '*.cubin' | wc -l) CUBINs, $(find .device/kernels -name '*.ptx' | wc -l) PTX files and CUTLASS headers in .device ($(du -sh .device | cut -f1))"
 # The kernel library fixture's kernels, compiled through cubinstore-nvcc (tests/nvcc/test_nvcc_gpu.py).
 .venv/bin/python tests/nvcc/stage_gpu.py .device/nvcc
+# The split-protocol variants of benchmarks/gemm_split_cost.py (tools/device_run.sh splitcost).
+.venv/bin/python benchmarks/gemm_split_cost.py build --out .device/split_cost
