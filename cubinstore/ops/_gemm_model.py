@@ -479,22 +479,28 @@ class Model:
                 cluster_slots: ClusterSlots = None,
                 copies: tuple[Copies, Copies] = (NO_COPIES, NO_COPIES)) -> list[tuple[float, str, int]]:
         """(predicted us, kernel id, splits) of every option the model weighs, unsorted; `copies`:
-        what a `gemm` tile's launch and a `skinny` point's copy first (`_gemm.copies_for`), added."""
+        what a `gemm` tile's launch and a `skinny` point's copy first (`_gemm.copies_for`). Where both
+        families have options, each family's copies beyond the other's are added to its options;
+        copies both make, or those of the only family that fits, change no choice and are left out
+        (added to every option, they would widen `prefer`'s relative margin)."""
         _check_shape(m, n, k, sm_count)
-        tile_copy, skinny_copy = (self.copy_us(c) for c in copies)
-        out: list[tuple[float, str, int]] = []
+        tiles: list[tuple[float, str, int]] = []
+        skinny: list[tuple[float, str, int]] = []
         for kernel_id in candidates:
             cfg = _config(kernel_id)
             if isinstance(cfg, _configs.SkinnyConfig):
                 if m <= cfg.bm and k <= cfg.max_k:  # one block of rows: B is read once
-                    time = self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us
-                    out.append((time + skinny_copy, kernel_id, 1))
+                    skinny.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
             elif cfg.swap and kernel_id not in self._tiles:
                 continue  # the defaults come from unswapped tiles: a swapped one is weighed once measured
             elif sm_count >= cfg.cluster:
-                times = self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)), cluster_slots)
-                out += [(time + tile_copy, kid, splits) for time, kid, splits in times] if tile_copy else times
-        return out
+                tiles += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)), cluster_slots)
+        tile_copy, skinny_copy = (self.copy_us(c) for c in copies)
+        if tiles and skinny and tile_copy != skinny_copy:
+            common = min(tile_copy, skinny_copy)
+            tiles = [(time + tile_copy - common, kid, splits) for time, kid, splits in tiles]
+            skinny = [(time + skinny_copy - common, kid, splits) for time, kid, splits in skinny]
+        return tiles + skinny
 
     def measured_pick(self, m: int, n: int, k: int, sm_count: int) -> tuple[str, int] | None:
         """The calibration's measured (kernel id, splits) for exactly this shape and SM count, if any."""

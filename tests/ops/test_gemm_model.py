@@ -220,6 +220,11 @@ def test_the_selection_weighs_the_copies_a_layout_makes_each_family() -> None:
     # A copy both families make (A's rows off 16 bytes, say) changes nothing.
     both = gemm_staging.Copies(1, 2 * m * (k + 28672))
     assert _h200_choose(m, n, k, ids, copies=(both, both)) == _h200_choose(m, n, k, ids)
+    # Nor does the copy of the only family that fits (64 rows: no skinny point): added to every
+    # tile it would widen the split margin (64x1000x4095 went from 7 splits to 4 that way).
+    for m, n, k in ((64, 1000, 4095), (300, 1000, 4095), (777, 3333, 1111)):
+        tiles_copy = gemm_staging.Copies(2, 2 * (m + n) * (k + gemm_staging.padded(k)))
+        assert _h200_choose(m, n, k, ids, copies=(tiles_copy, gemm_staging.NO_COPIES)) == _h200_choose(m, n, k, ids)
     model = _gemm_model.calibrated_model()
     machine = model.machine
     assert model.copy_us(tile) == pytest.approx(2 * machine.copy_us + tile.bytes / machine.copy_bytes_per_us)
