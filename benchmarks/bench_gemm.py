@@ -334,16 +334,15 @@ def model_choice(library: Any, m: int, n: int, k: int, copies: Any = None) -> tu
     from cubinstore.internals import gemm_model as _gemm_model
 
     g = gemm_module()
-    extra = {} if copies is None else {"copies": copies}
     return _gemm_model.choose(m, n, k, g.sm_count(0), g.candidates(library), measured=False,
-                              cluster_slots=g.cluster_slots(library, 0), **extra)
+                              cluster_slots=g.cluster_slots(library, 0), copies=copies or (g.NO_COPIES,) * 2)
 
 
 def selection(library: Any, m: int, n: int, k: int, copies: Any = None) -> tuple[str, int]:
     """What ops.gemm runs for M x N x K on device 0 (gemm.select, cached there), with `copies`
     (`layout_copies` of the operands) where the layout makes a family copy."""
     g = gemm_module()
-    return g.select(library, 0, m, n, k) if copies is None else g.select(library, 0, m, n, k, copies)
+    return g.select(library, 0, m, n, k, copies or (g.NO_COPIES,) * 2)
 
 
 def print_table(title: str, rows: Sequence[Row]) -> None:
