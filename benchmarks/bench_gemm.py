@@ -243,10 +243,20 @@ def ours_mm(data: Operands, kernel_id: str | None = None, splits: int | None = N
 
 def checked_error(torch: Any, fn: Callable[[int], None], data: Operands, ref: Any) -> float:
     """Relative error of `fn(0)` into a NaN-poisoned D against `ref` (inf where an element stays unwritten)."""
-    data.d[0].fill_(float("nan"))
+    return poisoned_error(torch, fn, data.d[0], ref)
+
+
+def poisoned_error(torch: Any, fn: Callable[[int], None], d: Any, ref: Any) -> float:
+    """`error_of` the D that `fn(0)` writes into `d`, NaN-poisoned first."""
+    d.fill_(float("nan"))
     fn(0)
     torch.cuda.synchronize()
-    d = data.d[0].float()
+    return error_of(torch, d, ref)
+
+
+def error_of(torch: Any, d: Any, ref: Any) -> float:
+    """Relative error of D against the float32 `ref`; inf where an element is NaN (left unwritten)."""
+    d = d.float()
     if bool(torch.isnan(d).any()):
         return math.inf
     return float((d - ref).norm() / ref.norm())
@@ -604,12 +614,7 @@ def layout_costs(torch: Any, library: Any, l2: int, args: argparse.Namespace) ->
         def theirs(i: int) -> None:
             torch.mm(given_a[i], given_b[i].T, out=given_d[i])
 
-        given_d[0].fill_(float("nan"))
-        given(0)
-        torch.cuda.synchronize()
-        d = given_d[0].float()
-        ref = plain.reference(0)
-        error = math.inf if bool(torch.isnan(d).any()) else float((d - ref).norm() / ref.norm())
+        error = poisoned_error(torch, given, given_d[0], plain.reference(0))
         if not error < MAX_REL_ERROR:
             wrong.append(f"{what} {m}x{n}x{k}")
         # What the launch runs and copies: the selection's kernel, or the skinny_any point standing in for it.

@@ -116,10 +116,6 @@ def waited_for(torch: Any, fn: Callable[[int], None], calls: int = 10) -> float:
     return (time.perf_counter() - began) / calls * 1e6
 
 
-def _error(d: Any, ref: Any) -> float:
-    return float((d.float() - ref).norm() / ref.norm())
-
-
 def _spread(calls: list[float]) -> str:
     return f"{calls[0]:.1f} / {statistics.median(calls):.1f} / {calls[-1]:.1f}"
 
@@ -165,7 +161,7 @@ def sweep(manifest: Path, save: Path | None) -> None:
                 continue
             flagged += 1
             # D of every set the batch wrote, against float32, before anything else writes it.
-            worst = max(_error(data.d[i], data.reference(i)) for i in range(min(data.sets, 30)))
+            worst = max(bench.error_of(torch, data.d[i], data.reference(i)) for i in range(min(data.sets, 30)))
             again = [timed_batch(torch, run, data.sets) for _ in range(2)]
             wall = waited_for(torch, run)
             print(f"{m}x{n}x{k} {kid} splits {splits} (its other batches' median {typical:.1f}): "

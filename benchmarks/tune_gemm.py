@@ -33,7 +33,6 @@ PICKS the measured best of each shape where the fitted model's pick among the ti
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import datetime
 import itertools
@@ -44,7 +43,7 @@ import random
 import statistics
 import sys
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -643,7 +642,7 @@ def stability(measurements: Sequence[Path], judge: Path, margins: Sequence[float
               f"{sum(max(pair) > REFIT_MOVE for pair in moves):11d} {max(max(pair) for pair in moves):8.1%} "
               f"{regret - 1:31.2%}")
         for mnk in shapes:  # the shapes that moved: how many fits pick each of their options, at what time
-            chosen = collections.Counter(pick[mnk] for pick in picks)
+            chosen = Counter(pick[mnk] for pick in picks)
             fastest, slowest = min(shapes[mnk][o] for o in chosen), max(shapes[mnk][o] for o in chosen)
             if slowest / fastest - 1 > REFIT_MOVE:
                 print(f"{'':12s}   {'x'.join(map(str, mnk))} moves {slowest / fastest - 1:.1%}: " + "; ".join(
