@@ -42,7 +42,8 @@ an SM at a time; each CTA's warps walk K in batches of ``k_step``, so the busies
 ``ceil(CTAs / slots)`` waves of ``unit_us`` plus ``kblock_us`` per batch (a batch is a round
 trip to memory: the loads of the next are in flight while the mmas consume it), and the
 memory term is B's bytes over the rate the resident CTAs draw (two batches in flight each)
-or the HBM's (``_skinny_estimate``).
+or ``skinny_hbm_share`` of the HBM's (``_skinny_estimate``): its plain loads draw less of it than
+a tile's TMA loads do.
 
 The per-instantiation constants (``TileCosts``) and the machine's (``MachineCosts``) come
 from ``_gemm_calibration.py`` (written by ``benchmarks/tune_gemm.py --calibrate``) where it
@@ -164,6 +165,11 @@ class MachineCosts:
     # took 4.3-5.2 us; two copies took 16.4 us for 18 MB, 82.8 for 134 MB and 545.6 for 941 MB.
     copy_us: float = 3.5
     copy_bytes_per_us: float = 1.75e6
+    # The share of the HBM's rate a `skinny` grid draws, against a tile's TMA loads. Not fitted:
+    # with one rate for both the fits trade it against other terms, and refits flip deep-K
+    # shapes between the families (docs/gemm.md, eleventh session: 0.92 moved no held-out pick
+    # of ten H200 fits by more than 0.0%, of eleven H100 fits by more than 1.4%; 1.0: 5.3%, 4.1%).
+    skinny_hbm_share: float = 0.92
 
 
 DEFAULT_MACHINE: Final = MachineCosts()
@@ -402,7 +408,7 @@ class Model:
         # B once for each block of rows of A; A and D once.
         hbm = 2.0 * (blocks_m * n * k + m * k + m * n)
         rate = min(ctas, slots) * 2 * cfg.batch_bytes / mc.fetch_latency_us
-        memory = hbm / min(mc.hbm_bytes_per_us, rate)
+        memory = hbm / min(mc.hbm_bytes_per_us * mc.skinny_hbm_share, rate)
         time = _total_us(mc.launch_us, busiest, memory, mc.overlap_loss)
         return Estimate(kernel_id, 1, ctas, ctas, waves, waves * batches, costs.kblock_us, 0.0, busiest, memory, time)
 
