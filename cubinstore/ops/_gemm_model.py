@@ -167,8 +167,8 @@ class MachineCosts:
     copy_bytes_per_us: float = 1.75e6
     # The share of the HBM's rate a `skinny` grid draws, against a tile's TMA loads. Not fitted:
     # with one rate for both the fits trade it against other terms, and refits flip deep-K
-    # shapes between the families (docs/gemm.md, eleventh session: 0.92 moved no held-out pick
-    # of ten H200 fits by more than 0.0%, of eleven H100 fits by more than 1.4%; 1.0: 5.3%, 4.1%).
+    # shapes between the families (docs/gemm.md, eleventh session: the largest held-out move
+    # between refits was 0.0% on the H200 and 1.4% on the H100 at 0.92; 5.3% and 4.1% at 1.0).
     skinny_hbm_share: float = 0.92
 
 
