@@ -110,9 +110,9 @@ def _config(point: tuple[int, ...]) -> Any:
 
 
 def build(out: Path, bazel_bin: Path) -> None:
-    from cubinstore.internals import DEFAULT_NVCC_FLAGS, cutlass_include, locate_toolkit
+    from cubinstore.internals import DEFAULT_NVCC_FLAGS, cutlass_include, locate_toolkit, nvcc
 
-    nvcc = str(locate_toolkit()[0] / "bin" / "nvcc")
+    compiler = str(locate_toolkit()[0] / "bin" / "nvcc")
     include = cutlass_include()
     header = (ROOT / HEADER).read_text()
     bazel_bin, out = bazel_bin.resolve(), out.resolve()  # nvcc runs in the copied tree
@@ -130,10 +130,13 @@ def build(out: Path, bazel_bin: Path) -> None:
                 if not anchor.is_file():
                     raise SystemExit(f"{anchor}: missing: run `bazel build //kernels:all` first")
                 target = out / variant / f"{name}.cubin"
-                # As Bazel runs it (kernels/gemm/BUILD.bazel, tools/defs.bzl), in the copied tree.
-                cmd = [nvcc, "-cubin", "-arch=sm_90a", "-ccbin", "gcc", *DEFAULT_NVCC_FLAGS, "-I.", f"-I{include}",
-                       *cfg.defines, "-include", str(anchor), "-Xcicc", "--orig_src_path_name",
-                       "-Xcicc", "kernels/gemm/sm90_bf16_gemm.cu", "-o", str(target), "kernels/gemm/sm90_bf16_gemm.cu"]
+                # As Bazel runs it (the one argv shape, cubinstore/_core/nvcc.py), in the copied tree.
+                source = "kernels/gemm/sm90_bf16_gemm.cu"
+                cmd = nvcc.cubin_argv({
+                    "nvcc": compiler, "arch": "sm_90a", "host_cc": "gcc", "flags": list(DEFAULT_NVCC_FLAGS),
+                    "includes": [str(include)], "defines": [d.removeprefix("-D") for d in cfg.defines],
+                    "anchor": str(anchor), "source_name": source, "extra": [], "output": str(target), "source": source,
+                })
                 done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600)
                 if done.returncode != 0:
                     raise SystemExit(f"{variant} {cfg.kernel_id}: nvcc exit {done.returncode}:\n{done.stderr[-4000:]}")
