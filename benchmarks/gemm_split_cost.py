@@ -73,8 +73,9 @@ VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     "no_sleep": (_NO_SLEEP,),  # correct
     "lead_1x": (_reducer_leads(1),),  # correct
     "lead_2x": (_reducer_leads(2),),  # correct
+    "cluster_k2": (),  # correct; built with CLUSTER_K = 2 (_cluster_k_defines)
 }
-CORRECT = frozenset({"as_built", "no_sleep", "lead_1x", "lead_2x"})
+CORRECT = frozenset({"as_built", "no_sleep", "lead_1x", "lead_2x", "cluster_k2"})
 
 # (BM, BN, BK, stages, cluster, swap): the points the cases time.
 POINTS = ((64, 128, 64, 8, 1, 0), (64, 64, 128, 5, 1, 0), (128, 128, 64, 5, 1, 0), (128, 64, 64, 8, 1, 0),
@@ -96,6 +97,22 @@ CASES: dict[tuple[int, int, int], tuple[tuple[tuple[int, ...], int], ...]] = {
 }
 
 
+def _cluster_k_defines(cfg: Any) -> tuple[str, ...] | None:
+    """The `cluster_k2` build of a point (the kernel's CLUSTER_K = 2: the cluster's two CTAs take the two
+    halves of a tile's K, the second's partial added through distributed shared memory), launched as the
+    point is: its grid (a K-split of 2 gives two CTAs a tile) and its shared memory. The partial's buffer
+    takes the place of pipeline stages: the most stages whose layout and buffer fit the point's shared
+    memory (None where fewer than 2 would, or the point multicasts or is swapped)."""
+    if cfg.cluster != 1 or cfg.swap:
+        return None
+    partial = cfg.bm * cfg.bn * 4 + 16  # the kernel's kRedBytes
+    for stages in range(cfg.stages - 1, 1, -1):
+        fewer = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages, 1, 0)
+        if fewer.smem_bytes + partial <= cfg.smem_bytes:
+            return (*fewer.defines, "-DCLUSTER_K=2")
+    return None
+
+
 def edited(source: str, edits: tuple[tuple[str, str], ...], variant: str) -> str:
     for old, new in edits:
         if source.count(old) != 1:
@@ -109,14 +126,19 @@ def _config(point: tuple[int, ...]) -> Any:
     return bench.gemm_module().GemmConfig(*point)
 
 
-def build(out: Path, bazel_bin: Path) -> None:
+def build(out: Path, bazel_bin: Path, only: list[str] | None = None) -> None:
     from cubinstore.internals import DEFAULT_NVCC_FLAGS, cutlass_include, locate_toolkit, nvcc
 
     compiler = str(locate_toolkit()[0] / "bin" / "nvcc")
     include = cutlass_include()
     header = (ROOT / HEADER).read_text()
     bazel_bin, out = bazel_bin.resolve(), out.resolve()  # nvcc runs in the copied tree
+    unknown = sorted(set(only or ()) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--only: no variant {unknown} (variants: {', '.join(VARIANTS)})")
     for variant, edits in VARIANTS.items():
+        if only and variant not in only and variant != "as_built":  # as_built checks the flags each time
+            continue
         with tempfile.TemporaryDirectory(prefix="cubinstore-split-cost-") as tree:
             gemm = Path(tree) / "kernels" / "gemm"
             shutil.copytree(ROOT / "kernels" / "gemm", gemm)
@@ -130,11 +152,15 @@ def build(out: Path, bazel_bin: Path) -> None:
                 if not anchor.is_file():
                     raise SystemExit(f"{anchor}: missing: run `bazel build //kernels:all` first")
                 target = out / variant / f"{name}.cubin"
+                defines = _cluster_k_defines(cfg) if variant == "cluster_k2" else cfg.defines
+                if defines is None:  # the point as built stands in (its options print "-" in this column)
+                    shutil.copyfile(built, target)
+                    continue
                 # As Bazel runs it (the one argv shape, cubinstore/_core/nvcc.py), in the copied tree.
                 source = "kernels/gemm/sm90_bf16_gemm.cu"
                 cmd = nvcc.cubin_argv({
                     "nvcc": compiler, "arch": "sm_90a", "host_cc": "gcc", "flags": list(DEFAULT_NVCC_FLAGS),
-                    "includes": [str(include)], "defines": [d.removeprefix("-D") for d in cfg.defines],
+                    "includes": [str(include)], "defines": [d.removeprefix("-D") for d in defines],
                     "anchor": str(anchor), "source_name": source, "extra": [], "output": str(target), "source": source,
                 })
                 done = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=600)
@@ -196,19 +222,24 @@ def run(manifest: Path, variants: Path, rounds: int) -> None:
             kernel_id = _config(point).kernel_id
             times: dict[str, list[float]] = {v: [] for v in names}
             wrong = {}
-            for variant in names:
+            # cluster_k2 launches clusters of two CTAs: the point's grid must be even, and the point built so.
+            grid = bench.gemm_module().plan(m, n, k, props.multi_processor_count, kernel_id, splits).grid
+            skipped = {v for v in names if v == "cluster_k2" and (grid % 2 or _cluster_k_defines(_config(point)) is None)}
+            names_now = [v for v in names if v not in skipped]
+            for variant in names_now:
                 ops.set_library(libraries[variant])
                 wrong[variant] = not bench.checked_error(torch, bench.ours_mm(data, kernel_id, splits), data,
                                                          ref) < bench.MAX_REL_ERROR
                 if wrong[variant] and variant in CORRECT:
                     raise SystemExit(f"{variant} {kernel_id} splits {splits} at {m}x{n}x{k}: a wrong D")
             for _ in range(rounds):
-                for variant in names:
+                for variant in names_now:
                     ops.set_library(libraries[variant])
                     run_one = bench.ours_mm(data, kernel_id, splits)
                     times[variant].append(1e3 * bench.time_ms(torch, run_one, data.sets, 30, 3))
             label = kernel_id.removeprefix("gemm/").removesuffix("/sm_90a") + f" s{splits}"
-            cells = " ".join(f"{statistics.median(times[v]):14.1f}{'*' if wrong[v] else ' '}" for v in names)
+            cells = " ".join(f"{'-':>15s}" if v in skipped else f"{statistics.median(times[v]):14.1f}{'*' if wrong[v] else ' '}"
+                             for v in names)
             print(f"{label:>44s} {cells}", flush=True)
         del data, ref
     ops.set_library(None)
@@ -220,13 +251,14 @@ def main() -> None:
     b = sub.add_parser("build", help="compile the variants (build host)")
     b.add_argument("--out", type=Path, default=ROOT / ".device" / "split_cost")
     b.add_argument("--bazel-bin", type=Path, default=ROOT / "bazel-bin")
+    b.add_argument("--only", nargs="+", metavar="VARIANT", help="build these variants (and as_built) alone")
     r = sub.add_parser("run", help="time them (GPU host)")
     r.add_argument("--manifest", type=Path, default=ROOT / ".device" / "kernels" / "manifest.json")
     r.add_argument("--variants", type=Path, default=ROOT / ".device" / "split_cost")
     r.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     if args.command == "build":
-        build(args.out, args.bazel_bin)
+        build(args.out, args.bazel_bin, args.only)
     else:
         run(args.manifest, args.variants, args.rounds)
 

@@ -15,12 +15,18 @@
 #error "gemm_bf16_tn needs -arch=sm_90a (wgmma, setmaxnreg)"
 #endif
 
-using GemmConfig = cubinstore::gemm::Config<BM, BN, BK, STAGES, CLUSTER_M, SWAP>;
+// CLUSTER_K (optional, default 1): 2 splits each tile's K between the two CTAs of a cluster
+// (Config's kClusterK); no library point sets it yet (benchmarks/gemm_split_cost.py times it).
+#ifndef CLUSTER_K
+#define CLUSTER_K 1
+#endif
+
+using GemmConfig = cubinstore::gemm::Config<BM, BN, BK, STAGES, CLUSTER_M, SWAP, CLUSTER_K>;
 
 // The cluster shape is compiled in, so a plain launch (no cluster attribute)
-// runs with it; the grid must be a multiple of CLUSTER_M.
-#if CLUSTER_M > 1
-#define GEMM_CLUSTER_DIMS __cluster_dims__(CLUSTER_M, 1, 1)
+// runs with it; the grid must be a multiple of CLUSTER_M x CLUSTER_K.
+#if CLUSTER_M * CLUSTER_K > 1
+#define GEMM_CLUSTER_DIMS __cluster_dims__(CLUSTER_M * CLUSTER_K, 1, 1)
 #else
 #define GEMM_CLUSTER_DIMS
 #endif

@@ -65,7 +65,7 @@ __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float* a
   Op::fma(desc_a, desc_b, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
-template <int BM_, int BN_, int BK_, int STAGES_, int CLUSTER_M_, int SWAP_ = 0>
+template <int BM_, int BN_, int BK_, int STAGES_, int CLUSTER_M_, int SWAP_ = 0, int CLUSTER_K_ = 1>
 struct Config {
   static constexpr int kBM = BM_;
   static constexpr int kBN = BN_;
@@ -76,6 +76,13 @@ struct Config {
   // BN runs along the caller's M (any multiple of 8: few or odd rows of A pad less), and the
   // kernel stores its result transposed, D[col][row] with rows of m elements.
   static constexpr bool kSwap = SWAP_ != 0;
+  // CLUSTER_K = 2: the two CTAs of a cluster take the two halves of one tile's K blocks, and the
+  // second adds its accumulators into the first's shared memory (distributed shared memory)
+  // instead of the split-K round trip through global memory; the first stores D. Not in the
+  // library's grid yet: benchmarks/gemm_split_cost.py builds and times it.
+  static constexpr int kClusterK = CLUSTER_K_;
+  static constexpr int kClusterSize = CLUSTER_M_ * CLUSTER_K_;  // CTAs a cluster
+  static constexpr int kRedBytes = CLUSTER_K_ > 1 ? BM_ * BN_ * 4 + 16 : 0;  // the peer's partial, two mbarriers
 
   // BM = 64 (small-M problems): one consumer warpgroup, so no padded rows are multiplied.
   static constexpr int kConsumers = BM_ == 64 ? 1 : 2;
@@ -97,7 +104,7 @@ struct Config {
   // of them (the turns then restart at each tile without a counter); else one.
   // Swapped: one box of BN rows of D (the tile's columns) by 64 of its columns (an m64 block).
   static constexpr int kDBoxBytes = kSwap ? kBN * 128 : 64 * 128;
-  static constexpr int kFixedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;
+  static constexpr int kFixedBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8 + kRedBytes;
   static constexpr int kDBoxes =
       !kSwap && kFixedBytes + 2 * kConsumers * kDBoxBytes <= 232448 && (kMmaM * kBN / 64) % 2 == 0 ? 2 : 1;
   // Must match the formula in README.md and cubinstore/ops/gemm.py.
@@ -108,6 +115,8 @@ struct Config {
                 "BN must be 64, 128, 192 or 256 (with SWAP = 1, a multiple of 8 up to 256)");
   static_assert(kBK == 64 || kBK == 128, "BK must be 64 or 128");
   static_assert(kClusterM == 1 || kClusterM == 2 || kClusterM == 4, "CLUSTER_M must be 1, 2 or 4");
+  static_assert(kClusterK == 1 || (kClusterK == 2 && kClusterM == 1 && !kSwap),
+                "CLUSTER_K must be 1, or 2 with CLUSTER_M = 1 and SWAP = 0");
   static_assert(kAcc <= 128, "accumulator tile too large for 232 registers per thread");
   static_assert(kStages >= 2, "STAGES must be at least 2");
   static_assert(kSmemBytes <= 232448, "shared memory exceeds the sm_90 limit of 227 KiB");
@@ -236,6 +245,17 @@ struct Walk {
     return static_cast<size_t>(g) * C::kClusterM + rank;
   }
 };
+
+// CLUSTER_K = 2: K rank r of the cluster takes the r-th half of the piece's K blocks (the producer
+// and the consumers of a CTA the same).
+template <class C>
+__device__ __forceinline__ void take_k_share(Piece& p, int krank) {
+  if constexpr (C::kClusterK > 1) {
+    const int kb0 = p.kb0, span = p.kb1 - p.kb0;
+    p.kb0 = kb0 + span * krank / C::kClusterK;
+    p.kb1 = kb0 + span * (krank + 1) / C::kClusterK;
+  }
+}
 
 template <class C>
 __device__ __forceinline__ void release_stage(uint64_t* empty, int stage, int tid) {
@@ -454,33 +474,45 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   uint8_t* s_a = base;
   uint8_t* s_b = base + C::kStages * C::kABytes;
   uint8_t* s_d = s_b + C::kStages * C::kBBytes;  // kDBoxes staging boxes a consumer, 1024-byte aligned
-  uint64_t* full = reinterpret_cast<uint64_t*>(s_d + C::kDBoxes * C::kConsumers * C::kDBoxBytes);
+  // CLUSTER_K = 2: the peer's partial (kBM x kBN fp32) and two mbarriers (red_full: the
+  // reducer's, the partial is in; red_empty: the peer's, the reducer has read it).
+  float* s_red = reinterpret_cast<float*>(s_d + C::kDBoxes * C::kConsumers * C::kDBoxBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(s_red) +
+                                               (C::kClusterK > 1 ? C::kBM * C::kBN * 4 : 0));
   uint64_t* empty = full + C::kStages;
+  uint64_t* red_full = empty + C::kStages;
+  uint64_t* red_empty = red_full + 1;
 
   const int wg = static_cast<int>(threadIdx.x) / 128;
   const int tid = static_cast<int>(threadIdx.x) % 128;
-  const uint32_t rank = C::kClusterM > 1 ? sm90::cluster_ctarank() : 0u;
+  const uint32_t rank = C::kClusterM > 1 ? sm90::cluster_ctarank() : 0u;  // along M (B multicast)
+  const int krank = C::kClusterK > 1 ? static_cast<int>(sm90::cluster_ctarank()) : 0;  // along K
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       sm90::mbar_init(&full[s], 1);
       sm90::mbar_init(&empty[s], C::kConsumers * C::kClusterM);
     }
+    if constexpr (C::kClusterK > 1) {
+      sm90::mbar_init(red_full, C::kConsumers * 128);
+      sm90::mbar_init(red_empty, C::kConsumers * 128);
+    }
     sm90::fence_mbar_init();
   }
-  if constexpr (C::kClusterM > 1) {
+  if constexpr (C::kClusterSize > 1) {
     sm90::cluster_sync();
   } else {
     __syncthreads();
   }
 
+  if constexpr (C::kClusterK > 1) splits = 1;  // the cluster is the split
   const Schedule<C> sched(m, n, k, splits);
   // TMA stores D when its rows are 16-byte multiples and it starts on 16 bytes (README: the
   // host then passes tma_d); otherwise the consumers store it element pairs at a time.
   // Swapped, D's rows have m elements.
   const bool tma_store = ((C::kSwap ? m : n) & 7) == 0 && (reinterpret_cast<uintptr_t>(d) & 15) == 0;
-  const int cluster_id = static_cast<int>(blockIdx.x) / C::kClusterM;
-  const int clusters = static_cast<int>(gridDim.x) / C::kClusterM;
+  const int cluster_id = static_cast<int>(blockIdx.x) / C::kClusterSize;
+  const int clusters = static_cast<int>(gridDim.x) / C::kClusterSize;
 
   if (wg == 0) {
     // Producer: one thread issues all loads; the rest of the warpgroup idles.
@@ -494,6 +526,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       Walk<C> walk(sched, cluster_id, clusters, rank, splits);
       Piece piece;
       while (walk.next(piece)) {
+        take_k_share<C>(piece, krank);
         const int tm = piece.tm, tn = piece.tn;
         for (int kb = piece.kb0; kb < piece.kb1; ++kb) {
           // A fresh barrier counts as having completed the phase before
@@ -533,7 +566,9 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
     uint32_t phase = 0;
     Walk<C> walk(sched, cluster_id, clusters, rank, splits);
     Piece piece;
+    uint32_t red_phase = 0;  // CLUSTER_K = 2: tiles done, mod 2
     while (walk.next(piece)) {
+      take_k_share<C>(piece, krank);
       const int tm = piece.tm, tn = piece.tn;
 #pragma unroll
       for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
@@ -577,6 +612,38 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
 
       // The second CTA of a cluster at the bottom edge has no rows here.
       if (tm >= sched.tiles_m) continue;
+
+      if constexpr (C::kClusterK > 1) {
+        // The peer (K rank 1) puts its accumulators into the reducer's s_red once the reducer has
+        // read the previous tile's, each thread's float4s where the same thread of the reducer
+        // reads them, and goes on; each thread's release orders its own stores. The reducer adds
+        // them to its own (its K half first, so D gets the same bits on every launch) and stores D.
+        constexpr int kConsumerThreads = C::kConsumers * 128;
+        if (krank != 0) {
+          sm90::mbar_wait_cluster(red_empty, red_phase ^ 1);
+          const uint32_t dst = sm90::mapa(sm90::smem_addr(s_red), 0) + static_cast<uint32_t>(ct) * 16;
+#pragma unroll
+          for (int r = 0; r < C::kAcc / 4; ++r) {
+            sm90::st_cluster_v4(dst + r * kConsumerThreads * 16, acc[4 * r], acc[4 * r + 1], acc[4 * r + 2],
+                                acc[4 * r + 3]);
+          }
+          sm90::mbar_arrive_release_cluster(red_full, 0);
+          red_phase ^= 1;
+          continue;
+        }
+        sm90::mbar_wait_cluster(red_full, red_phase);
+        const float4* part = reinterpret_cast<const float4*>(s_red);
+#pragma unroll
+        for (int r = 0; r < C::kAcc / 4; ++r) {
+          const float4 v = part[r * kConsumerThreads + ct];
+          acc[4 * r] += v.x;
+          acc[4 * r + 1] += v.y;
+          acc[4 * r + 2] += v.z;
+          acc[4 * r + 3] += v.w;
+        }
+        sm90::mbar_arrive_release_cluster(red_empty, 1);
+        red_phase ^= 1;
+      }
 
       if (piece.nslots > 1) {
         // The tile is cut in pieces (split-K or stream-K). One piece, fixed by the walk, is the
@@ -655,8 +722,8 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   }
 
   __syncwarp();  // reconverge each warp for the .aligned cluster barrier
-  if constexpr (C::kClusterM > 1) {
-    // Peers multicast into this CTA's shared memory and arrive on its
+  if constexpr (C::kClusterSize > 1) {
+    // Peers multicast into this CTA's shared memory (or write its s_red) and arrive on its
     // barriers until their last stage: no CTA leaves before all are done.
     sm90::cluster_sync();
   }
