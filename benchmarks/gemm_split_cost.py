@@ -74,8 +74,11 @@ VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     "lead_1x": (_reducer_leads(1),),  # correct
     "lead_2x": (_reducer_leads(2),),  # correct
     "cluster_k2": (),  # correct; built with CLUSTER_K = 2 (_cluster_k_defines)
+    "cluster_k4": (),  # correct; CLUSTER_K = 4
 }
-CORRECT = frozenset({"as_built", "no_sleep", "lead_1x", "lead_2x", "cluster_k2"})
+CORRECT = frozenset({"as_built", "no_sleep", "lead_1x", "lead_2x", "cluster_k2", "cluster_k4"})
+# The variants built with the kernel's CLUSTER_K define instead of edits, and their cluster size.
+CLUSTER_K = {"cluster_k2": 2, "cluster_k4": 4}
 
 # (BM, BN, BK, stages, cluster, swap): the points the cases time.
 POINTS = ((64, 128, 64, 8, 1, 0), (64, 64, 128, 5, 1, 0), (128, 128, 64, 5, 1, 0), (128, 64, 64, 8, 1, 0),
@@ -87,8 +90,8 @@ CASES: dict[tuple[int, int, int], tuple[tuple[tuple[int, ...], int], ...]] = {
     (512, 1024, 4096): ((_A, 1), (_A, 2), (_C, 2), (_C, 3), (_C, 4), (_B, 1), (_B, 2), (POINTS[3], 2),
                         (POINTS[4], 3), (POINTS[4], 4), (POINTS[5], 4), (POINTS[5], 8)),
     (256, 1408, 2048): ((_B, 1), (_A, 2), (_A, 3), (_C, 3)),
-    (128, 1024, 4096): ((_B, 1), (_B, 2), (_B, 4)),
-    (48, 2048, 7168): ((_B, 2), (_B, 4)),
+    (128, 1024, 4096): ((_B, 1), (_B, 2), (_B, 4), (_A, 2), (_A, 4)),
+    (48, 2048, 7168): ((_B, 2), (_B, 4), (_A, 2), (_A, 4)),
     (8, 8192, 28672): ((_A, 1), (_A, 2), (_A, 4)),
     (32, 4096, 28672): ((_A, 2), (_A, 4)),
     (1000, 3000, 2008): ((POINTS[7], 1), (POINTS[7], 2)),
@@ -97,19 +100,19 @@ CASES: dict[tuple[int, int, int], tuple[tuple[tuple[int, ...], int], ...]] = {
 }
 
 
-def _cluster_k_defines(cfg: Any) -> tuple[str, ...] | None:
-    """The `cluster_k2` build of a point (the kernel's CLUSTER_K = 2: the cluster's two CTAs take the two
-    halves of a tile's K, the second's partial added through distributed shared memory), launched as the
-    point is: its grid (a K-split of 2 gives two CTAs a tile) and its shared memory. The partial's buffer
-    takes the place of pipeline stages: the most stages whose layout and buffer fit the point's shared
-    memory (None where fewer than 2 would, or the point multicasts or is swapped)."""
+def _cluster_k_defines(cfg: Any, size: int = 2) -> tuple[str, ...] | None:
+    """The `cluster_k<size>` build of a point (the kernel's CLUSTER_K: the cluster's CTAs take equal
+    shares of a tile's K, the others' partials added through distributed shared memory), launched as
+    the point is: its grid (a K-split of `size` gives `size` CTAs a tile) and its shared memory. The
+    partials' buffers take the place of pipeline stages: the most stages whose layout and buffers fit
+    the point's shared memory (None where fewer than 2 would, or the point multicasts or is swapped)."""
     if cfg.cluster != 1 or cfg.swap:
         return None
-    partial = cfg.bm * cfg.bn * 4 + 16  # the kernel's kRedBytes
+    partial = (size - 1) * cfg.bm * cfg.bn * 4 + 16  # the kernel's kRedBytes
     for stages in range(cfg.stages - 1, 1, -1):
         fewer = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages, 1, 0)
         if fewer.smem_bytes + partial <= cfg.smem_bytes:
-            return (*fewer.defines, "-DCLUSTER_K=2")
+            return (*fewer.defines, f"-DCLUSTER_K={size}")
     return None
 
 
@@ -152,7 +155,7 @@ def build(out: Path, bazel_bin: Path, only: list[str] | None = None) -> None:
                 if not anchor.is_file():
                     raise SystemExit(f"{anchor}: missing: run `bazel build //kernels:all` first")
                 target = out / variant / f"{name}.cubin"
-                defines = _cluster_k_defines(cfg) if variant == "cluster_k2" else cfg.defines
+                defines = _cluster_k_defines(cfg, CLUSTER_K[variant]) if variant in CLUSTER_K else cfg.defines
                 if defines is None:  # the point as built stands in (its options print "-" in this column)
                     shutil.copyfile(built, target)
                     continue
@@ -222,9 +225,11 @@ def run(manifest: Path, variants: Path, rounds: int) -> None:
             kernel_id = _config(point).kernel_id
             times: dict[str, list[float]] = {v: [] for v in names}
             wrong = {}
-            # cluster_k2 launches clusters of two CTAs: the point's grid must be even, and the point built so.
+            # cluster_k<size> launches clusters of `size` CTAs: the point's grid must be a multiple, and
+            # the point built so.
             grid = bench.gemm_module().plan(m, n, k, props.multi_processor_count, kernel_id, splits).grid
-            skipped = {v for v in names if v == "cluster_k2" and (grid % 2 or _cluster_k_defines(_config(point)) is None)}
+            skipped = {v for v in names if v in CLUSTER_K
+                       and (grid % CLUSTER_K[v] or _cluster_k_defines(_config(point), CLUSTER_K[v]) is None)}
             names_now = [v for v in names if v not in skipped]
             for variant in names_now:
                 ops.set_library(libraries[variant])

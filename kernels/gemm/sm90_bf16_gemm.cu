@@ -15,7 +15,7 @@
 #error "gemm_bf16_tn needs -arch=sm_90a (wgmma, setmaxnreg)"
 #endif
 
-// CLUSTER_K (optional, default 1): 2 splits each tile's K between the two CTAs of a cluster
+// CLUSTER_K (optional, default 1): 2 or 4 splits each tile's K between the CTAs of a cluster
 // (Config's kClusterK); no library point sets it yet (benchmarks/gemm_split_cost.py times it).
 #ifndef CLUSTER_K
 #define CLUSTER_K 1

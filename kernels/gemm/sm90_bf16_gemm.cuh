@@ -76,13 +76,15 @@ struct Config {
   // BN runs along the caller's M (any multiple of 8: few or odd rows of A pad less), and the
   // kernel stores its result transposed, D[col][row] with rows of m elements.
   static constexpr bool kSwap = SWAP_ != 0;
-  // CLUSTER_K = 2: the two CTAs of a cluster take the two halves of one tile's K blocks, and the
-  // second adds its accumulators into the first's shared memory (distributed shared memory)
-  // instead of the split-K round trip through global memory; the first stores D. Not in the
-  // library's grid yet: benchmarks/gemm_split_cost.py builds and times it.
+  // CLUSTER_K = 2 or 4: the CTAs of a cluster take equal shares of one tile's K blocks, and the
+  // others put their accumulators into the first's shared memory (distributed shared memory)
+  // instead of the split-K round trip through global memory; the first adds them and stores D.
+  // Not in the library's grid yet: benchmarks/gemm_split_cost.py builds and times it.
   static constexpr int kClusterK = CLUSTER_K_;
   static constexpr int kClusterSize = CLUSTER_M_ * CLUSTER_K_;  // CTAs a cluster
-  static constexpr int kRedBytes = CLUSTER_K_ > 1 ? BM_ * BN_ * 4 + 16 : 0;  // the peer's partial, two mbarriers
+  static constexpr int kPartialFloats = BM_ * BN_;
+  // The peers' partials (one buffer each) and two mbarriers.
+  static constexpr int kRedBytes = CLUSTER_K_ > 1 ? (CLUSTER_K_ - 1) * kPartialFloats * 4 + 16 : 0;
 
   // BM = 64 (small-M problems): one consumer warpgroup, so no padded rows are multiplied.
   static constexpr int kConsumers = BM_ == 64 ? 1 : 2;
@@ -115,8 +117,8 @@ struct Config {
                 "BN must be 64, 128, 192 or 256 (with SWAP = 1, a multiple of 8 up to 256)");
   static_assert(kBK == 64 || kBK == 128, "BK must be 64 or 128");
   static_assert(kClusterM == 1 || kClusterM == 2 || kClusterM == 4, "CLUSTER_M must be 1, 2 or 4");
-  static_assert(kClusterK == 1 || (kClusterK == 2 && kClusterM == 1 && !kSwap),
-                "CLUSTER_K must be 1, or 2 with CLUSTER_M = 1 and SWAP = 0");
+  static_assert(kClusterK == 1 || ((kClusterK == 2 || kClusterK == 4) && kClusterM == 1 && !kSwap),
+                "CLUSTER_K must be 1, or 2 or 4 with CLUSTER_M = 1 and SWAP = 0");
   static_assert(kAcc <= 128, "accumulator tile too large for 232 registers per thread");
   static_assert(kStages >= 2, "STAGES must be at least 2");
   static_assert(kSmemBytes <= 232448, "shared memory exceeds the sm_90 limit of 227 KiB");
@@ -246,8 +248,8 @@ struct Walk {
   }
 };
 
-// CLUSTER_K = 2: K rank r of the cluster takes the r-th half of the piece's K blocks (the producer
-// and the consumers of a CTA the same).
+// CLUSTER_K > 1: K rank r of the cluster takes the r-th of CLUSTER_K equal shares of the piece's K
+// blocks (the producer and the consumers of a CTA the same).
 template <class C>
 __device__ __forceinline__ void take_k_share(Piece& p, int krank) {
   if constexpr (C::kClusterK > 1) {
@@ -474,11 +476,11 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   uint8_t* s_a = base;
   uint8_t* s_b = base + C::kStages * C::kABytes;
   uint8_t* s_d = s_b + C::kStages * C::kBBytes;  // kDBoxes staging boxes a consumer, 1024-byte aligned
-  // CLUSTER_K = 2: the peer's partial (kBM x kBN fp32) and two mbarriers (red_full: the
-  // reducer's, the partial is in; red_empty: the peer's, the reducer has read it).
+  // CLUSTER_K > 1: the peers' partials (kBM x kBN fp32 each) and two mbarriers (red_full: the
+  // reducer's, every partial is in; red_empty: each peer's, the reducer has read them).
   float* s_red = reinterpret_cast<float*>(s_d + C::kDBoxes * C::kConsumers * C::kDBoxBytes);
   uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(s_red) +
-                                               (C::kClusterK > 1 ? C::kBM * C::kBN * 4 : 0));
+                                               (C::kClusterK - 1) * C::kPartialFloats * 4);
   uint64_t* empty = full + C::kStages;
   uint64_t* red_full = empty + C::kStages;
   uint64_t* red_empty = red_full + 1;
@@ -494,7 +496,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       sm90::mbar_init(&empty[s], C::kConsumers * C::kClusterM);
     }
     if constexpr (C::kClusterK > 1) {
-      sm90::mbar_init(red_full, C::kConsumers * 128);
+      sm90::mbar_init(red_full, (C::kClusterK - 1) * C::kConsumers * 128);
       sm90::mbar_init(red_empty, C::kConsumers * 128);
     }
     sm90::fence_mbar_init();
@@ -566,7 +568,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
     uint32_t phase = 0;
     Walk<C> walk(sched, cluster_id, clusters, rank, splits);
     Piece piece;
-    uint32_t red_phase = 0;  // CLUSTER_K = 2: tiles done, mod 2
+    uint32_t red_phase = 0;  // CLUSTER_K > 1: tiles done, mod 2
     while (walk.next(piece)) {
       take_k_share<C>(piece, krank);
       const int tm = piece.tm, tn = piece.tn;
@@ -614,14 +616,16 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
       if (tm >= sched.tiles_m) continue;
 
       if constexpr (C::kClusterK > 1) {
-        // The peer (K rank 1) puts its accumulators into the reducer's s_red once the reducer has
-        // read the previous tile's, each thread's float4s where the same thread of the reducer
-        // reads them, and goes on; each thread's release orders its own stores. The reducer adds
-        // them to its own (its K half first, so D gets the same bits on every launch) and stores D.
+        // A peer (K rank above 0) puts its accumulators into its buffer in the reducer's s_red once
+        // the reducer has read the previous tile's, each thread's float4s where the same thread of
+        // the reducer reads them, and goes on; each thread's release orders its own stores. The
+        // reducer adds them to its own in rank order (so D gets the same bits on every launch) and
+        // stores D.
         constexpr int kConsumerThreads = C::kConsumers * 128;
         if (krank != 0) {
           sm90::mbar_wait_cluster(red_empty, red_phase ^ 1);
-          const uint32_t dst = sm90::mapa(sm90::smem_addr(s_red), 0) + static_cast<uint32_t>(ct) * 16;
+          const uint32_t dst = sm90::mapa(sm90::smem_addr(s_red + (krank - 1) * C::kPartialFloats), 0) +
+                               static_cast<uint32_t>(ct) * 16;
 #pragma unroll
           for (int r = 0; r < C::kAcc / 4; ++r) {
             sm90::st_cluster_v4(dst + r * kConsumerThreads * 16, acc[4 * r], acc[4 * r + 1], acc[4 * r + 2],
@@ -632,16 +636,20 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
           continue;
         }
         sm90::mbar_wait_cluster(red_full, red_phase);
-        const float4* part = reinterpret_cast<const float4*>(s_red);
 #pragma unroll
-        for (int r = 0; r < C::kAcc / 4; ++r) {
-          const float4 v = part[r * kConsumerThreads + ct];
-          acc[4 * r] += v.x;
-          acc[4 * r + 1] += v.y;
-          acc[4 * r + 2] += v.z;
-          acc[4 * r + 3] += v.w;
+        for (int peer = 1; peer < C::kClusterK; ++peer) {
+          const float4* part = reinterpret_cast<const float4*>(s_red + (peer - 1) * C::kPartialFloats);
+#pragma unroll
+          for (int r = 0; r < C::kAcc / 4; ++r) {
+            const float4 v = part[r * kConsumerThreads + ct];
+            acc[4 * r] += v.x;
+            acc[4 * r + 1] += v.y;
+            acc[4 * r + 2] += v.z;
+            acc[4 * r + 3] += v.w;
+          }
         }
-        sm90::mbar_arrive_release_cluster(red_empty, 1);
+#pragma unroll
+        for (int peer = 1; peer < C::kClusterK; ++peer) sm90::mbar_arrive_release_cluster(red_empty, peer);
         red_phase ^= 1;
       }
 

@@ -20,8 +20,8 @@ import gemm_split_cost as split_cost  # noqa: E402  (the benchmark script)
 def test_every_edit_of_a_variant_applies_once(variant: str) -> None:
     source = (ROOT / split_cost.HEADER).read_text()
     edited = split_cost.edited(source, split_cost.VARIANTS[variant], variant)
-    # cluster_k2 edits nothing: the header's CLUSTER_K define builds it (_cluster_k_defines).
-    assert (edited == source) == (variant in ("as_built", "cluster_k2"))
+    # cluster_k2 and cluster_k4 edit nothing: the header's CLUSTER_K define builds them (_cluster_k_defines).
+    assert (edited == source) == (variant == "as_built" or variant in split_cost.CLUSTER_K)
 
 
 def test_an_edit_whose_text_moved_names_the_variant() -> None:
@@ -35,23 +35,24 @@ def test_the_cases_time_only_points_the_variants_build() -> None:
         assert {point for point, _ in options} <= set(split_cost.POINTS)
 
 
-def test_cluster_k2_trades_stages_for_the_partial_within_the_points_shared_memory() -> None:
+@pytest.mark.parametrize("size", [2, 4])
+def test_cluster_k_trades_stages_for_the_partials_within_the_points_shared_memory(size: int) -> None:
     built = 0
     for point in split_cost.POINTS:
         cfg = split_cost._config(point)
-        defines = split_cost._cluster_k_defines(cfg)
+        defines = split_cost._cluster_k_defines(cfg, size)
         if cfg.cluster != 1 or cfg.swap:
             assert defines is None, cfg.kernel_id  # a multicast or swapped point has no K cluster
             continue
         if defines is None:
             continue
         built += 1
-        assert "-DCLUSTER_K=2" in defines
+        assert f"-DCLUSTER_K={size}" in defines
         stages = int(next(d for d in defines if d.startswith("-DSTAGES=")).removeprefix("-DSTAGES="))
-        partial = cfg.bm * cfg.bn * 4 + 16
+        partial = (size - 1) * cfg.bm * cfg.bn * 4 + 16
         fits = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages, 1, 0).smem_bytes + partial
         assert 2 <= stages < cfg.stages and fits <= cfg.smem_bytes, cfg.kernel_id
         if stages + 1 < cfg.stages:  # the most stages that fit
             more = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages + 1, 1, 0).smem_bytes + partial
             assert more > cfg.smem_bytes, cfg.kernel_id
-    assert built >= 3  # the 512x1024x4096 case's 64x128, 64x64 and 128x128 points at least
+    assert built >= (3 if size == 2 else 2)  # 64x128 and 64x64 at least; at 2, 128x128 too
