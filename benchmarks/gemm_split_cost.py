@@ -116,6 +116,17 @@ def _cluster_k_defines(cfg: Any, size: int = 2) -> tuple[str, ...] | None:
     return None
 
 
+def runs_as(variant: str, point: tuple[int, ...], shape: tuple[int, int, int], splits: int, sm_count: int) -> bool:
+    """Whether an option runs `variant`'s build of its point: a cluster_k<size> variant launches clusters of
+    `size` CTAs, so only where the point has such a build and its grid is a multiple of `size`."""
+    size = CLUSTER_K.get(variant)
+    if size is None:
+        return True
+    cfg = _config(point)
+    grid = bench.gemm_module().plan(*shape, sm_count, cfg.kernel_id, splits).grid
+    return grid % size == 0 and _cluster_k_defines(cfg, size) is not None
+
+
 def edited(source: str, edits: tuple[tuple[str, str], ...], variant: str) -> str:
     for old, new in edits:
         if source.count(old) != 1:
@@ -175,7 +186,7 @@ def build(out: Path, bazel_bin: Path, only: list[str] | None = None) -> None:
             print(f"{variant}: {len(POINTS)} CUBINs in {out / variant}", flush=True)
 
 
-def _libraries(manifest: Path, variants: Path, home: Path) -> dict[str, Any]:
+def _libraries(manifest: Path, variants: Path, home: Path, only: list[str] | None = None) -> dict[str, Any]:
     from cubinstore import launch
     from cubinstore.manifest import Manifest
     from cubinstore.store import LocalLayer, Store
@@ -186,7 +197,7 @@ def _libraries(manifest: Path, variants: Path, home: Path) -> dict[str, Any]:
     out = {}
     for variant in VARIANTS:
         where = variants / variant
-        if not where.is_dir():
+        if not where.is_dir() or (only and variant not in only and variant != "as_built"):
             continue
         raw = json.loads(json.dumps(base))
         for spec in raw["kernels"]:
@@ -202,12 +213,12 @@ def _libraries(manifest: Path, variants: Path, home: Path) -> dict[str, Any]:
     return out
 
 
-def run(manifest: Path, variants: Path, rounds: int) -> None:
+def run(manifest: Path, variants: Path, rounds: int, only: list[str] | None = None) -> None:
     import torch
 
     import cubinstore.ops as ops
 
-    libraries = _libraries(manifest, variants, Path(tempfile.mkdtemp(prefix="cubinstore-split-cost-")))
+    libraries = _libraries(manifest, variants, Path(tempfile.mkdtemp(prefix="cubinstore-split-cost-")), only)
     if "as_built" not in libraries:
         raise SystemExit(f"{variants}: no as_built variant: run `gemm_split_cost.py build` on the build host")
     props = torch.cuda.get_device_properties(0)
@@ -225,11 +236,7 @@ def run(manifest: Path, variants: Path, rounds: int) -> None:
             kernel_id = _config(point).kernel_id
             times: dict[str, list[float]] = {v: [] for v in names}
             wrong = {}
-            # cluster_k<size> launches clusters of `size` CTAs: the point's grid must be a multiple, and
-            # the point built so.
-            grid = bench.gemm_module().plan(m, n, k, props.multi_processor_count, kernel_id, splits).grid
-            skipped = {v for v in names if v in CLUSTER_K
-                       and (grid % CLUSTER_K[v] or _cluster_k_defines(_config(point), CLUSTER_K[v]) is None)}
+            skipped = {v for v in names if not runs_as(v, point, (m, n, k), splits, props.multi_processor_count)}
             names_now = [v for v in names if v not in skipped]
             for variant in names_now:
                 ops.set_library(libraries[variant])
@@ -261,11 +268,15 @@ def main() -> None:
     r.add_argument("--manifest", type=Path, default=ROOT / ".device" / "kernels" / "manifest.json")
     r.add_argument("--variants", type=Path, default=ROOT / ".device" / "split_cost")
     r.add_argument("--rounds", type=int, default=3)
+    r.add_argument("--only", nargs="+", metavar="VARIANT", help="time these variants (and as_built) alone")
     args = parser.parse_args()
     if args.command == "build":
         build(args.out, args.bazel_bin, args.only)
     else:
-        run(args.manifest, args.variants, args.rounds)
+        unknown = sorted(set(args.only or ()) - set(VARIANTS))
+        if unknown:
+            raise SystemExit(f"--only: no variant {unknown} (variants: {', '.join(VARIANTS)})")
+        run(args.manifest, args.variants, args.rounds, args.only)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@
 #   outliers    benchmarks/gemm_split_outliers.py (split launches far slower than their kernel's other splits)
 #   splitcost   benchmarks/gemm_split_cost.py run (split launches with parts of their protocol taken out;
 #               .device/split_cost, which tools/stage_device.sh builds)
+#   clusterk    the same, the K-cluster and reducer-lead variants alone (as_built, lead_1x, cluster_k2, cluster_k4)
 #   sweep       benchmarks/gemm_split_outliers.py --sweep (every tuning and held-out option, slow batches looked
 #               at again; the timings to $OUT/sweep_tuning.json and sweep_held.json)
 # e.g. tools/device_run.sh tests runtime gemm
@@ -77,8 +78,10 @@ for what in "$@"; do
     rows) step rows "$PY" benchmarks/gemm_row_alignment.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     outliers) step outliers "$PY" benchmarks/gemm_split_outliers.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     splitcost) step splitcost "$PY" benchmarks/gemm_split_cost.py run --manifest "$CUBINSTORE_TEST_MANIFEST" --variants .device/split_cost ;;
+    clusterk) step clusterk "$PY" benchmarks/gemm_split_cost.py run --manifest "$CUBINSTORE_TEST_MANIFEST" --variants .device/split_cost \
+                --only lead_1x cluster_k2 cluster_k4 ;;
     sweep) step sweep "$PY" benchmarks/gemm_split_outliers.py --sweep --manifest "$CUBINSTORE_TEST_MANIFEST" --save "$OUT" ;;
-    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, splitcost, sweep)" >&2; exit 2 ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, splitcost, clusterk, sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -56,3 +56,11 @@ def test_cluster_k_trades_stages_for_the_partials_within_the_points_shared_memor
             more = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages + 1, 1, 0).smem_bytes + partial
             assert more > cfg.smem_bytes, cfg.kernel_id
     assert built >= (3 if size == 2 else 2)  # 64x128 and 64x64 at least; at 2, 128x128 too
+
+
+def test_a_cluster_k_variant_runs_only_where_its_clusters_tile_the_grid() -> None:
+    point = split_cost.POINTS[0]  # 64x128, unswapped, no multicast
+    assert split_cost.runs_as("as_built", point, (512, 1024, 4096), 2, 132)
+    assert split_cost.runs_as("cluster_k2", point, (512, 1024, 4096), 2, 132)  # 64 tiles x 2: a grid of 128
+    assert not split_cost.runs_as("cluster_k4", point, (64, 64, 4096), 3, 132)  # one tile x 3: a grid of 3
+    assert not split_cost.runs_as("cluster_k2", (128, 104, 64, 6, 1, 1), (200, 7168, 2048), 2, 132)  # swapped
