@@ -74,6 +74,11 @@ TUNING: Final[tuple[Shape, ...]] = tuple(
         Shape(16, 4096, 28672, "deep-k", "few rows, deep K"),
         Shape(32, 8192, 28672, "deep-k", "few rows, deep K"),
         Shape(64, 2048, 28672, "deep-k", "few rows, deep K"),
+        # Twelfth session: `skinny` grids below the SM count (few columns of D). Without them the fit
+        # cannot tell its points' K-block costs apart there: refits flipped held-out 1x1024x8192
+        # between two points (docs/gemm.md, eleventh session). Chosen for that, after those studies.
+        Shape(1, 2048, 8192, "deep-k", "one row, few CTAs"),
+        Shape(16, 512, 14336, "deep-k", "few rows, few CTAs"),
     ]
 )
 
