@@ -127,6 +127,12 @@ def runs_as(variant: str, point: tuple[int, ...], shape: tuple[int, int, int], s
     return grid % size == 0 and _cluster_k_defines(cfg, size) is not None
 
 
+def _selected(variant: str, only: list[str] | None) -> bool:
+    """Whether `--only` takes `variant` (all without it; as_built always: the others are timed against it,
+    and its build checks the flags)."""
+    return not only or variant in only or variant == "as_built"
+
+
 def edited(source: str, edits: tuple[tuple[str, str], ...], variant: str) -> str:
     for old, new in edits:
         if source.count(old) != 1:
@@ -147,11 +153,8 @@ def build(out: Path, bazel_bin: Path, only: list[str] | None = None) -> None:
     include = cutlass_include()
     header = (ROOT / HEADER).read_text()
     bazel_bin, out = bazel_bin.resolve(), out.resolve()  # nvcc runs in the copied tree
-    unknown = sorted(set(only or ()) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"--only: no variant {unknown} (variants: {', '.join(VARIANTS)})")
     for variant, edits in VARIANTS.items():
-        if only and variant not in only and variant != "as_built":  # as_built checks the flags each time
+        if not _selected(variant, only):
             continue
         with tempfile.TemporaryDirectory(prefix="cubinstore-split-cost-") as tree:
             gemm = Path(tree) / "kernels" / "gemm"
@@ -197,7 +200,7 @@ def _libraries(manifest: Path, variants: Path, home: Path, only: list[str] | Non
     out = {}
     for variant in VARIANTS:
         where = variants / variant
-        if not where.is_dir() or (only and variant not in only and variant != "as_built"):
+        if not where.is_dir() or not _selected(variant, only):
             continue
         raw = json.loads(json.dumps(base))
         for spec in raw["kernels"]:
@@ -270,12 +273,12 @@ def main() -> None:
     r.add_argument("--rounds", type=int, default=3)
     r.add_argument("--only", nargs="+", metavar="VARIANT", help="time these variants (and as_built) alone")
     args = parser.parse_args()
+    unknown = sorted(set(args.only or ()) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--only: no variant {unknown} (variants: {', '.join(VARIANTS)})")
     if args.command == "build":
         build(args.out, args.bazel_bin, args.only)
     else:
-        unknown = sorted(set(args.only or ()) - set(VARIANTS))
-        if unknown:
-            raise SystemExit(f"--only: no variant {unknown} (variants: {', '.join(VARIANTS)})")
         run(args.manifest, args.variants, args.rounds, args.only)
 
 

@@ -83,8 +83,8 @@ struct Config {
   static constexpr int kClusterK = CLUSTER_K_;
   static constexpr int kClusterSize = CLUSTER_M_ * CLUSTER_K_;  // CTAs a cluster
   static constexpr int kPartialFloats = BM_ * BN_;
-  // The peers' partials (one buffer each) and two mbarriers.
-  static constexpr int kRedBytes = CLUSTER_K_ > 1 ? (CLUSTER_K_ - 1) * kPartialFloats * 4 + 16 : 0;
+  static constexpr int kPartialsBytes = (CLUSTER_K_ - 1) * kPartialFloats * 4;  // the peers' buffers, one each
+  static constexpr int kRedBytes = CLUSTER_K_ > 1 ? kPartialsBytes + 16 : 0;      // and two mbarriers
 
   // BM = 64 (small-M problems): one consumer warpgroup, so no padded rows are multiplied.
   static constexpr int kConsumers = BM_ == 64 ? 1 : 2;
@@ -479,8 +479,7 @@ __device__ __forceinline__ void gemm_tn(const CUtensorMap& tma_a, const CUtensor
   // CLUSTER_K > 1: the peers' partials (kBM x kBN fp32 each) and two mbarriers (red_full: the
   // reducer's, every partial is in; red_empty: each peer's, the reducer has read them).
   float* s_red = reinterpret_cast<float*>(s_d + C::kDBoxes * C::kConsumers * C::kDBoxBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(s_red) +
-                                               (C::kClusterK - 1) * C::kPartialFloats * 4);
+  uint64_t* full = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(s_red) + C::kPartialsBytes);
   uint64_t* empty = full + C::kStages;
   uint64_t* red_full = empty + C::kStages;
   uint64_t* red_empty = red_full + 1;

@@ -46,22 +46,20 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
                : "memory");
 }
 
+// This CTA's shared-memory address `addr` as the same offset in CTA `cta` of the cluster.
+__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
+  return remote;
+}
+
 // Arrives on the barrier at the same shared-memory offset in CTA `cta` of
 // this cluster (the local CTA included). The default (CTA-scope) release is
 // enough to hand a stage back: the consumer's reads of it were wgmma's, already
 // waited for. A cluster-scope release here halved the throughput of every
 // cluster-2 instantiation on the H200 (2026-12-02: 464 vs 225 us at 4096^3).
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-
-// This CTA's shared-memory address `addr` as the same offset in CTA `cta` of the cluster.
-__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
-  return remote;
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(mapa(smem_addr(bar), cta)) : "memory");
 }
 
 // Arrives on the barrier at `bar`'s offset in CTA `cta`, releasing this thread's earlier
