@@ -51,8 +51,8 @@ SOURCE = "kernels/gemm/sm90_bf16_gemm.cu"
 log = logging.getLogger("bench_gemm")
 
 # The instantiation grid; mirrors kernels/gemm/BUILD.bazel (tests/ops/test_gemm_model.py checks), for
-# building without Bazel. Each row: (bm, bn, bk, stages, cluster, swap).
-GRID: tuple[tuple[int, int, int, int, int, int], ...] = tuple(
+# building without Bazel. Each row: (bm, bn, bk, stages, cluster, swap), and for gemm_kc kcluster.
+GRID: tuple[tuple[int, ...], ...] = tuple(
     [(128, 256, 64, s, c, 0) for s in (3, 4) for c in (1, 2)]
     + [(128, bn, 64, 5, c, 0) for bn in (128, 192) for c in (1, 2)]
     + [(128, 64, 64, 8, c, 0) for c in (1, 2)]
@@ -62,6 +62,9 @@ GRID: tuple[tuple[int, int, int, int, int, int], ...] = tuple(
     + [(64, 64, 128, 5, 1, 0), (64, 128, 128, 4, 1, 0)]
     + [(128, 104, 64, 6, 1, 1), (128, 152, 64, 5, 1, 1), (64, 104, 64, 10, 1, 1), (64, 112, 64, 9, 2, 1)]
     + [(64, 104, 64, 10, 4, 1), (128, 200, 64, 4, 4, 1)]
+    # gemm_kc: a K split inside a cluster of kcluster CTAs.
+    + [(64, 128, 64, 6, 1, 0, 2), (64, 128, 64, 4, 1, 0, 4), (64, 64, 128, 4, 1, 0, 2), (64, 64, 128, 3, 1, 0, 4)]
+    + [(128, 128, 64, 3, 1, 0, 2), (128, 64, 64, 6, 1, 0, 2), (128, 64, 64, 4, 1, 0, 4)]
 )
 
 # (M, N, K) of the LLM projections the issue names; 4096^3 first.
@@ -78,7 +81,7 @@ def gemm_module() -> Any:
 
 
 def target_name(cfg: Any) -> str:
-    return "gemm_" + "_".join(f"{k}{v}" for k, v in cfg.params.items()) + "_sm_90a"
+    return cfg.family + "_" + "_".join(f"{k}{v}" for k, v in cfg.params.items()) + "_sm_90a"
 
 
 # -- compile ---------------------------------------------------------------------------------------
@@ -112,7 +115,7 @@ def compile_grid(out: Path, nvcc: str, include: Path) -> None:
         os.replace(tmp, final)
         seconds[cfg.kernel_id] = round(cpu, 3)
         kernels.append({
-            "id": cfg.kernel_id, "family": g.FAMILY, "params": cfg.params, "arch": g.ARCH,
+            "id": cfg.kernel_id, "family": cfg.family, "params": cfg.params, "arch": g.ARCH,
             "digest": "sha256:" + hashlib.sha256(data).hexdigest(), "size": len(data),
             "entries": {g.ENTRY: list(g.ENTRY_TYPES)}, "target": f"//kernels/gemm:{target_name(cfg)}",
         })
@@ -159,7 +162,9 @@ def open_library(manifest_path: Path, home: Path) -> Any:
 
 
 def gemm_specs(library: Any) -> list[Any]:
-    return [k for k in library.manifest.kernels if k.family == "gemm"]
+    """The kernels of the gemm family and its K-cluster family (gemm_kc)."""
+    g = gemm_module()
+    return [k for k in library.manifest.kernels if k.family in (g.FAMILY, g.KC_FAMILY)]
 
 
 def op_specs(manifest: Any) -> list[Any]:

@@ -106,13 +106,17 @@ def _cluster_k_defines(cfg: Any, size: int = 2) -> tuple[str, ...] | None:
     the point is: its grid (a K-split of `size` gives `size` CTAs a tile) and its shared memory. The
     partials' buffers take the place of pipeline stages: the most stages whose layout and buffers fit
     the point's shared memory (None where fewer than 2 would, or the point multicasts or is swapped)."""
+    from cubinstore.errors import BadArgumentError
+
     if cfg.cluster != 1 or cfg.swap:
         return None
-    partial = (size - 1) * cfg.bm * cfg.bn * 4 + 16  # the kernel's kRedBytes
     for stages in range(cfg.stages - 1, 1, -1):
-        fewer = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages, 1, 0)
-        if fewer.smem_bytes + partial <= cfg.smem_bytes:
-            return (*fewer.defines, f"-DCLUSTER_K={size}")
+        try:
+            shared = type(cfg)(cfg.bm, cfg.bn, cfg.bk, stages, 1, 0, size)  # gemm_kc's layout, buffers included
+        except BadArgumentError:  # above the opt-in limit
+            continue
+        if shared.smem_bytes <= cfg.smem_bytes:
+            return shared.defines
     return None
 
 

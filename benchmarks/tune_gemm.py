@@ -156,6 +156,8 @@ def split_tries(model: Model, m: int, n: int, k: int, gpu: Gpu, kernel_id: str) 
     cfg = g.config_of(kernel_id)
     if isinstance(cfg, g.SkinnyConfig):  # no split; timed where the model offers it (M fits BM)
         return [1] if options else []
+    if cfg.kcluster > 1:  # gemm_kc: its cluster is the split; timed everywhere, as a swapped point is
+        return [1]
     picked = min(options)[2] if options else 1
     _, _, held = _gemm_model._layout(cfg, m, n, sm_count, slots)  # the clusters the grid may hold
     tries = {1}

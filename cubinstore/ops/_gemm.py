@@ -35,6 +35,8 @@ from cubinstore.ops._gemm_config import (
     ENTRY_TYPES,
     FAMILIES,
     FAMILY,
+    KC_FAMILY,
+    KC_KEYS,
     KEYS,
     MAX_SPLITS,
     SKINNY_ANY_FAMILY,
@@ -76,6 +78,8 @@ __all__ = [
     "ENTRY_TYPES",
     "FAMILIES",
     "FAMILY",
+    "KC_FAMILY",
+    "KC_KEYS",
     "KEYS",
     "MAX_SPLITS",
     "Operand",
@@ -178,16 +182,16 @@ def _kernel(library: Library, kernel_id: str, device: int) -> Kernel:
 def _co_resident(library: Library, kernel: Kernel, kernel_id: str, device: int) -> int | None:
     """The clusters of a gemm point the device holds at once (cached); None for one not launched in clusters."""
     config = config_of(kernel_id)
-    if isinstance(config, SkinnyConfig) or config.cluster == 1:
+    if isinstance(config, SkinnyConfig) or config.cluster_ctas == 1:
         return None
     key = (library, kernel_id, device)
     count = _co_resident_counts.get(key)
     if count is None:
-        count = kernel.max_active_clusters(ENTRY, grid=(config.cluster, 1, 1), block=(config.threads, 1, 1),
+        count = kernel.max_active_clusters(ENTRY, grid=(config.cluster_ctas, 1, 1), block=(config.threads, 1, 1),
                                            shared_mem=config.smem_bytes)
         if count < 1:
             raise BadArgumentError(f"gemm: device {device} cannot hold one cluster of kernel {kernel_id} "
-                                   f"({config.cluster} CTAs of {config.smem_bytes} bytes of shared memory)")
+                                   f"({config.cluster_ctas} CTAs of {config.smem_bytes} bytes of shared memory)")
         with _lock:
             _co_resident_counts[key] = count
     return count
@@ -223,8 +227,8 @@ def cluster_slots(library: Library, device: int) -> dict[int, int]:
         firsts: dict[int, str] = {}
         for kernel_id in sorted(candidates(library)):
             config = config_of(kernel_id)
-            if isinstance(config, GemmConfig) and config.cluster > 1:
-                firsts.setdefault(config.cluster, kernel_id)
+            if isinstance(config, GemmConfig) and config.cluster_ctas > 1:
+                firsts.setdefault(config.cluster_ctas, kernel_id)
         slots = {}
         for size, kernel_id in sorted(firsts.items()):
             count = _co_resident(library, _kernel(library, kernel_id, device), kernel_id, device)
@@ -443,7 +447,7 @@ def _prepare(
     launch = plan(m, n, k, sm_count(device), kernel_id, splits)  # checks all before anything is loaded
     kernel = _kernel(library, kernel_id, device)
     co_resident = _co_resident(library, kernel, kernel_id, device)
-    if co_resident is not None and launch.grid > co_resident * launch.config.cluster:
+    if co_resident is not None and launch.grid > co_resident * launch.config.cluster_ctas:
         launch = plan(m, n, k, sm_count(device), kernel_id, splits, max_clusters=co_resident)
     cfg = launch.config
     logger.debug("gemm %dx%dx%d: %s splits=%d grid=%d%s", m, n, k, kernel_id, launch.splits, launch.grid,

@@ -1,7 +1,7 @@
 """The instantiations ``ops.gemm`` launches, their launch plans, and its operand checks.
 
 ``GemmConfig`` is one instantiation of ``kernels/gemm/sm90_bf16_gemm.cu`` (a tile, pipeline depth,
-cluster size and operand swap), ``SkinnyConfig`` one of ``kernels/skinny/sm90_bf16_skinny.cu``;
+cluster size, operand swap, and for family ``gemm_kc`` the CTAs a tile's K is shared by), ``SkinnyConfig`` one of ``kernels/skinny/sm90_bf16_skinny.cu``;
 each computes its launch contract (block, shared memory, TMA boxes; see the families'
 README.md). ``plan`` turns an instantiation, a problem and a K-split into a grid;
 ``check_operands`` validates A, B and D as ``Operand`` descriptions. Pure Python: no CUDA and
@@ -23,6 +23,8 @@ __all__ = [
     "FAMILIES",
     "FAMILY",
     "GemmConfig",
+    "KC_FAMILY",
+    "KC_KEYS",
     "KEYS",
     "MAX_SPLITS",
     "Operand",
@@ -62,6 +64,11 @@ MAX_SPLITS: Final = 16
 STREAM_K: Final = 0
 #: The gemm grid's keys, in the order its ids render them.
 KEYS: Final = ("bm", "bn", "bk", "stages", "cluster", "swap")
+#: The same kernel with its CLUSTER_K define (kernels/gemm/README.md, "A K split inside a cluster"):
+#: the `kcluster` CTAs of a cluster share one tile's K blocks and add their partials through
+#: distributed shared memory. A family of its own, so no `gemm` id changes; no B multicast, no swap.
+KC_FAMILY: Final = "gemm_kc"
+KC_KEYS: Final = ("bm", "bn", "bk", "stages", "kcluster")
 
 SKINNY_FAMILY: Final = "skinny"
 #: The skinny kernel reading rows at any element address (kernels/skinny/README.md, "Rows at any
@@ -72,7 +79,7 @@ SKINNY_ENTRY: Final = "skinny_bf16_tn"
 SKINNY_ENTRY_TYPES: Final = ("ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32")
 #: The kernel families ops.gemm's selection model chooses among (skinny_any stands in for a
 #: chosen skinny point; it is never weighed itself).
-FAMILIES: Final = (FAMILY, SKINNY_FAMILY)
+FAMILIES: Final = (FAMILY, KC_FAMILY, SKINNY_FAMILY)
 #: The skinny grid's keys, in the order its ids render them.
 SKINNY_KEYS: Final = ("bm", "bn", "warps", "unroll")
 _SKINNY_CHUNK: Final = 32  # K elements a warp multiplies per chunk (two m16n8k16 mmas)
@@ -87,6 +94,11 @@ class GemmConfig:
     ``swap = 1``: the kernel is given B as its A and A as its B (its m is the caller's N, its
     n the caller's M) and stores D transposed, so ``bn`` (any multiple of 8 up to 256) runs
     along the caller's M: few or odd rows of A pad to less.
+
+    ``kcluster`` 2 or 4 (family ``gemm_kc``): clusters of that many CTAs, each taking an equal
+    share of one tile's K blocks; the first adds the others' fp32 partials, which they store into
+    its shared memory, and stores D. It takes no split (the cluster is the split) and needs
+    ``cluster`` 1 and ``swap`` 0.
     """
 
     bm: int
@@ -95,6 +107,7 @@ class GemmConfig:
     stages: int
     cluster: int
     swap: int = 0
+    kcluster: int = 1
 
     def __post_init__(self) -> None:
         problems = []
@@ -110,6 +123,11 @@ class GemmConfig:
             problems.append(f"bk {self.bk} not in (64, 128)")
         if self.cluster not in (1, 2, 4):
             problems.append(f"cluster {self.cluster} not in (1, 2, 4)")  # every bn above splits into 4 equal slices
+        if self.kcluster not in (1, 2, 4):
+            problems.append(f"kcluster {self.kcluster} not in (1, 2, 4)")
+        elif self.kcluster > 1 and (self.cluster != 1 or self.swap):
+            problems.append(f"kcluster {self.kcluster}: expected cluster 1 and swap 0, "
+                            f"got cluster {self.cluster} and swap {self.swap}")
         if self.stages < 2:
             problems.append(f"stages {self.stages} < 2")
         if self.bm // 128 * self.bn // 2 > 128:
@@ -117,10 +135,18 @@ class GemmConfig:
         if not problems and self.smem_bytes > _MAX_SMEM:
             problems.append(f"shared memory {self.smem_bytes} > {_MAX_SMEM} bytes")
         if problems:
-            raise BadArgumentError(f"invalid gemm instantiation {self.params}: {'; '.join(problems)}")
+            raise BadArgumentError(f"invalid {self.family} instantiation {self.params}: {'; '.join(problems)}")
 
     @classmethod
     def from_id(cls, kernel_id: str) -> GemmConfig:
+        if isinstance(kernel_id, str) and kernel_id.startswith(KC_FAMILY + "/"):
+            params = _int_params(kernel_id, KC_FAMILY, KC_KEYS)
+            if params is None:
+                raise BadArgumentError(f"invalid gemm_kc kernel id {kernel_id!r}: expected "
+                                       "'gemm_kc/bm<M>/bn<N>/bk<K>/stages<S>/kcluster<2|4>/sm_90a'")
+            if params["kcluster"] == 1:  # that instantiation is the gemm family's, under its own id
+                raise BadArgumentError(f"invalid gemm_kc kernel id {kernel_id!r}: expected kcluster 2 or 4")
+            return cls(cluster=1, swap=0, **params)
         params = _int_params(kernel_id, FAMILY, KEYS)
         if params is None:
             raise BadArgumentError(
@@ -130,20 +156,36 @@ class GemmConfig:
         return cls(**params)
 
     @property
+    def family(self) -> str:
+        return KC_FAMILY if self.kcluster > 1 else FAMILY
+
+    @property
     def params(self) -> dict[str, int]:
-        """Manifest params, in grid order."""
+        """Manifest params, in grid order (its family's keys)."""
+        if self.kcluster > 1:
+            return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "kcluster": self.kcluster}
         return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "cluster": self.cluster,
                 "swap": self.swap}
 
     @property
     def kernel_id(self) -> str:
-        return abi.kernel_id(FAMILY, self.params, ARCH)
+        return abi.kernel_id(self.family, self.params, ARCH)
 
     @property
     def defines(self) -> tuple[str, ...]:
-        """nvcc ``-D`` flags of this instantiation."""
-        return (f"-DBM={self.bm}", f"-DBN={self.bn}", f"-DBK={self.bk}",
-                f"-DSTAGES={self.stages}", f"-DCLUSTER_M={self.cluster}", f"-DSWAP={self.swap}")
+        """nvcc ``-D`` flags of this instantiation (CLUSTER_K only where it is above 1, as the BUILD's are)."""
+        flags = (f"-DBM={self.bm}", f"-DBN={self.bn}", f"-DBK={self.bk}",
+                 f"-DSTAGES={self.stages}", f"-DCLUSTER_M={self.cluster}", f"-DSWAP={self.swap}")
+        return (*flags, f"-DCLUSTER_K={self.kcluster}") if self.kcluster > 1 else flags
+
+    @property
+    def cluster_ctas(self) -> int:
+        """CTAs a cluster: ``cluster`` along M (sharing B) times ``kcluster`` along K (the kernel's kClusterSize)."""
+        return self.cluster * self.kcluster
+
+    def k_share(self, kblocks: int) -> int:
+        """K blocks of a tile the busiest CTA of its cluster takes (all of them where kcluster is 1)."""
+        return -(-kblocks // self.kcluster)
 
     def kernel_dims(self, m: int, n: int) -> tuple[int, int]:
         """The kernel's (m, n) for the caller's M x N: swapped when ``swap`` is 1."""
@@ -166,11 +208,17 @@ class GemmConfig:
 
     @property
     def _fixed_smem_bytes(self) -> int:
-        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.stages * 8
+        return 1024 + self.stages * (self.bm + self.bn) * self.bk * 2 + 2 * self.stages * 8 + self.partials_bytes
+
+    @property
+    def partials_bytes(self) -> int:
+        """kcluster above 1: the peers' fp32 partials (one BM x BN buffer each) and two mbarriers (kRedBytes)."""
+        return (self.kcluster - 1) * self.bm * self.bn * 4 + 16 if self.kcluster > 1 else 0
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, the D boxes."""
+        """Dynamic shared memory: alignment slack, the stage ring, two mbarriers a stage, the peers'
+        partials (kcluster above 1), the D boxes."""
         box_bytes = self.d_box[0] * self.d_box[1] * 2  # bf16
         return self._fixed_smem_bytes + self.d_boxes * self.consumers * box_bytes
 
@@ -345,7 +393,8 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int, *,
          max_clusters: int | None = None) -> Plan:
     """The launch of `kernel_id` for an M x N x K problem on a GPU of `sm_count` SMs.
 
-    `splits` is STREAM_K, or clamped to [1, number of K blocks] (and to 16); the grid is
+    `splits` is STREAM_K, or clamped to [1, number of K blocks] (and to 16); a gemm_kc point takes
+    none (`splits` must be 1: its cluster shares each tile's K). The grid is
     persistent: at most one CTA per SM, a multiple of the cluster size, and at most
     `max_clusters` clusters (the device's co-resident count, `Kernel.max_active_clusters`: a
     cluster must fit in one GPC, so it may be below SMs / cluster; None: no such cap); with
@@ -359,8 +408,12 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int, *,
             raise BadArgumentError(f"gemm {name}: expected 1 <= {name} <= {_I32_MAX}, got {value}")
     if isinstance(config, SkinnyConfig):
         return _skinny_plan(m, n, k, config, kernel_id, splits)
-    if sm_count < config.cluster:
-        raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {config.cluster}")
+    size = config.cluster_ctas
+    if sm_count < size:
+        raise BadArgumentError(f"gemm: {sm_count} SMs cannot hold a cluster of {size}")
+    if config.kcluster > 1 and int(splits) != 1:
+        raise BadArgumentError(f"gemm: kernel {kernel_id} takes no K split (its cluster shares each tile's K): "
+                               f"expected splits 1, got {splits}")
     if max_clusters is not None and (isinstance(max_clusters, bool) or not isinstance(max_clusters, int)
                                      or max_clusters < 1):
         raise BadArgumentError(f"gemm: kernel {kernel_id} max_clusters: expected a positive int (the clusters "
@@ -378,8 +431,8 @@ def plan(m: int, n: int, k: int, sm_count: int, kernel_id: str, splits: int, *,
         raise BadArgumentError(f"gemm {m}x{n}x{k}: too many tiles for kernel {kernel_id} ({units} work units)")
     # Stream-K deals out K blocks: more clusters than the problem has would idle.
     work = cluster_tiles * kblocks if splits == STREAM_K else units
-    clusters = min(work, sm_count // config.cluster, max_clusters or work)
-    return Plan(config, splits, tiles_m, tiles_n, units, clusters * config.cluster)
+    clusters = min(work, sm_count // size, max_clusters or work)
+    return Plan(config, splits, tiles_m, tiles_n, units, clusters * size)
 
 
 def _skinny_plan(m: int, n: int, k: int, config: SkinnyConfig, kernel_id: str, splits: int) -> Plan:

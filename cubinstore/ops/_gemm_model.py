@@ -35,6 +35,9 @@ shape, and ``choose`` takes the fastest:
 
 A swapped ``gemm`` point (``GemmConfig.swap``: its tile's BN rows run along M) is the same
 launch of the N x M problem, and is weighed only where the calibration has its constants.
+So is a ``gemm_kc`` point (``GemmConfig.kcluster``): a unit is a whole tile, run by a cluster of
+``kcluster`` CTAs whose busiest takes ``ceil(K blocks / kcluster)`` of them; adding the peers'
+partials through distributed shared memory is part of its fitted ``unit_us``.
 
 A ``skinny`` point (``kernels/skinny``: few rows of A, no tensor maps, no split) is weighed
 where M fits its BM rows. It launches one CTA per BN columns of D, ``SkinnyConfig.ctas_per_sm``
@@ -263,6 +266,8 @@ def offers_stream_k(m: int, n: int, k: int, sm_count: int, kernel_id: str,
     cfg = _config(kernel_id)
     if isinstance(cfg, _configs.SkinnyConfig):
         return False
+    if cfg.kcluster > 1:
+        return False  # its cluster is the split
     _, cluster_tiles, slots = _layout(cfg, m, n, sm_count, cluster_slots)
     return weighs_stream_k(cluster_tiles, slots, -(-k // cfg.bk))
 
@@ -289,7 +294,8 @@ def _stream_k_work(cluster_tiles: int, clusters: int, kblocks: int) -> tuple[int
 
 def _max_clusters(config: _configs.GemmConfig, cluster_slots: ClusterSlots) -> int | None:
     """plan()'s max_clusters for `config` on a device holding `cluster_slots` (None: no cap known)."""
-    return cluster_slots.get(config.cluster) if cluster_slots and config.cluster > 1 else None
+    size = config.cluster_ctas
+    return cluster_slots.get(size) if cluster_slots and size > 1 else None
 
 
 def _layout(config: _configs.GemmConfig, m: int, n: int, sm_count: int,
@@ -298,12 +304,12 @@ def _layout(config: _configs.GemmConfig, m: int, n: int, sm_count: int,
 
     plan() gives units = these units x splits and grid = min(units, slots) x cluster;
     tests/ops/test_gemm_model.py checks the two agree for every id, split and a grid of shapes.
-    A swapped point tiles N x M. Slots are SMs / cluster, or fewer where `cluster_slots` says
-    the device holds fewer clusters of that size at once (the H200: all 66 pairs, 30 of 4).
+    A swapped point tiles N x M. Slots are SMs / the cluster's CTAs, or fewer where `cluster_slots`
+    says the device holds fewer clusters of that size at once (the H200: all 66 pairs, 30 of 4).
     """
     m, n = config.kernel_dims(m, n)
     tiles_m, tiles_n = -(-m // config.bm), -(-n // config.bn)
-    slots = sm_count // config.cluster
+    slots = sm_count // config.cluster_ctas
     cap = _max_clusters(config, cluster_slots)
     return tiles_m * tiles_n, -(-tiles_m // config.cluster) * tiles_n, slots if cap is None else min(slots, cap)
 
@@ -360,7 +366,7 @@ class Model:
         cap = _max_clusters(_config(kernel_id), cluster_slots)  # type: ignore[arg-type]
         launch = _plan(m, n, k, sm_count, kernel_id, splits, max_clusters=cap)
         cfg, mc, costs = launch.config, self.machine, self.tile_costs(kernel_id)
-        clusters = launch.grid // cfg.cluster
+        clusters = launch.grid // cfg.cluster_ctas
         partial_us = cfg.bm * cfg.bn * 4 / mc.partial_bytes_per_us
         kblocks = -(-k // cfg.bk)
         hbm = 2.0 * (m * k + n * k + m * n)
@@ -372,7 +378,7 @@ class Model:
             extra = written * mc.split_unit_us + (written + read) * partial_us
         else:
             busy_units = -(-launch.units // clusters)
-            busy_kblocks = busy_units * -(-kblocks // launch.splits)
+            busy_kblocks = busy_units * cfg.k_share(-(-kblocks // launch.splits))
             extra = 0.0
             if launch.splits > 1:
                 # Each unit writes its partial; the last of a tile's units reads the others back.
@@ -427,7 +433,7 @@ class Model:
         cfg = _config(kernel_id)
         costs = self.tile_costs(kernel_id)
         mc = self.machine
-        cluster = cfg.cluster
+        cluster, ctas = cfg.cluster, cfg.cluster_ctas
         kblocks = -(-k // cfg.bk)
         tiles, units_per_split, slots = _layout(cfg, m, n, sm_count, cluster_slots)
         partial = cfg.bm * cfg.bn * 4
@@ -453,7 +459,7 @@ class Model:
                 break
             clusters = units if units < slots else slots  # the grid, in clusters
             busy = -(-units // clusters)
-            unit_kblocks = -(-kblocks // splits)
+            unit_kblocks = cfg.k_share(-(-kblocks // splits))
             kb = max(kblock_us, l2_us / (busy * unit_kblocks))
             unit = unit_us + unit_kblocks * kb
             hbm = operand_bytes
@@ -462,11 +468,11 @@ class Model:
                 if tiles * (splits - 1) * partial > workspace_limit:
                     hbm += 2.0 * tiles * (splits - 1) * partial
             busiest = busy * unit
-            rate = clusters * cluster * cta_rate
+            rate = clusters * ctas * cta_rate
             memory = hbm / (rate if rate < hbm_rate else hbm_rate)
             out.append((_total_us(launch_us, busiest, memory, overlap_loss), kernel_id, splits))
         cluster_tiles = units_per_split
-        if weighs_stream_k(cluster_tiles, slots, kblocks):
+        if cfg.kcluster == 1 and weighs_stream_k(cluster_tiles, slots, kblocks):
             clusters = min(cluster_tiles * kblocks, slots)
             pieces, kbs, written, read = _stream_k_work(cluster_tiles, clusters, kblocks)
             kb = max(kblock_us, l2_us / kbs)
@@ -497,10 +503,11 @@ class Model:
             if isinstance(cfg, _configs.SkinnyConfig):
                 if m <= cfg.bm and k <= cfg.max_k:  # one block of rows: B is read once
                     skinny.append((self._skinny_estimate(m, n, k, sm_count, kernel_id).time_us, kernel_id, 1))
-            elif cfg.swap and kernel_id not in self._tiles:
-                continue  # the defaults come from unswapped tiles: a swapped one is weighed once measured
-            elif sm_count >= cfg.cluster:
-                tiles += self._times(m, n, k, sm_count, kernel_id, min(MAX_SPLITS, -(-k // cfg.bk)), cluster_slots)
+            elif (cfg.swap or cfg.kcluster > 1) and kernel_id not in self._tiles:
+                continue  # the defaults come from unswapped gemm tiles: these are weighed once measured
+            elif sm_count >= cfg.cluster_ctas:
+                last = 1 if cfg.kcluster > 1 else min(MAX_SPLITS, -(-k // cfg.bk))  # gemm_kc takes no split
+                tiles += self._times(m, n, k, sm_count, kernel_id, last, cluster_slots)
         tile_copy, skinny_copy = (self.copy_us(c) for c in copies)
         if tiles and skinny and tile_copy != skinny_copy:
             common = min(tile_copy, skinny_copy)

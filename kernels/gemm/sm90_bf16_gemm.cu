@@ -16,7 +16,7 @@
 #endif
 
 // CLUSTER_K (optional, default 1): 2 or 4 splits each tile's K between the CTAs of a cluster
-// (Config's kClusterK); no library point sets it yet (benchmarks/gemm_split_cost.py times it).
+// (Config's kClusterK): the family gemm_kc (kernels/gemm/BUILD.bazel).
 #ifndef CLUSTER_K
 #define CLUSTER_K 1
 #endif

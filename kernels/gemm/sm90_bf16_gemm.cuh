@@ -79,7 +79,7 @@ struct Config {
   // CLUSTER_K = 2 or 4: the CTAs of a cluster take equal shares of one tile's K blocks, and the
   // others put their accumulators into the first's shared memory (distributed shared memory)
   // instead of the split-K round trip through global memory; the first adds them and stores D.
-  // Not in the library's grid yet: benchmarks/gemm_split_cost.py builds and times it.
+  // The family gemm_kc (kernels/gemm/BUILD.bazel) sets it.
   static constexpr int kClusterK = CLUSTER_K_;
   static constexpr int kClusterSize = CLUSTER_M_ * CLUSTER_K_;  // CTAs a cluster
   static constexpr int kPartialFloats = BM_ * BN_;

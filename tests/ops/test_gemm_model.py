@@ -50,14 +50,19 @@ ALL_SHAPES = sorted({s.mnk for s in gemm_shapes.TUNING + gemm_shapes.HELD_OUT} |
 def _manifest_ids() -> frozenset[str]:
     if not MANIFEST.is_file():
         pytest.skip(f"no manifest at {MANIFEST}: run `bazel build //kernels:all` (CI does before pytest)")
-    return frozenset(k.id for k in Manifest.from_path(MANIFEST) if k.family == G.FAMILY)
+    return frozenset(k.id for k in Manifest.from_path(MANIFEST) if k.family in (G.FAMILY, G.KC_FAMILY))
 
 
 def _plan(m: int, n: int, k: int, choice: tuple[str, int], sm_count: int = H200_SMS) -> G.Plan:
     """plan() on an H200 (or `sm_count` SMs), its grid capped where the H200 holds fewer clusters."""
-    cluster = G.config_of(choice[0]).cluster
+    cluster = G.config_of(choice[0]).cluster_ctas
     cap = H200_SLOTS.get(cluster) if sm_count == H200_SMS and cluster > 1 else None
     return G.plan(m, n, k, sm_count, *choice, max_clusters=cap)
+
+
+def _takes(kernel_id: str, *splits: int) -> tuple[int, ...]:
+    """The split counts among `splits` that plan() takes for a gemm or gemm_kc id: 1 alone for gemm_kc."""
+    return (1,) if G.GemmConfig.from_id(kernel_id).kcluster > 1 else splits
 
 
 def _h200_choose(m: int, n: int, k: int, ids: frozenset[str], **kwargs: object) -> tuple[str, int]:
@@ -67,9 +72,10 @@ def _h200_choose(m: int, n: int, k: int, ids: frozenset[str], **kwargs: object) 
 
 def _wave_fill(launch: G.Plan) -> float:
     """Fraction of the grid's cluster-slots busy, over all waves: 1.0 when the last wave is full."""
-    clusters = launch.grid // launch.config.cluster
+    size = launch.config.cluster_ctas
+    clusters = launch.grid // size
     waves = -(-launch.units // clusters)
-    slots = H200_SLOTS.get(launch.config.cluster, H200_SMS // launch.config.cluster)  # clusters held at once
+    slots = H200_SLOTS.get(size, H200_SMS // size)  # clusters held at once
     return launch.units / (waves * slots)
 
 
@@ -193,7 +199,7 @@ def test_unaligned_rows_bound_a_k_block_by_the_bytes_a_cta_loads() -> None:
     for kernel_id in sorted(BUILT):
         cfg = G.GemmConfig.from_id(kernel_id)
         tile = model.tile_costs(kernel_id).kblock_us
-        for splits in (1, 3):
+        for splits in _takes(kernel_id, 1, 3):
             aligned = model.estimate(6000, 512, 3008, H200_SMS, kernel_id, splits, H200_SLOTS)
             unaligned = model.estimate(6000, 512, 3000, H200_SMS, kernel_id, splits, H200_SLOTS)
             km, kn = cfg.kernel_dims(6000, 512)
@@ -215,8 +221,9 @@ def test_with_k_off_8_a_tile_is_costed_on_the_rows_of_the_copy_it_reads() -> Non
     slower_off_the_lines = 0
     for kernel_id in sorted(BUILT):
         tile = model.tile_costs(kernel_id).kblock_us
+        splits = _takes(kernel_id, 2)[0]
         for k, padded_k in ((28671, 28672), (4095, 4096)):
-            off, on = (model.estimate(16, 8192, kk, H200_SMS, kernel_id, 2, H200_SLOTS) for kk in (k, padded_k))
+            off, on = (model.estimate(16, 8192, kk, H200_SMS, kernel_id, splits, H200_SLOTS) for kk in (k, padded_k))
             assert off.kblock_us == on.kblock_us == tile, (kernel_id, k)
         slower_off_the_lines += model.estimate(1000, 2000, 1001, H200_SMS, kernel_id, 1, H200_SLOTS).kblock_us > tile
     assert slower_off_the_lines > 0
@@ -339,7 +346,7 @@ def test_more_sms_never_predict_a_longer_time() -> None:
             assert best <= previous, f"{m}x{n}x{k}: {best:.2f} us on {sms} SMs, {previous:.2f} on fewer"
             previous = best
     for kernel_id in sorted(BUILT):
-        for splits in (1, 3, 16):
+        for splits in _takes(kernel_id, 1, 3, 16):
             times = [model.predict_us(4095, 4097, 4104, sms, kernel_id, splits) for sms in (16, 66, 132, 264)]
             assert times == sorted(times, reverse=True), f"{kernel_id} splits={splits}: {times}"
 
