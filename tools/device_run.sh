@@ -3,7 +3,6 @@
 # (tools/stage_device.sh makes it): run the named steps, in order, writing logs to $OUT
 # (default .device/out). Steps:
 #   tests       every GPU test (pytest -m gpu over tests/*/test_*gpu*.py)
-#   kctests     the gemm_kc family's GPU tests alone (tests/ops/test_gemm_kc_gpu.py): for a short call
 #   runtime     benchmarks/bench_runtime.py (import time, per-kernel loads, 1 vs 8 processes)
 #   calibrate   benchmarks/tune_gemm.py --calibrate (writes cubinstore/ops/_gemm_calibration.py; copied to $OUT)
 #   gemm        benchmarks/bench_gemm.py (tuning and held-out shapes, host us per call, graph replay; $OUT/gemm.json
@@ -21,7 +20,7 @@
 #   outliers    benchmarks/gemm_split_outliers.py (split launches far slower than their kernel's other splits)
 #   splitcost   benchmarks/gemm_split_cost.py run (split launches with parts of their protocol taken out;
 #               .device/split_cost, which tools/stage_device.sh builds)
-#   clusterk    the same, the K-cluster and reducer-lead variants alone (as_built, lead_1x, cluster_k2, cluster_k4)
+#   clusterk    the same, the reducer-lead and K-cluster variants alone (as_built, even_split, cluster_k2, cluster_k4)
 #   sweep       benchmarks/gemm_split_outliers.py --sweep (every tuning and held-out option, slow batches looked
 #               at again; the timings to $OUT/sweep_tuning.json and sweep_held.json)
 # e.g. tools/device_run.sh tests runtime gemm
@@ -60,7 +59,6 @@ step() {  # step NAME COMMAND...: run one step, its output to $OUT/NAME.log and 
 for what in "$@"; do
   case "$what" in
     tests) step tests "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/*/test_*gpu*.py ;;
-    kctests) step kctests "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_gemm_kc_gpu.py ;;
     runtime) step runtime "$PY" benchmarks/bench_runtime.py --manifest "$CUBINSTORE_TEST_MANIFEST" --json "$OUT/runtime.json" ;;
     calibrate)
       step calibrate "$PY" benchmarks/tune_gemm.py --calibrate --manifest "$CUBINSTORE_TEST_MANIFEST" --measurements "$OUT/gemm_measurements.json"
@@ -81,9 +79,9 @@ for what in "$@"; do
     outliers) step outliers "$PY" benchmarks/gemm_split_outliers.py --manifest "$CUBINSTORE_TEST_MANIFEST" ;;
     splitcost) step splitcost "$PY" benchmarks/gemm_split_cost.py run --manifest "$CUBINSTORE_TEST_MANIFEST" --variants .device/split_cost ;;
     clusterk) step clusterk "$PY" benchmarks/gemm_split_cost.py run --manifest "$CUBINSTORE_TEST_MANIFEST" --variants .device/split_cost \
-                --only lead_1x cluster_k2 cluster_k4 ;;
+                --only even_split cluster_k2 cluster_k4 ;;
     sweep) step sweep "$PY" benchmarks/gemm_split_outliers.py --sweep --manifest "$CUBINSTORE_TEST_MANIFEST" --save "$OUT" ;;
-    *) echo "device_run: unknown step '$what' (tests, kctests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, splitcost, clusterk, sweep)" >&2; exit 2 ;;
+    *) echo "device_run: unknown step '$what' (tests, runtime, calibrate, gemm, layouts, host, judge, timings, study, tgemm, occupancy, rows, outliers, splitcost, clusterk, sweep)" >&2; exit 2 ;;
   esac
 done
 exit $status

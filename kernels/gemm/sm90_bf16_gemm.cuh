@@ -101,6 +101,10 @@ struct Config {
   // Cluster rows grouped together in the tile order, so that concurrently
   // running tiles share A and B panels in L2.
   static constexpr int kGroupM = 8;
+  // Split-K: the reducer (the last split) takes this many K blocks more than an even share, about
+  // 1.5 us of main loop (5 blocks of 64x128x64): the other splits then publish their partials
+  // while it still multiplies, not after it has finished (benchmarks/gemm_split_cost.py).
+  static constexpr int kReducerLead = (5 * 64 * 128 * 64 + kBM * kBN * kBK - 1) / (kBM * kBN * kBK);
   // D leaves through shared memory in 64 x 64 boxes (8 KiB): two a consumer, taking turns so
   // that one is filled while TMA reads the other, where they fit and a tile has an even number
   // of them (the turns then restart at each tile without a counter); else one.
@@ -153,8 +157,11 @@ struct Schedule {
     const int within = t % span;
     tm = (first + within % rows) * C::kClusterM + static_cast<int>(rank);
     tn = within / rows;
-    kb0 = static_cast<int>(static_cast<long long>(split) * kblocks / splits);
-    kb1 = static_cast<int>(static_cast<long long>(split + 1) * kblocks / splits);
+    // The reducer's lead, leaving every other split at least one K block.
+    const int lead = splits > 1 ? max(0, min(C::kReducerLead, kblocks - splits)) : 0;
+    const int even = kblocks - lead;
+    kb0 = static_cast<int>(static_cast<long long>(split) * even / splits);
+    kb1 = split == splits - 1 ? kblocks : static_cast<int>(static_cast<long long>(split + 1) * even / splits);
   }
 };
 

@@ -66,13 +66,13 @@ def test_cluster_k_trades_stages_for_the_partials_within_the_points_shared_memor
     assert built >= (3 if size == 2 else 2)  # 64x128 and 64x64 at least; at 2, 128x128 too
 
 
-def test_the_shipped_gemm_kc_points_are_the_cluster_k_builds_it_times() -> None:
-    # The README and docs/gemm.md say the clusterk step times the gemm_kc CUBINs byte for byte: the
-    # same defines, so the same command line.
+def test_the_gemm_kc_points_are_the_cluster_k_builds_it_times() -> None:
+    # The README and docs/gemm.md say the clusterk step times the gemm_kc target's CUBINs byte for
+    # byte: the same defines, so the same command line.
     twins = {(p[0], p[1], p[2]): split_cost._config(p) for p in split_cost.POINTS if p[4] == 1 and p[5] == 0}
-    shipped = [split_cost._config(row) for row in split_cost.bench.GRID if len(row) == 7]
-    assert shipped
-    for cfg in shipped:
+    points = [split_cost._config(row) for row in split_cost.bench.KC_GRID]
+    assert points
+    for cfg in points:
         twin = twins[cfg.bm, cfg.bn, cfg.bk]
         assert split_cost._cluster_k_defines(twin, cfg.kcluster) == cfg.defines, cfg.kernel_id
 
