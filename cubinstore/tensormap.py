@@ -543,16 +543,18 @@ def encode_2d_bf16(
     *,
     swizzle: int = 128,
     device: int | None = None,
+    l2_promotion: int | str = "256B",
 ) -> TensorMap:
     """Tensor map of a row-major ``rows x cols`` bf16 matrix at device ``address``.
 
     ``row_stride`` is in elements. Boxes are ``box_rows x box_cols``; reads
     outside the matrix are filled with zeros (``oob_fill="none"``), which is what
     lets a GEMM run on shapes that are not multiples of its tile. L2 promotion
-    is 256 bytes. The same map as ``encode_tiled`` with those arguments.
+    is 256 bytes unless ``l2_promotion`` says otherwise. The same map as
+    ``encode_tiled`` with those arguments.
     """
     return encoder_2d_bf16(address, rows, cols, row_stride, box_rows, box_cols, swizzle=swizzle,
-                           device=device).encode(address)
+                           device=device, l2_promotion=l2_promotion).encode(address)
 
 
 def encoder_2d_bf16(
@@ -565,11 +567,12 @@ def encoder_2d_bf16(
     *,
     swizzle: int = 128,
     device: int | None = None,
+    l2_promotion: int | str = "256B",
 ) -> AddressEncoder:
     """The encoder of ``encode_2d_bf16``'s maps for this shape, stride and box, checked at ``address``."""
     check_2d_bf16(address, rows, cols, row_stride, box_rows, box_cols, swizzle)
     args = check_tiled(
         address, dtype="bf16", shape=(rows, cols), strides=(row_stride, 1), box=(box_rows, box_cols),
-        swizzle=swizzle, l2_promotion="256B", oob_fill="none",
+        swizzle=swizzle, l2_promotion=l2_promotion, oob_fill="none",
     )
     return AddressEncoder(args, device)

@@ -52,6 +52,7 @@ from cubinstore.ops._gemm_config import (
     check_operands,
     config_of,
     entry_of,
+    l2_promotion,
     plan,
     stores_by_tma,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "check_operands",
     "config_of",
     "entry_of",
+    "l2_promotion",
     "plan",
     "stores_by_tma",
 ]
@@ -477,10 +479,11 @@ def _prepare(
     call = _Call(
         library, device, torch.device("cuda", device), (m, n), launch, prepared,
         _TensorMaps(encoder_2d_bf16(16, m, k, stage.a.row_stride, *box_a, swizzle=_SWIZZLE_BYTES,
-                                    device=device)),
+                                    device=device, l2_promotion=l2_promotion(stage.a.row_stride))),
         _TensorMaps(encoder_2d_bf16(16, n, k, stage.b.row_stride, *box_b, swizzle=_SWIZZLE_BYTES,
-                                    device=device)),
-        _TensorMaps(encoder_2d_bf16(16, m, n, n, *cfg.d_box, swizzle=_SWIZZLE_BYTES, device=device))
+                                    device=device, l2_promotion=l2_promotion(stage.b.row_stride))),
+        _TensorMaps(encoder_2d_bf16(16, m, n, n, *cfg.d_box, swizzle=_SWIZZLE_BYTES, device=device,
+                                    l2_promotion=l2_promotion(n)))
         if stores_by_tma(n, 16) else None,
         bool(cfg.swap),
         copies,

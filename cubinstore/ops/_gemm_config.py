@@ -39,6 +39,7 @@ __all__ = [
     "check_operands",
     "config_of",
     "entry_of",
+    "l2_promotion",
     "plan",
     "stores_by_tma",
 ]
@@ -378,6 +379,18 @@ class Plan:
     def counters(self) -> int:
         """int32 counters of split-K and stream-K, one a tile: its published partials (zero between launches); else 0."""
         return 0 if self.splits == 1 else self.tiles_m * self.tiles_n
+
+
+def l2_promotion(row_stride: int) -> str:
+    """The L2 promotion of a ``gemm`` tensor map over bf16 rows ``row_stride`` elements apart.
+
+    256 bytes where the rows are 128-byte multiples apart; 128 where they are not. Off the lines
+    each 128-byte box row spans two of them, and promoting its reads to 256 bytes took up to 9%
+    longer (H100, 2026-12-07: 1000x3000x2008 28.7 against 26.6 us); on the lines the two were as
+    fast (kernels/gemm/README.md). The stride decides, not the address: one map encoder serves
+    every address of a signature (and torch's allocations start on 512 bytes).
+    """
+    return "256B" if row_stride % _SWIZZLE_ELEMS == 0 else "128B"
 
 
 def stores_by_tma(n: int, address: int) -> bool:

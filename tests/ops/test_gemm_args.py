@@ -332,6 +332,12 @@ def test_d_goes_through_tma_only_with_16_byte_rows_and_start() -> None:
     assert not G.stores_by_tma(4096, 0x7F00_0000_0008)  # an out view 8 bytes into its storage
 
 
+def test_a_map_promotes_l2_reads_to_256_bytes_only_for_rows_on_the_128_byte_lines() -> None:
+    # Rows off the lines: each 128-byte box row spans two lines (kernels/gemm/README.md, the maps).
+    assert [G.l2_promotion(s) for s in (64, 2048, 4096, 28672)] == ["256B"] * 4
+    assert [G.l2_promotion(s) for s in (8, 520, 1000, 2008, 4104, 28680)] == ["128B"] * 6
+
+
 def test_a_swapped_plan_tiles_n_by_m() -> None:
     # 200 rows of A in two tiles of 104 (not 128) along the kernel's n; N's 7168 in 56 of 128 along its m.
     p = G.plan(200, 7168, 2048, 132, "gemm/bm128/bn104/bk64/stages6/cluster1/swap1/sm_90a", 1)

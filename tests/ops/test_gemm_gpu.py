@@ -117,6 +117,23 @@ def test_d_through_tma_writes_nothing_past_m_and_n(lib: launch.Library, torch: A
     assert bool(torch.isnan(storage[m * n :]).all()), "a TMA store wrote past D"
 
 
+@pytest.mark.parametrize(("k", "promotion"), [(2048, "256B"), (2008, "128B"), (1000, "128B")])
+def test_the_operands_maps_promote_l2_reads_by_where_their_rows_start(
+    lib: launch.Library, torch: Any, k: int, promotion: str
+) -> None:
+    # G.l2_promotion's rule, in the maps a call keeps (A's and B's rows are K apart; D's N).
+    m, n = 1000, 3000
+    a, b = gemm_operands(torch, m, n, k)
+    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
+    G.forget_calls()
+    ops.gemm(a, b, out=d)
+    check_gemm(torch, d, a, b, f"{m}x{n}x{k}")
+    (call,) = [c for c in list(G._calls.values()) if c.shape == (m, n)]
+    enum = f"CU_TENSOR_MAP_L2_PROMOTION_L2_{promotion}"
+    assert call.maps_a._encoder.args.l2_promotion == call.maps_b._encoder.args.l2_promotion == enum
+    assert call.maps_d._encoder.args.l2_promotion == "CU_TENSOR_MAP_L2_PROMOTION_L2_128B"  # D's rows: 3000 apart
+
+
 @pytest.mark.parametrize("kernel_id", [i for i in family_ids(G.FAMILY) if G.GemmConfig.from_id(i).cluster > 1])
 def test_a_cluster_points_grid_is_no_more_than_the_device_holds_at_once(
     lib: launch.Library, torch: Any, kernel_id: str
