@@ -142,8 +142,9 @@ def test_a_cluster_points_grid_is_no_more_than_the_device_holds_at_once(
     held = lib.kernel(kernel_id, device=0).max_active_clusters(
         G.ENTRY, grid=(cfg.cluster, 1, 1), block=(cfg.threads, 1, 1), shared_mem=cfg.smem_bytes)
     assert 1 <= held <= G.sm_count(0) // cfg.cluster
-    # More work units than SMs: the persistent grid is as large as plan() allows.
-    m, n, k = 4096, 4096, 256
+    # More work units than SMs: the persistent grid is as large as plan() allows. K of 4 blocks of
+    # 128 at least, or plan() clamps the 3 splits to the K blocks and no call of 3 splits is made.
+    m, n, k = 4096, 4096, 512
     a, b = gemm_operands(torch, m, n, k)
     d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda:0")
     ops.gemm_with(a, b, out=d, kernel_id=kernel_id, splits=3)
