@@ -53,6 +53,7 @@ ARCH: Final = "sm_90a"
 _WARPGROUP: Final = 128  # threads
 _SWIZZLE_BYTES: Final = 128
 _SWIZZLE_ELEMS: Final = 64  # bf16 elements in one 128-byte swizzle row
+_L2_LINE_BYTES: Final = 128
 _D_BOX: Final = (64, _SWIZZLE_ELEMS)  # (rows, cols) of the box each consumer stages D through
 _D_BOX_BYTES: Final = _D_BOX[0] * _D_BOX[1] * 2  # bf16
 _NO_MAP: Final = bytes(128)  # tma_d when D is not stored by TMA (the kernel never reads it)
@@ -163,10 +164,7 @@ class GemmConfig:
     @property
     def params(self) -> dict[str, int]:
         """Manifest params, in grid order (its family's keys)."""
-        if self.kcluster > 1:
-            return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "kcluster": self.kcluster}
-        return {"bm": self.bm, "bn": self.bn, "bk": self.bk, "stages": self.stages, "cluster": self.cluster,
-                "swap": self.swap}
+        return {key: getattr(self, key) for key in (KC_KEYS if self.kcluster > 1 else KEYS)}
 
     @property
     def kernel_id(self) -> str:
@@ -390,7 +388,7 @@ def l2_promotion(row_stride: int) -> str:
     fast (kernels/gemm/README.md). The stride decides, not the address: one map encoder serves
     every address of a signature (and torch's allocations start on 512 bytes).
     """
-    return "256B" if row_stride % _SWIZZLE_ELEMS == 0 else "128B"
+    return "256B" if row_stride * 2 % _L2_LINE_BYTES == 0 else "128B"  # bf16
 
 
 def stores_by_tma(n: int, address: int) -> bool:
