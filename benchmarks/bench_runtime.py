@@ -13,16 +13,24 @@ Prints, side by side in one run:
      before in the process (memory layer), p50 / p99, side by side;
   3. per kernel, fresh loads on GPU 0 (p50 / p99): raw (read + bare cuda.bindings cuLibraryLoadData +
      get function: no cubinstore code) | the plain verified peer (raw + sha256) | Library.kernel() from
-     an owned local store (size + xxh3-128 record, issue 31) | the same with CUBINSTORE_VERIFY=full
-     (sha256) | Library.kernel() of bytes this process verified before (memory layer) | the layout
-     check alone; each module unloaded again so every sample is a fresh load, the paths' order
-     rotated from sample to sample (a load's time depends on what ran just before it), each
-     sample through every CUBIN before the next (--order cycle, a start-up) or each CUBIN's
-     samples in a row (--order repeat); ours also through Python alone (CUBINSTORE_NATIVE=0);
+     an owned local store (size + xxh3-128 record, issue 31), the kernel's spec built before | the
+     same at the kernel's first selection in a manifest (its spec built in the call, as a process's
+     first call of each kernel builds it) | the same with CUBINSTORE_VERIFY=full (sha256) |
+     Library.kernel() of bytes this process verified before (memory layer) | the layout check alone;
+     each module unloaded again so every sample is a fresh load, the paths' order rotated from
+     sample to sample (--paths rotated: a load's time depends on what ran just before it) or
+     shuffled (--paths shuffled: each path also follows each other one), each sample through every
+     CUBIN before the next (--order cycle, a start-up) or each CUBIN's samples in a row (--order
+     repeat); ours also through Python alone (CUBINSTORE_NATIVE=0);
   3b. where a fresh load's time goes, the peer's and Library.kernel()'s side by side (median us
      per load over every CUBIN, interleaved): reading and checking, the driver's load
      (cuLibraryLoadData), its get function (cuLibraryGetKernel + cuKernelGetFunction), each timed
      where cuda.bindings is called, and the rest: everything cubinstore adds;
+  3c. the rest, layer by layer (median us, interleaved; needs the compiled helper): Library.kernel()
+     (its spec built in the call, as at a process's first selection of a kernel, and built before,
+     as in 3 and 3b), the loader alone, and the fewest Python steps a first load needs around the same read and
+     driver calls, reading through Store.get and through LocalLayer.read_verified: what each layer
+     adds, and the floor under any Python loader;
   4. the load phase (every runnable kernel) of 1 process and of --procs processes started
      together on one local store: Library.kernel() of each, with the store's modules imported
      in the first call (as a serving process does) and with the store opened before the timed
@@ -44,6 +52,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -349,17 +358,21 @@ def store_with(home: Path, **env: str) -> Any:
     return Store([local])
 
 
-def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
-              order: str = "cycle") -> tuple[list[dict[str, Any]], dict[str, int]]:
+def gpu_loads(manifest_path: Path, manifest: Any, home: Path, specs: list[Any], samples: int,
+              order: str = "cycle", paths_order: str = "rotated") -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Per kernel, fresh loads on GPU 0 (p50 / p99 ms), every path once a sample in an order rotated
-    from sample to sample: raw | read + sha256 + load | Library.kernel() from the owned store (records)
-    | the same through Python alone (CUBINSTORE_NATIVE=0) | the same with CUBINSTORE_VERIFY=full |
+    from sample to sample (``paths_order`` "rotated": each path follows the same path every time) or
+    shuffled ("shuffled": each follows each): raw | read + sha256 + load | Library.kernel() from the
+    owned store (records) | the same at the kernel's first selection (its spec built in the call, over a
+    manifest parsed for the round, as a process's first call of each kernel builds it) | the same
+    through Python alone (CUBINSTORE_NATIVE=0) | the same with CUBINSTORE_VERIFY=full |
     Library.kernel() of bytes verified before in the process | the layout check alone. ``order``
     "cycle": each sample goes through every CUBIN before the next (a serving process's start-up,
     each load a different CUBIN); "repeat": all of one CUBIN's samples, then the next's. Also what
     the owned store's first loads checked (``LocalLayer.checks``)."""
     from cubinstore import launch
     from cubinstore.internals import cuda as _cuda, device, loader as _loader
+    from cubinstore.manifest import Manifest
     from cubinstore.store import LocalLayer, MemoryLayer, Store
 
     _make_primary_current()
@@ -370,7 +383,12 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
     full = store_with(home, CUBINSTORE_VERIFY="full")
     # Store.from_env's layers: a blob this process verified before is a memory hit (no read, no hash).
     warm = Store([MemoryLayer(), local])
-    names = ("raw", "peer", "ours", "python", "full", "again", "layout")
+    names = ("raw", "peer", "ours", "first", "python", "full", "again", "layout")
+    manifest_bytes = manifest_path.read_bytes()
+    rounds = samples + 5  # 5 warm-up rounds: first-touch costs of each path
+    # One manifest a round, parsed before the timed loads: each kernel is selected once in each.
+    parsed = [Manifest.from_bytes(manifest_bytes) for _ in range(rounds)]
+    round_now = [0]
     times = {spec.id: {name: [] for name in names} for spec in specs}
 
     def paths_of(spec: Any) -> list[Callable[[], None]]:
@@ -390,9 +408,9 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
             direct_unload(library)
             return elapsed
 
-        def our_load(through: Any, check_layout: bool = False) -> float:
+        def our_load(through: Any, check_layout: bool = False, first: bool = False) -> float:
             fresh_loads()  # a fresh load, as in a new process
-            library = launch.Library(manifest, through)
+            library = launch.Library(parsed[round_now[0]] if first else manifest, through)
             t = time.perf_counter()
             kernel = library.kernel(spec.id, device=0)
             elapsed = time.perf_counter() - t
@@ -412,11 +430,11 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
                 return our_load(python)
 
         loads = (("raw", lambda: plain_load(False)), ("peer", lambda: plain_load(True)), ("ours", lambda: our_load(store, check_layout=True)),
-                 ("python", python_load), ("full", lambda: our_load(full)), ("again", lambda: our_load(warm)))
+                 ("first", lambda: our_load(store, first=True)), ("python", python_load), ("full", lambda: our_load(full)), ("again", lambda: our_load(warm)))
         return [lambda name=name, fn=fn: got[name].append(fn()) for name, fn in loads]
 
     per_spec = [(spec, paths_of(spec)) for spec in specs]
-    rounds = samples + 5  # 5 warm-up rounds: first-touch costs of each path
+    shuffle = random.Random(31).shuffle
     if order == "cycle":
         plan = [(i, paths) for i in range(rounds) for _, paths in per_spec]
     else:
@@ -425,9 +443,15 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
         for i, paths in plan:
             # Every path once, the order rotated from sample to sample: a load's time depends on what ran
             # just before it (the CPU's caches, the driver's deferred work of the last unload), and each
-            # path takes each place equally often.
-            turn = i % len(paths)
-            for run in paths[turn:] + paths[:turn]:
+            # path takes each place equally often; shuffled, each path also follows each other one.
+            round_now[0] = i
+            if paths_order == "shuffled":
+                runs = list(paths)
+                shuffle(runs)
+            else:
+                turn = i % len(paths)
+                runs = paths[turn:] + paths[:turn]
+            for run in runs:
                 run()
     finally:
         device.use(before)  # the real driver again
@@ -441,6 +465,20 @@ def gpu_loads(manifest: Any, home: Path, specs: list[Any], samples: int,
 
 
 # -- 3b. where a fresh load's time goes -----------------------------------------------------------
+
+def part_timer(inside: dict[str, float]) -> Callable[[str, Callable[..., Any]], Callable[..., Any]]:
+    """``timed(part, fn)``: ``fn`` wrapped to add the seconds of each call to ``inside[part]`` (the parts
+    of a load timed inside it; the wrapper's own calls fall in the rest)."""
+    def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[part] += time.perf_counter() - t
+        return wrapper
+    return timed
+
 
 def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) -> dict[str, dict[str, float]]:
     """Median us per fresh load of each part (and of the rest: each sample's total less its parts),
@@ -460,15 +498,7 @@ def load_breakdown(manifest: Any, home: Path, specs: list[Any], samples: int) ->
     local = LocalLayer(home)
     store = Store([local])
     inside: dict[str, float] = {"read + check": 0.0, "driver": 0.0}
-
-    def timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                inside[part] += time.perf_counter() - t
-        return wrapper
+    timed = part_timer(inside)
 
     parts = ("read + check", "driver", "rest", "total")
     peer: dict[str, list[float]] = {p: [] for p in parts}
@@ -539,6 +569,140 @@ def print_load_breakdown(parts: dict[str, dict[str, float]], kernels: int, sampl
           "helper's one call of them, so its rest is every other line of cubinstore's own (selection, Store.get's "
           "layering, ELF check, module and Kernel objects). Medians of each part do not add up to the median "
           "total exactly.")
+
+
+# -- 3c. the rest, layer by layer ----------------------------------------------------------------
+
+REST_PATHS = ("first_select", "ours", "loader", "store", "fewest", "ours_bare", "fewest_bare")
+
+
+def fewest_steps(plans: dict[str, Any], modules: dict[Any, Any], kernel_id: str, read: Callable[..., Any],
+                 load: Callable[..., Any], context: int, not_found: int, header_is: Callable[[bytes, int], bool]) -> Any:
+    """A first load in the fewest Python steps around the two calls every first load makes (the read
+    and check, the compiled helper's driver calls): the spec by id (with its entries and the SM its
+    ELF header names), the module table, the header test, a table of the entries' functions. No
+    device check, selection, lock, counter or object of the runtime's: not a loader, the floor a
+    loader written in Python stands on."""
+    spec, entries, sm = plans[kernel_id]
+    key = (spec.digest.hex, 0)
+    module = modules.get(key)
+    if module is not None:
+        return module
+    data = read(spec.digest, spec.size)
+    if data is None or not header_is(data, sm):
+        raise SystemExit(f"{kernel_id}: the owned store's bytes do not read back as its CUBIN")
+    library, functions = load(data, entries, context, not_found)
+    module = modules[key] = (library, data, dict(zip(entries, functions)))
+    return module
+
+
+def rest_by_layer(manifest_path: Path, manifest: Any, home: Path, specs: list[Any], samples: int,
+                  cc: tuple[int, int]) -> dict[str, dict[str, float]]:
+    """Median us of each path's rest and total per fresh load, the paths interleaved in shuffled order,
+    the read and check and the driver's calls timed as in 3b (the rest is all else, the timers' own
+    calls included): ours (Library.kernel(), as in 3b: the kernel's spec built before, as sections 3
+    and 3b have it); first_select (the same over a manifest parsed again each round, in which the
+    call builds the kernel's spec, as a process's first call of each kernel does); the loader alone
+    (``loader.load``: no device check, selection or Kernel object); the fewest steps reading through
+    ``Store.get`` (store) and through ``LocalLayer.read_verified`` (fewest); ours_bare and fewest_bare
+    time nothing inside (their totals less ours' and fewest's: the timers' share). Needs the
+    compiled helper."""
+    from cuda.bindings import driver as drv
+
+    from cubinstore import launch
+    from cubinstore.internals import Arch, cuda as _cuda, device, header_is, loader
+    from cubinstore.manifest import Manifest
+    from cubinstore.store import LocalLayer, Store
+
+    _make_primary_current()
+    local = LocalLayer(home)
+    store = Store([local])
+    native_load = _cuda.native_load()
+    context = _cuda.primary_context(0)
+    not_found = int(drv.CUresult.CUDA_ERROR_NOT_FOUND)
+    inside = {"read": 0.0, "driver": 0.0}
+    shuffle = random.Random(31).shuffle
+    timed = part_timer(inside)
+    manifest_bytes = manifest_path.read_bytes()
+    real_read = local.read_verified
+    timed_read, timed_load = timed("read", real_read), timed("driver", native_load)
+    plans = {spec.id: (spec, tuple(spec.entries), Arch.parse(spec.arch).major * 10 + Arch.parse(spec.arch).minor)
+             for spec in specs}
+    rest: dict[str, list[float]] = {path: [] for path in REST_PATHS}
+    total: dict[str, list[float]] = {path: [] for path in REST_PATHS}
+    before = device.current()
+    try:
+        for i in range(samples + 5):  # 5 warm-up rounds
+            # first_select's manifest: parsed once a round, as a process parses its manifest once and then
+            # selects each kernel for the first time (a parse before each sample would leave the caches
+            # full of it and time that too).
+            parsed = Manifest.from_bytes(manifest_bytes)
+            for spec in specs:
+                # A shuffled order, not a rotated one: in a rotation each path follows the same path, whose
+                # unload's deferred work the driver may do in the next load; shuffled, each follows each.
+                order = list(REST_PATHS)
+                shuffle(order)
+                for path in order:
+                    inside["read"] = inside["driver"] = 0.0
+                    if path in ("first_select", "ours", "loader", "ours_bare"):
+                        fresh_loads()
+                        library = launch.Library(parsed if path == "first_select" else manifest, store)
+                        devices = device.current()
+                        bare = path == "ours_bare"
+                        local.read_verified = real_read if bare else timed_read  # type: ignore[method-assign]
+                        try:
+                            with _cuda.using_native_load(native_load if bare else timed_load):
+                                t = time.perf_counter()
+                                if path == "loader":
+                                    loader.load(spec, 0, cc, store, devices)
+                                else:
+                                    library.kernel(spec.id, device=0)
+                                elapsed = time.perf_counter() - t
+                        finally:
+                            del local.read_verified
+                        unload_loaded()
+                    else:
+                        # store: read through Store.get, read_verified timed inside it as in ours
+                        read = {"store": store.get, "fewest": timed_read, "fewest_bare": real_read}[path]
+                        if path == "store":
+                            local.read_verified = timed_read  # type: ignore[method-assign]
+                        try:
+                            t = time.perf_counter()
+                            module = fewest_steps(plans, {}, spec.id, read,
+                                                  native_load if path == "fewest_bare" else timed_load,
+                                                  context, not_found, header_is)
+                            elapsed = time.perf_counter() - t
+                        finally:
+                            if path == "store":
+                                del local.read_verified
+                        _unload(module[0])
+                    if i >= 5:
+                        total[path].append(elapsed)
+                        rest[path].append(elapsed - inside["read"] - inside["driver"])
+    finally:
+        device.use(before)
+    return {path: {"rest": statistics.median(rest[path]) * 1e6, "total": statistics.median(total[path]) * 1e6}
+            for path in REST_PATHS}
+
+
+def print_rest_by_layer(layers: dict[str, dict[str, float]], kernels: int, samples: int) -> None:
+    print(f"\n## the rest, layer by layer ({kernels} CUBINs x {samples} samples, interleaved; median us per load)\n")
+    print("| path | rest | total | what it adds to the rest below it |")
+    print("|---|---|---|---|")
+    rows = (("Library.kernel(), the process's first selection of the kernel", "first_select", "ours",
+             "the manifest's spec of the kernel, built at its first selection"),
+            ("Library.kernel(), its spec built before (sections 3 and 3b)", "ours", "loader", "the device check, selection and the Kernel object"),
+            ("loader.load()", "loader", "store", "the lock, arch and driver checks, the runtime's module and "
+             "function objects, the load's timing"),
+            ("fewest steps, through Store.get", "store", "fewest", "Store.get's layers and hit counts"),
+            ("fewest steps, through LocalLayer.read_verified", "fewest", None, ""))
+    for label, key, below, what in rows:
+        adds = f"{layers[key]['rest'] - layers[below]['rest']:+.1f}: {what}" if below else "the floor"
+        print(f"| {label} | {layers[key]['rest']:.1f} | {layers[key]['total']:.1f} | {adds} |")
+    print(f"\nThe timers' share (a path's total less the same path's timing nothing inside): Library.kernel() "
+          f"{layers['ours']['total'] - layers['ours_bare']['total']:.1f} us, the fewest steps "
+          f"{layers['fewest']['total'] - layers['fewest_bare']['total']:.1f} us. The fewest steps are what any "
+          "loader written in Python pays around the same two calls: the rest goal (<= 5 us) against that floor.")
 
 
 # -- 4. concurrent processes ----------------------------------------------------------------------
@@ -657,6 +821,9 @@ def print_goals(loads: list[dict[str, Any]], parts: dict[str, dict[str, float]],
     checks = [
         ("first load p50 / raw p50", med("ours_p50") / med("raw_p50"), 1.15),
         ("first load p99 / raw p99", med("ours_p99") / med("raw_p99"), 1.3),
+        ("first load at the kernel's first selection (its spec built) p50 / raw p50", med("first_p50") / med("raw_p50"),
+         1.15),
+        ("the same, p99 / raw p99", med("first_p99") / med("raw_p99"), 1.3),
         ("reload (verified before) p50 / raw p50", med("again_p50") / med("raw_p50"), 1.05),
         ("full mode p50 / (read + sha256 + load) p50", med("full_p50") / med("peer_p50"), 1.1),
         ("first load through Python alone (CUBINSTORE_NATIVE=0) p50 / raw p50", med("python_p50") / med("raw_p50"),
@@ -693,6 +860,9 @@ def main() -> None:
     parser.add_argument("--host-only", action="store_true", help="section 2b alone (the host side of a load)")
     parser.add_argument("--order", choices=("cycle", "repeat"), default="cycle",
                         help="section 3: each sample through every CUBIN (cycle, a start-up) or each CUBIN's samples in a row")
+    parser.add_argument("--paths", choices=("rotated", "shuffled"), default="rotated",
+                        help="section 3: the paths of a sample in an order rotated from sample to sample (each follows "
+                             "the same one every time) or shuffled (each follows each)")
     opts = parser.parse_args()
     results: dict[str, Any] = {}
     # The children and the import timings must find .pyc files, as in an installed package.
@@ -745,28 +915,31 @@ def main() -> None:
             return
         from cubinstore.internals import native
 
-        loads, checks = gpu_loads(manifest, work / "home", specs, opts.samples, opts.order)
+        loads, checks = gpu_loads(manifest_path, manifest, work / "home", specs, opts.samples, opts.order, opts.paths)
         results["loads"] = loads
         results["checks"] = checks
         results["native"] = native.helper() is not None
         order = ("each sample goes through every CUBIN before the next (a start-up: each load a different CUBIN)"
                  if opts.order == "cycle" else "all of one CUBIN's samples, then the next's")
         print(f"\n## fresh loads on GPU 0 (compute capability {cc[0]}.{cc[1]}), {opts.samples} samples each, every "
-              f"path once a sample in an order rotated from sample to sample; {order} (ms)\n")
+              f"path once a sample in an order {opts.paths} from sample to sample; {order} (ms)\n")
         print("raw = read + bare cuLibraryLoadData + get function (cuda.bindings, no cubinstore code); "
               "peer = raw + sha256; ours = Library.kernel() from an owned local store (size + xxh3-128 record), "
-              f"{'through the compiled helper' if results['native'] else 'the helper NOT built: Python alone'}; "
+              f"{'through the compiled helper' if results['native'] else 'the helper NOT built: Python alone'}, "
+              "the kernel's spec built before; first = ours at the kernel's first selection (its spec built in the "
+              "call, as in a process's first call of each kernel); "
               "python = the same through Python alone (CUBINSTORE_NATIVE=0); "
               "full = ours with CUBINSTORE_VERIFY=full (sha256); before = bytes verified earlier in the "
               f"process (memory layer). The owned store's first loads checked: {checks}\n")
         print("| kernel | bytes | raw p50 | raw p99 | peer p50 | p99 | ours p50 | p99 | ours/raw p50 "
-              "| ours/raw p99 | python p50 | python/raw p50 | full p50 | full/peer p50 | before p50 | p99 "
-              "| before/raw p50 | layout check p50 |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| ours/raw p99 | first p50 | first/raw p50 | first/raw p99 | python p50 | python/raw p50 | full p50 "
+              "| full/peer p50 | before p50 | p99 | before/raw p50 | layout check p50 |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         def load_row(label: str, size: object, r: dict[str, Any]) -> str:
             return (f"| {label} | {size} | {r['raw_p50']:.3f} | {r['raw_p99']:.3f} | {r['peer_p50']:.3f} | {r['peer_p99']:.3f} "
                     f"| {r['ours_p50']:.3f} | {r['ours_p99']:.3f} | {r['ours_p50'] / r['raw_p50']:.2f} "
-                    f"| {r['ours_p99'] / r['raw_p99']:.2f} | {r['python_p50']:.3f} | {r['python_p50'] / r['raw_p50']:.2f} "
+                    f"| {r['ours_p99'] / r['raw_p99']:.2f} | {r['first_p50']:.3f} | {r['first_p50'] / r['raw_p50']:.2f} "
+                    f"| {r['first_p99'] / r['raw_p99']:.2f} | {r['python_p50']:.3f} | {r['python_p50'] / r['raw_p50']:.2f} "
                     f"| {r['full_p50']:.3f} | {r['full_p50'] / r['peer_p50']:.2f} "
                     f"| {r['again_p50']:.3f} | {r['again_p99']:.3f} "
                     f"| {r['again_p50'] / r['raw_p50']:.2f} | {r['layout_p50']:.3f} |")
@@ -775,6 +948,12 @@ def main() -> None:
         parts = load_breakdown(manifest, work / "home", specs, opts.samples)
         results["load_breakdown"] = parts
         print_load_breakdown(parts, len(specs), opts.samples)
+        if results["native"]:
+            layers = rest_by_layer(manifest_path, manifest, work / "home", specs, opts.samples, cc)
+            results["rest_by_layer"] = layers
+            print_rest_by_layer(layers, len(specs), opts.samples)
+        else:
+            print("\n## the rest, layer by layer: skipped (the compiled helper was not built)")
         conc = concurrent(opts.manifest.resolve(), work / "home", opts.procs, specs)
         results["concurrent"] = conc
         print_concurrent(conc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +29,7 @@ ComputeCapability = tuple[int, int]
 
 _set_hex = Digest.__dict__["hex"].__set__  # the slot's setter: what Digest.__init__ fills after its check
 _after_prefix = operator.itemgetter(slice(len("sha256:"), None))
+_LAZY = frozenset({"entry_specs", "_names"})  # a fast-path KernelSpec's, built at first use
 
 
 def _checked_digest(text: str) -> Digest:
@@ -101,22 +102,37 @@ class KernelSpec:
         object.__setattr__(self, "_names", MappingProxyType(names))
 
     @classmethod
-    def _checked(cls, obj: dict[str, Any], specs: dict[str, EntrySpec]) -> KernelSpec:
-        """What ``__init__`` builds, from a kernel object the manifest's fast path checked.
+    def _checked(cls, obj: dict[str, Any], entry_specs_from: Callable[..., dict[str, EntrySpec]],
+                 launches: dict[str, LaunchGeometry]) -> KernelSpec:
+        """What ``__init__`` builds, from a kernel object the manifest's fast path checked; its
+        ``entry_specs`` (and the names ``entry`` resolves) are ``entry_specs_from(obj["entries"],
+        launches)``, built when first asked for (``__getattr__``).
 
         The object is the manifest's private parse, so its dicts are wrapped, not copied.
         """
         spec = object.__new__(cls)
-        names = {e.name: e for e in specs.values()}
-        names.update(specs)
+        entries = obj["entries"]
         spec.__dict__.update(
             id=obj["id"], family=obj["family"], params=MappingProxyType(obj["params"]), arch=obj["arch"],
             digest=_checked_digest(obj["digest"]), size=obj["size"],
-            entries=MappingProxyType({s: e.types for s, e in specs.items()}), target=obj["target"],
-            entry_specs=MappingProxyType(specs), _names=MappingProxyType(names),
+            entries=MappingProxyType({s: tuple(v["params"]) for s, v in entries.items()}), target=obj["target"],
             toolkit=obj.get("toolkit"), min_driver=obj.get("min_driver"),
+            _entries_from=(entry_specs_from, entries, launches),
         )
         return spec
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what the instance lacks: a fast-path spec's entry specs and the names ``entry``
+        # resolves, built at their first use (threads that race build equal ones).
+        source = self.__dict__.get("_entries_from") if name in _LAZY else None
+        if source is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        build, entries, launches = source
+        specs = build(entries, launches)
+        names = {e.name: e for e in specs.values()}
+        names.update(specs)
+        self.__dict__.update(entry_specs=MappingProxyType(specs), _names=MappingProxyType(names))
+        return self.__dict__[name]
 
     @functools.cached_property
     def _key(self) -> tuple[Any, ...]:

@@ -239,6 +239,23 @@ def test_the_fast_path_accepts_every_canonical_valid_document(name: str) -> None
     assert m._index._objs is not None  # opened through the fast path, its specs built on first use
 
 
+def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_builds_them() -> None:
+    text = dumps_canonical(_valid_docs()["two families"])
+    fast_specs = list(Manifest.from_bytes(text))
+    slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
+    for spec in fast_specs:
+        # A selection builds what a load reads; entry specs wait for a launch, a layout check or a name.
+        assert "entry_specs" not in vars(spec) and "_names" not in vars(spec)
+        assert dict(spec.entries) == dict(slow[spec.id].entries)
+    for spec in fast_specs:
+        symbol, entry = next(iter(slow[spec.id].entry_specs.items()))
+        assert spec.entry(entry.name) == entry and spec.entry(symbol) == entry  # by readable name and symbol
+        assert dict(spec.entry_specs) == dict(slow[spec.id].entry_specs) and "entry_specs" in vars(spec)
+        assert spec.entry_specs is spec.entry_specs  # built once
+    with pytest.raises(AttributeError, match="^'KernelSpec' object has no attribute 'entry_spec'$"):
+        fast_specs[0].entry_spec  # noqa: B018 - a typo is still an AttributeError
+
+
 def test_a_v1_document_is_declined_by_the_fast_path_and_decided_by_the_checker() -> None:
     doc = _v1(_valid_docs()["two families"])
     with pytest.raises(fast.Slow):
