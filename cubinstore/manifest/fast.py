@@ -44,10 +44,10 @@ from cubinstore.manifest.schema import (
     jit_templates,
 )
 from cubinstore.manifest.ptx import is_ptx, layout_arch
-from cubinstore.manifest.spec import EntrySpec, KernelSpec
+from cubinstore.manifest.spec import KernelSpec
 from cubinstore.manifest.toolkit import MIN_DRIVER_RANGE, TOOLKIT_RE
 
-__all__ = ["Slow", "check", "entry_specs_from", "spec_from_obj"]
+__all__ = ["Slow", "check", "spec_from_obj"]
 
 
 class Slow(Exception):
@@ -414,26 +414,7 @@ def check(text: str, *, launches_ok: Callable[[list[dict[str, Any]]], None] = _l
 
 def spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
     """The KernelSpec of a kernel object ``check`` accepted (no check is repeated). Its entry specs
-    (readable names, offsets, launch geometry) are built by ``entry_specs_from`` when first asked
-    for: a load needs the entries' symbols only, and a process's first selection of each kernel
-    builds its spec (issue 31: 8 us of a 72 us first load on an H100)."""
-    return KernelSpec._checked(obj, entry_specs_from, launches)
-
-
-def entry_specs_from(entries: dict[str, Any], launches: dict[str, LaunchGeometry]) -> dict[str, EntrySpec]:
-    """The EntrySpecs of a checked kernel object's entry table; each launch geometry is built once
-    per manifest (``launches``, keyed by its JSON's repr)."""
-    specs: dict[str, EntrySpec] = {}
-    for symbol, value in entries.items():
-        launch = value.get("launch")
-        geometry = None
-        if launch is not None:
-            key = repr(launch)  # the validated JSON's repr: ints, strs, lists, None only
-            geometry = launches.get(key)
-            if geometry is None:
-                geometry = launches.setdefault(key, LaunchGeometry.from_json(launch, symbol))
-        entry = object.__new__(EntrySpec)  # a frozen dataclass, filled without its per-field setattr
-        entry.__dict__.update(symbol=symbol, name=value["name"], types=tuple(value["params"]),
-                              offsets=tuple(value["offsets"]), launch=geometry)
-        specs[symbol] = entry
-    return specs
+    (readable names, offsets, launch geometry) are built when first asked for: a load needs the
+    entries' symbols only, and a process's first selection of each kernel builds its spec (issue 31:
+    about 9 us of a 72 us first load on an H100)."""
+    return KernelSpec._checked(obj, launches)

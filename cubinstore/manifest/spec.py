@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -67,6 +67,26 @@ class EntrySpec:
         return out
 
 
+def _entry_specs(table: dict[str, Any], launches: dict[str, LaunchGeometry],
+                 types: Mapping[str, tuple[str, ...]]) -> dict[str, EntrySpec]:
+    """The EntrySpecs of a checked kernel object's entry ``table`` (its ``types`` already built), each
+    launch geometry built once per manifest (``launches``, keyed by its JSON's repr)."""
+    specs: dict[str, EntrySpec] = {}
+    for symbol, value in table.items():
+        launch = value.get("launch")
+        geometry = None
+        if launch is not None:
+            key = repr(launch)  # the validated JSON's repr: ints, strs, lists, None only
+            geometry = launches.get(key)
+            if geometry is None:
+                geometry = launches.setdefault(key, LaunchGeometry.from_json(launch, symbol))
+        entry = object.__new__(EntrySpec)  # a frozen dataclass, filled without its per-field setattr
+        entry.__dict__.update(symbol=symbol, name=value["name"], types=types[symbol],
+                              offsets=tuple(value["offsets"]), launch=geometry)
+        specs[symbol] = entry
+    return specs
+
+
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
     """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries.
@@ -102,11 +122,10 @@ class KernelSpec:
         object.__setattr__(self, "_names", MappingProxyType(names))
 
     @classmethod
-    def _checked(cls, obj: dict[str, Any], entry_specs_from: Callable[..., dict[str, EntrySpec]],
-                 launches: dict[str, LaunchGeometry]) -> KernelSpec:
+    def _checked(cls, obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
         """What ``__init__`` builds, from a kernel object the manifest's fast path checked; its
-        ``entry_specs`` (and the names ``entry`` resolves) are ``entry_specs_from(obj["entries"],
-        launches)``, built when first asked for (``__getattr__``).
+        ``entry_specs`` (and the names ``entry`` resolves) are built when first asked for
+        (``__getattr__``), each launch geometry once per manifest (``launches``).
 
         The object is the manifest's private parse, so its dicts are wrapped, not copied.
         """
@@ -116,8 +135,7 @@ class KernelSpec:
             id=obj["id"], family=obj["family"], params=MappingProxyType(obj["params"]), arch=obj["arch"],
             digest=_checked_digest(obj["digest"]), size=obj["size"],
             entries=MappingProxyType({s: tuple(v["params"]) for s, v in entries.items()}), target=obj["target"],
-            toolkit=obj.get("toolkit"), min_driver=obj.get("min_driver"),
-            _entries_from=(entry_specs_from, entries, launches),
+            toolkit=obj.get("toolkit"), min_driver=obj.get("min_driver"), _entries_from=(entries, launches),
         )
         return spec
 
@@ -127,8 +145,7 @@ class KernelSpec:
         source = self.__dict__.get("_entries_from") if name in _LAZY else None
         if source is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        build, entries, launches = source
-        specs = build(entries, launches)
+        specs = _entry_specs(*source, self.entries)
         names = {e.name: e for e in specs.values()}
         names.update(specs)
         self.__dict__.update(entry_specs=MappingProxyType(specs), _names=MappingProxyType(names))
