@@ -626,8 +626,7 @@ def rest_by_layer(manifest_path: Path, manifest: Any, home: Path, specs: list[An
     manifest_bytes = manifest_path.read_bytes()
     real_read = local.read_verified
     timed_read, timed_load = timed("read", real_read), timed("driver", native_load)
-    plans = {spec.id: (spec, tuple(spec.entries), Arch.parse(spec.arch).major * 10 + Arch.parse(spec.arch).minor)
-             for spec in specs}
+    plans = {spec.id: (spec, tuple(spec.entries), Arch.parse(spec.arch).sm) for spec in specs}
     rest: dict[str, list[float]] = {path: [] for path in REST_PATHS}
     total: dict[str, list[float]] = {path: [] for path in REST_PATHS}
     before = device.current()

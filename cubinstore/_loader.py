@@ -276,7 +276,7 @@ def _check_arch(spec: KernelSpec, ordinal: int, cc: tuple[int, int]) -> int:
             f"kernel {spec.id!r} ({spec.digest}) is built for {spec.arch}, "
             f"device {ordinal} has compute capability {cc[0]}.{cc[1]}; it was not loaded"
         )
-    sm = -1 if ptx else arch.major * 10 + arch.minor  # type: ignore[union-attr]
+    sm = -1 if ptx else arch.sm  # type: ignore[union-attr]
     _runnable[(spec.arch, cc)] = sm
     return sm
 
@@ -327,7 +327,7 @@ def _check_cubin_header(spec: KernelSpec, data: bytes) -> None:
         raise CubinFormatError(f"{_what(spec)}: {problem}")
     sm = header_sm(data)
     arch = Arch.parse(spec.arch)  # cached per arch string
-    if sm is not None and sm != arch.major * 10 + arch.minor:
+    if sm is not None and sm != arch.sm:
         raise ManifestError(f"{_what(spec)}: manifest says {spec.arch}, the CUBIN's ELF header says sm_{sm}")
 
 

@@ -239,6 +239,11 @@ class Arch:
     def compute_capability(self) -> tuple[int, int]:
         return self.major, self.minor
 
+    @property
+    def sm(self) -> int:
+        """The SM number a CUBIN of this arch names in its ELF header (``sm_90a``: 90)."""
+        return self.major * 10 + self.minor
+
     def runs_on(self, cc: tuple[int, int]) -> bool:
         """Whether a CUBIN for this arch loads on a GPU of compute capability ``cc``."""
         if self.suffix == "a":

@@ -490,7 +490,7 @@ def _cubin_problem(image: CubinImage, entry: IndexEntry) -> str | None:
     arch = Arch.parse(entry.arch)
     sm = image.sm
     kernels = tuple(sorted(image.kernels))
-    if sm is not None and sm != arch.major * 10 + arch.minor:
+    if sm is not None and sm != arch.sm:
         return f"the entry says {entry.arch}, the CUBIN's ELF header says sm_{sm}"
     if kernels != tuple(sorted(entry.kernels)):
         return f"the entry lists kernels {', '.join(entry.kernels) or 'none'}, the CUBIN has {', '.join(kernels) or 'none'}"

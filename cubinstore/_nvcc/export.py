@@ -426,7 +426,7 @@ def _cubin(path: Path, arch: str, what: str) -> bytes:
     data = _read_bounded(path, MAX_CUBIN, what)
     image = CubinImage(data, f"{what} ({path})")
     wanted = Arch.parse(arch)
-    if image.sm != wanted.major * 10 + wanted.minor:
+    if image.sm != wanted.sm:
         raise CubinFormatError(f"{what}: {path} is a CUBIN for sm_{image.sm}, expected {arch}")
     return data
 

@@ -189,6 +189,11 @@ def test_arch_grammar(text: str, parsed: tuple[int, int, str]) -> None:
     assert (arch.major, arch.minor, arch.suffix) == parsed and str(arch) == text
 
 
+@pytest.mark.parametrize("text, sm", [("sm_90a", 90), ("sm_80", 80), ("sm_100f", 100), ("sm_121", 121)])
+def test_an_archs_sm_is_what_its_cubins_elf_header_names(text: str, sm: int) -> None:
+    assert _abi.Arch.parse(text).sm == sm
+
+
 @pytest.mark.parametrize("text", ["sm_05", "sm_1000", "sm_9", "sm_90b", "SM_90", "compute_90", "sm_90a ", 90])
 def test_arch_grammar_rejects(text: object) -> None:
     with pytest.raises(BadArgumentError, match=r"^invalid arch"):
