@@ -28,9 +28,9 @@ Prints, side by side in one run:
      where cuda.bindings is called, and the rest: everything cubinstore adds;
   3c. the rest, layer by layer (median us, interleaved; needs the compiled helper): Library.kernel()
      (its spec built in the call, as at a process's first selection of a kernel, and built before,
-     as in 3 and 3b), the loader alone, and the fewest Python steps a first load needs around the same read and
-     driver calls, reading through Store.get and through LocalLayer.read_verified: what each layer
-     adds, and the floor under any Python loader;
+     as in 3 and 3b), the loader alone, and the fewest Python steps a first load needs around the
+     same read and driver calls, reading through Store.get and through LocalLayer.read_verified:
+     what each layer adds, and the floor under any Python loader;
   4. the load phase (every runnable kernel) of 1 process and of --procs processes started
      together on one local store: Library.kernel() of each, with the store's modules imported
      in the first call (as a serving process does) and with the store opened before the timed
@@ -358,6 +358,16 @@ def store_with(home: Path, **env: str) -> Any:
     return Store([local])
 
 
+def manifests_per_round(manifest_path: Path, rounds: int) -> list[Any]:
+    """The manifest parsed once for each round, before any timed load: a process parses its manifest
+    once, then selects each kernel a first time, which builds its spec; so a round's first selections
+    build their specs, and no parse runs just before a sample (its caches full of the parse)."""
+    from cubinstore.manifest import Manifest
+
+    data = manifest_path.read_bytes()
+    return [Manifest.from_bytes(data) for _ in range(rounds)]
+
+
 def gpu_loads(manifest_path: Path, manifest: Any, home: Path, specs: list[Any], samples: int,
               order: str = "cycle", paths_order: str = "rotated") -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Per kernel, fresh loads on GPU 0 (p50 / p99 ms), every path once a sample in an order rotated
@@ -372,7 +382,6 @@ def gpu_loads(manifest_path: Path, manifest: Any, home: Path, specs: list[Any], 
     the owned store's first loads checked (``LocalLayer.checks``)."""
     from cubinstore import launch
     from cubinstore.internals import cuda as _cuda, device, loader as _loader
-    from cubinstore.manifest import Manifest
     from cubinstore.store import LocalLayer, MemoryLayer, Store
 
     _make_primary_current()
@@ -384,10 +393,8 @@ def gpu_loads(manifest_path: Path, manifest: Any, home: Path, specs: list[Any], 
     # Store.from_env's layers: a blob this process verified before is a memory hit (no read, no hash).
     warm = Store([MemoryLayer(), local])
     names = ("raw", "peer", "ours", "first", "python", "full", "again", "layout")
-    manifest_bytes = manifest_path.read_bytes()
     rounds = samples + 5  # 5 warm-up rounds: first-touch costs of each path
-    # One manifest a round, parsed before the timed loads: each kernel is selected once in each.
-    parsed = [Manifest.from_bytes(manifest_bytes) for _ in range(rounds)]
+    parsed = manifests_per_round(manifest_path, rounds)
     round_now = [0]
     times = {spec.id: {name: [] for name in names} for spec in specs}
 
@@ -611,7 +618,6 @@ def rest_by_layer(manifest_path: Path, manifest: Any, home: Path, specs: list[An
 
     from cubinstore import launch
     from cubinstore.internals import Arch, cuda as _cuda, device, header_is, loader
-    from cubinstore.manifest import Manifest
     from cubinstore.store import LocalLayer, Store
 
     _make_primary_current()
@@ -623,7 +629,7 @@ def rest_by_layer(manifest_path: Path, manifest: Any, home: Path, specs: list[An
     inside = {"read": 0.0, "driver": 0.0}
     shuffle = random.Random(31).shuffle
     timed = part_timer(inside)
-    manifest_bytes = manifest_path.read_bytes()
+    parsed = manifests_per_round(manifest_path, samples + 5)
     real_read = local.read_verified
     timed_read, timed_load = timed("read", real_read), timed("driver", native_load)
     plans = {spec.id: (spec, tuple(spec.entries), Arch.parse(spec.arch).sm) for spec in specs}
@@ -632,10 +638,6 @@ def rest_by_layer(manifest_path: Path, manifest: Any, home: Path, specs: list[An
     before = device.current()
     try:
         for i in range(samples + 5):  # 5 warm-up rounds
-            # first_select's manifest: parsed once a round, as a process parses its manifest once and then
-            # selects each kernel for the first time (a parse before each sample would leave the caches
-            # full of it and time that too).
-            parsed = Manifest.from_bytes(manifest_bytes)
             for spec in specs:
                 # A shuffled order, not a rotated one: in a rotation each path follows the same path, whose
                 # unload's deferred work the driver may do in the next load; shuffled, each follows each.
@@ -645,7 +647,7 @@ def rest_by_layer(manifest_path: Path, manifest: Any, home: Path, specs: list[An
                     inside["read"] = inside["driver"] = 0.0
                     if path in ("first_select", "ours", "loader", "ours_bare"):
                         fresh_loads()
-                        library = launch.Library(parsed if path == "first_select" else manifest, store)
+                        library = launch.Library(parsed[i] if path == "first_select" else manifest, store)
                         devices = device.current()
                         bare = path == "ours_bare"
                         local.read_verified = real_read if bare else timed_read  # type: ignore[method-assign]
