@@ -239,14 +239,18 @@ def test_the_fast_path_accepts_every_canonical_valid_document(name: str) -> None
     assert m._index._objs is not None  # opened through the fast path, its specs built on first use
 
 
+LAZY_FIELDS = ("family", "params", "target", "entry_specs", "_names")
+
+
 def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_builds_them() -> None:
     text = dumps_canonical(_valid_docs()["two families"])
     fast_specs = list(Manifest.from_bytes(text))
     slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
     for spec in fast_specs:
         # A selection builds what a load reads; entry specs wait for a launch, a layout check or a name.
-        assert "entry_specs" not in vars(spec) and "_names" not in vars(spec)
+        assert not set(LAZY_FIELDS) & set(vars(spec))
         assert dict(spec.entries) == dict(slow[spec.id].entries)
+        assert spec.toolkit == slow[spec.id].toolkit and spec.min_driver == slow[spec.id].min_driver
     for spec in fast_specs:
         symbol, entry = next(iter(slow[spec.id].entry_specs.items()))
         assert spec.entry(entry.name) == entry and spec.entry(symbol) == entry  # by readable name and symbol
@@ -254,6 +258,19 @@ def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_bui
         assert spec.entry_specs is spec.entry_specs  # built once
     with pytest.raises(AttributeError, match="^'KernelSpec' object has no attribute 'entry_spec'$"):
         fast_specs[0].entry_spec  # noqa: B018 - a typo is still an AttributeError
+
+
+def test_a_fast_path_specs_other_fields_are_filled_at_first_use_as_the_checker_fills_them() -> None:
+    text = dumps_canonical(_valid_docs()["two families"])
+    fast_specs = list(Manifest.from_bytes(text))
+    slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
+    for spec in fast_specs:
+        want = slow[spec.id]
+        assert (spec.family, spec.target) == (want.family, want.target) and "family" in vars(spec)
+        assert dict(spec.params) == dict(want.params) and spec.params is spec.params  # filled once
+        with pytest.raises(TypeError):
+            spec.params["bm"] = 1  # type: ignore[index] - read-only, as the checker's
+        assert spec == want and spec.to_json() == want.to_json()
 
 
 def test_a_v1_document_is_declined_by_the_fast_path_and_decided_by_the_checker() -> None:
