@@ -240,9 +240,9 @@ def load(spec: KernelSpec, ordinal: int, cc: tuple[int, int], store: Store,
                     and cuda.library_function is _cuda.library_function):
                 # The real driver's context guard and calls: one call loads the module and gets every
                 # entry's function. Any of them swapped (a test's fake): call by call, below.
-                library, handles = _cuda.load_functions(data, spec.entries, ordinal, _Where((spec, ordinal)))
+                library, handles = _cuda.load_functions(data, spec.symbols, ordinal, _Where((spec, ordinal)))
                 functions: dict[str, _Function] = {}
-                for entry, func in zip(spec.entries, handles):
+                for entry, func in zip(spec.symbols, handles):
                     if func is None:
                         _no_function(spec, entry, ordinal)
                     functions[entry] = _Function(func, (spec, entry, ordinal), cuda)
@@ -350,7 +350,7 @@ def _load_module(cuda: Any, spec: KernelSpec, data: bytes, ordinal: int) -> _Mod
     where = _Where((spec, ordinal))  # the driver's messages add the entry
     with cuda.on_device(ordinal):
         library = cuda.load_library(data, where)
-        for entry in spec.entries:
+        for entry in spec.symbols:
             func = cuda.library_function(library, entry, where)
             if func is None:
                 _no_function(spec, entry, ordinal)

@@ -31,7 +31,7 @@ _set_hex = Digest.__dict__["hex"].__set__  # the slot's setter: what Digest.__in
 _after_prefix = operator.itemgetter(slice(len("sha256:"), None))
 # A fast-path KernelSpec's fields that a load does not read, filled at first use (``__getattr__``).
 # (Not a field with a default, toolkit or min_driver: the class's default would answer for it.)
-_LAZY = frozenset({"family", "params", "target", "entry_specs", "_names"})
+_LAZY = frozenset({"family", "params", "entries", "target", "entry_specs", "_names"})
 _set = object.__setattr__
 
 
@@ -95,7 +95,8 @@ class KernelSpec:
     """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries.
 
     ``entries`` maps each entry symbol to its parameter types; ``entry_specs`` has the rest
-    (readable name, offsets, launch geometry); ``entry(name)`` resolves either name.
+    (readable name, offsets, launch geometry); ``entry(name)`` resolves either name. ``symbols``
+    are the entry symbols in order (what a load looks up).
     ``toolkit`` and ``min_driver`` (``cubinstore.manifest.toolkit``) are None for a kernel whose
     manifest predates them. An arch ``compute_<XY>`` makes the blob PTX text (``is_ptx``).
     """
@@ -111,6 +112,7 @@ class KernelSpec:
     entry_specs: Mapping[str, EntrySpec] = field(default_factory=dict, compare=False)
     toolkit: str | None = None  # the CUDA toolkit that built it, e.g. "13.0.88"
     min_driver: int | None = None  # the oldest driver that loads it, as cuDriverGetVersion reports (13000)
+    symbols: tuple[str, ...] = field(init=False, repr=False, compare=False)  # entries' keys, in order
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a spec shared between threads cannot change under a loader.
@@ -120,6 +122,7 @@ class KernelSpec:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "entries", MappingProxyType({s: e.types for s, e in specs.items()}))
         object.__setattr__(self, "entry_specs", MappingProxyType(specs))
+        object.__setattr__(self, "symbols", tuple(specs))
         names = {e.name: e for e in specs.values()}
         names.update(specs)
         object.__setattr__(self, "_names", MappingProxyType(names))
@@ -127,7 +130,7 @@ class KernelSpec:
     @classmethod
     def _checked(cls, obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
         """What ``__init__`` builds, from a kernel object the manifest's fast path checked. Only what a
-        load reads is filled here; the rest (``_LAZY``) is filled from the object at its first use, each
+        load reads (the id, arch, digest, size, symbols and toolkit facts) is filled here; the rest (``_LAZY``) is filled from the object at its first use, each
         launch geometry once per manifest (``launches``).
 
         The object is the manifest's private parse, so its dicts are wrapped, not copied. A process's
@@ -138,7 +141,7 @@ class KernelSpec:
         spec = object.__new__(cls)
         _set(spec, "__dict__", {
             "id": obj["id"], "arch": obj["arch"], "digest": _checked_digest(obj["digest"]), "size": obj["size"],
-            "entries": MappingProxyType({s: tuple(v["params"]) for s, v in obj["entries"].items()}),
+            "symbols": tuple(obj["entries"]),
             "toolkit": obj.get("toolkit"), "min_driver": obj.get("min_driver"), "_from": (obj, launches),
         })
         return spec
@@ -158,7 +161,11 @@ class KernelSpec:
             fields.setdefault("entry_specs", MappingProxyType(specs))
             fields.setdefault("_names", MappingProxyType(names))
             return fields[name]
-        return fields.setdefault(name, MappingProxyType(obj["params"]) if name == "params" else obj[name])
+        if name == "entries":
+            value: Any = MappingProxyType({s: tuple(v["params"]) for s, v in obj["entries"].items()})
+        else:
+            value = MappingProxyType(obj["params"]) if name == "params" else obj[name]
+        return fields.setdefault(name, value)
 
     @functools.cached_property
     def _key(self) -> tuple[Any, ...]:

@@ -239,7 +239,7 @@ def test_the_fast_path_accepts_every_canonical_valid_document(name: str) -> None
     assert m._index._objs is not None  # opened through the fast path, its specs built on first use
 
 
-LAZY_FIELDS = ("family", "params", "target", "entry_specs", "_names")
+LAZY_FIELDS = ("family", "params", "entries", "target", "entry_specs", "_names")
 
 
 def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_builds_them() -> None:
@@ -249,7 +249,8 @@ def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_bui
     for spec in fast_specs:
         # A selection builds what a load reads; entry specs wait for a launch, a layout check or a name.
         assert not set(LAZY_FIELDS) & set(vars(spec))
-        assert dict(spec.entries) == dict(slow[spec.id].entries)
+        assert spec.symbols == slow[spec.id].symbols == tuple(slow[spec.id].entries)
+        assert dict(spec.entries) == dict(slow[spec.id].entries) and spec.entries is spec.entries
         assert spec.toolkit == slow[spec.id].toolkit and spec.min_driver == slow[spec.id].min_driver
     for spec in fast_specs:
         symbol, entry = next(iter(slow[spec.id].entry_specs.items()))
