@@ -412,9 +412,9 @@ def check(text: str, *, launches_ok: Callable[[list[dict[str, Any]]], None] = _l
     return kernels, by_id, by_stem, orders, templates
 
 
-def spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
+def spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry], whole: bool = False) -> KernelSpec:
     """The KernelSpec of a kernel object ``check`` accepted (no check is repeated). What a load does not
     read (family, params, target, the entry specs) is filled when first asked for: a process's first
     selection of each kernel builds its spec (issue 31: about 9 us of a 72 us first load on an H100,
-    before any was left to first use)."""
-    return KernelSpec._checked(obj, launches)
+    before any was left to first use); ``whole`` fills it all now, for a walk of every kernel."""
+    return KernelSpec._checked(obj, launches, whole)

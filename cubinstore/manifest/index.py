@@ -133,6 +133,14 @@ class Index:
             spec = self._specs.setdefault(i, spec_from_obj(self._objs[i], self._launches))
         return spec
 
+    def _whole_spec(self, i: int) -> KernelSpec:
+        # A walk of every kernel reads all of each spec: built whole, not field by field at first use.
+        spec = self._specs.get(i)
+        if spec is None:
+            assert self._objs is not None
+            spec = self._specs.setdefault(i, spec_from_obj(self._objs[i], self._launches, True))
+        return spec
+
     def _field(self, i: int, name: str) -> Any:
         return self._objs[i][name] if self._objs is not None else getattr(self._specs[i], name)
 
@@ -142,7 +150,7 @@ class Index:
             collecting = gc.isenabled()
             gc.disable()  # tens of thousands of new acyclic objects: see Manifest.from_bytes
             try:
-                specs = self._cache.setdefault("all", tuple(map(self.spec, range(self._count))))
+                specs = self._cache.setdefault("all", tuple(map(self._whole_spec, range(self._count))))
             finally:
                 if collecting:
                     if self._count >= 5000:  # see AGE_AFTER_BYTES

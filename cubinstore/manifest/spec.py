@@ -90,6 +90,11 @@ def _entry_specs(table: dict[str, Any], launches: dict[str, LaunchGeometry],
     return specs
 
 
+def _entry_types(table: dict[str, Any]) -> Mapping[str, tuple[str, ...]]:
+    """A checked entry table's ``entries`` mapping: each symbol's parameter types."""
+    return MappingProxyType({symbol: tuple(value["params"]) for symbol, value in table.items()})
+
+
 @dataclass(frozen=True, eq=False)
 class KernelSpec:
     """One CUBIN of a release: what it is, where its bytes are (by digest), how to call its entries.
@@ -128,21 +133,30 @@ class KernelSpec:
         object.__setattr__(self, "_names", MappingProxyType(names))
 
     @classmethod
-    def _checked(cls, obj: dict[str, Any], launches: dict[str, LaunchGeometry]) -> KernelSpec:
+    def _checked(cls, obj: dict[str, Any], launches: dict[str, LaunchGeometry], whole: bool = False) -> KernelSpec:
         """What ``__init__`` builds, from a kernel object the manifest's fast path checked. Only what a
-        load reads (the id, arch, digest, size, symbols and toolkit facts) is filled here; the rest (``_LAZY``) is filled from the object at its first use, each
-        launch geometry once per manifest (``launches``).
+        load reads (the id, arch, digest, size, symbols and toolkit facts) is filled here, unless
+        ``whole``; the rest (``_LAZY``) is filled from the object at its first use, each launch geometry
+        once per manifest (``launches``).
 
         The object is the manifest's private parse, so its dicts are wrapped, not copied. A process's
         first call of each kernel builds its spec between driver calls that leave the CPU's caches
         cold: each field read and each object made here is a cache miss (issue 31; one dict literal,
-        not ``__dict__.update``: 0.7 us less a spec on an H100 host).
+        not ``__dict__.update``: 0.7 us less a spec on an H100 host). A walk of every kernel (``ls``,
+        ``verify``) reads their family, params, target and entries: ``whole`` fills those now, not by
+        a call each (three times the walk's time at 23,000 kernels).
         """
         spec = object.__new__(cls)
+        table = obj["entries"]
         _set(spec, "__dict__", {
             "id": obj["id"], "arch": obj["arch"], "digest": _checked_digest(obj["digest"]), "size": obj["size"],
-            "symbols": tuple(obj["entries"]),
-            "toolkit": obj.get("toolkit"), "min_driver": obj.get("min_driver"), "_from": (obj, launches),
+            "symbols": tuple(table), "toolkit": obj.get("toolkit"), "min_driver": obj.get("min_driver"),
+            "_from": (obj, launches),
+        } if not whole else {
+            "id": obj["id"], "family": obj["family"], "params": MappingProxyType(obj["params"]), "arch": obj["arch"],
+            "digest": _checked_digest(obj["digest"]), "size": obj["size"], "entries": _entry_types(table),
+            "symbols": tuple(table), "target": obj["target"], "toolkit": obj.get("toolkit"),
+            "min_driver": obj.get("min_driver"), "_from": (obj, launches),
         })
         return spec
 
@@ -162,7 +176,7 @@ class KernelSpec:
             fields.setdefault("_names", MappingProxyType(names))
             return fields[name]
         if name == "entries":
-            value: Any = MappingProxyType({s: tuple(v["params"]) for s, v in obj["entries"].items()})
+            value: Any = _entry_types(obj["entries"])
         else:
             value = MappingProxyType(obj["params"]) if name == "params" else obj[name]
         return fields.setdefault(name, value)

@@ -244,8 +244,9 @@ LAZY_FIELDS = ("family", "params", "entries", "target", "entry_specs", "_names")
 
 def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_builds_them() -> None:
     text = dumps_canonical(_valid_docs()["two families"])
-    fast_specs = list(Manifest.from_bytes(text))
     slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
+    opened = Manifest.from_bytes(text)
+    fast_specs = [opened.by_id(kid) for kid in slow]  # one at a time, as selections build them
     for spec in fast_specs:
         # A selection builds what a load reads; entry specs wait for a launch, a layout check or a name.
         assert not set(LAZY_FIELDS) & set(vars(spec))
@@ -263,8 +264,9 @@ def test_a_fast_path_specs_entry_specs_are_built_at_first_use_as_the_checker_bui
 
 def test_a_fast_path_specs_other_fields_are_filled_at_first_use_as_the_checker_fills_them() -> None:
     text = dumps_canonical(_valid_docs()["two families"])
-    fast_specs = list(Manifest.from_bytes(text))
     slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
+    opened = Manifest.from_bytes(text)
+    fast_specs = [opened.by_id(kid) for kid in slow]
     for spec in fast_specs:
         want = slow[spec.id]
         assert (spec.family, spec.target) == (want.family, want.target) and "family" in vars(spec)
@@ -272,6 +274,17 @@ def test_a_fast_path_specs_other_fields_are_filled_at_first_use_as_the_checker_f
         with pytest.raises(TypeError):
             spec.params["bm"] = 1  # type: ignore[index] - read-only, as the checker's
         assert spec == want and spec.to_json() == want.to_json()
+
+
+def test_a_walk_of_every_kernel_builds_each_spec_whole_but_its_entry_specs() -> None:
+    text = dumps_canonical(_valid_docs()["two families"])
+    slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
+    walked = list(Manifest.from_bytes(text))  # ls, verify, pack: every field of every kernel read
+    assert [k.id for k in walked] == list(slow)
+    for spec in walked:
+        assert set(LAZY_FIELDS) & set(vars(spec)) == {"family", "params", "entries", "target"}
+        assert spec == slow[spec.id] and spec.to_json() == slow[spec.id].to_json()
+        assert dict(spec.entries) == dict(slow[spec.id].entries) and spec.symbols == slow[spec.id].symbols
 
 
 def test_a_v1_document_is_declined_by_the_fast_path_and_decided_by_the_checker() -> None:
