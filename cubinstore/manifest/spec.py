@@ -172,8 +172,10 @@ class KernelSpec:
             specs = _entry_specs(obj["entries"], launches, self.entries)
             names = {e.name: e for e in specs.values()}
             names.update(specs)
-            fields.setdefault("entry_specs", MappingProxyType(specs))
-            fields.setdefault("_names", MappingProxyType(names))
+            # One pair, so the names ``entry`` resolves are the very entry specs, whichever thread won.
+            built = fields.setdefault("_entries_built", (MappingProxyType(specs), MappingProxyType(names)))
+            fields.setdefault("entry_specs", built[0])
+            fields.setdefault("_names", built[1])
             return fields[name]
         if name == "entries":
             value: Any = _entry_types(obj["entries"])

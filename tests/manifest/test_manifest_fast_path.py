@@ -15,6 +15,8 @@ import copy
 import hashlib
 import json
 import random
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -274,6 +276,37 @@ def test_a_fast_path_specs_other_fields_are_filled_at_first_use_as_the_checker_f
         with pytest.raises(TypeError):
             spec.params["bm"] = 1  # type: ignore[index] - read-only, as the checker's
         assert spec == want and spec.to_json() == want.to_json()
+
+
+def test_threads_that_race_to_fill_a_fast_path_specs_fields_all_get_the_same_objects() -> None:
+    text = dumps_canonical(_valid_docs()["two families"])
+    slow = {k.id: k for k in Manifest.from_bytes(text, fast=False)}
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: the fills interleave
+    try:
+        for _ in range(20):
+            opened = Manifest.from_bytes(text)
+            specs = [opened.by_id(kid) for kid in slow]
+            start = threading.Barrier(4)
+
+            def read(got: list[Any]) -> None:
+                start.wait()
+                for spec in specs:
+                    got.append([getattr(spec, name) for name in LAZY_FIELDS])
+
+            results: list[list[Any]] = [[] for _ in range(4)]
+            threads = [threading.Thread(target=read, args=(got,)) for got in results]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for i, spec in enumerate(specs):
+                first = results[0][i]
+                assert all(got[i][k] is first[k] for got in results for k in range(len(LAZY_FIELDS)))
+                assert dict(spec.entry_specs) == dict(slow[spec.id].entry_specs) and spec == slow[spec.id]
+                assert all(spec.entry(e.name) is e for e in spec.entry_specs.values())  # one pair, not two
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_a_walk_of_every_kernel_builds_each_spec_whole_but_its_entry_specs() -> None:
