@@ -228,7 +228,7 @@ class Kernel:
 
     @property
     def entries(self) -> tuple[str, ...]:
-        return tuple(self._spec.entries)
+        return self._spec.symbols  # the entry symbols, in order (no mapping filled for them)
 
     def __repr__(self) -> str:
         return f"Kernel({self._spec.id!r}, device={self._device})"

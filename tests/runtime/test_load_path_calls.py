@@ -181,6 +181,7 @@ def test_a_first_load_from_an_owned_store_makes_few_python_calls(tmp_path: Path,
         assert len(calls) <= FIRST_LOAD_CALLS, "\n".join(calls)
         assert kernel.spec.id == f"syn/i{i}/sm_90a"
     assert bindings.loaded == blobs  # the exact verified bytes, each once
+    assert kernel.entries == ("k",)  # the spec's symbols
     for i in range(3):  # a load reads none of a spec's lazily filled fields: entry specs wait for a launch
         assert not {"family", "params", "entries", "target", "entry_specs", "_names"} & set(vars(release.by_id(f"syn/i{i}/sm_90a")))
     assert local.checks == {"xxh3": 3, "sha256": 0, "recorded": 0, "stale records": 0}
