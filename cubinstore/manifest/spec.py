@@ -90,6 +90,14 @@ def _entry_specs(table: dict[str, Any], launches: dict[str, LaunchGeometry],
     return specs
 
 
+def _by_either_name(specs: dict[str, EntrySpec]) -> Mapping[str, EntrySpec]:
+    """What ``KernelSpec.entry`` resolves: each entry by its readable name and by its symbol (a symbol
+    wins where one entry's symbol is another's readable name)."""
+    names = {e.name: e for e in specs.values()}
+    names.update(specs)
+    return MappingProxyType(names)
+
+
 def _entry_types(table: dict[str, Any]) -> Mapping[str, tuple[str, ...]]:
     """A checked entry table's ``entries`` mapping: each symbol's parameter types."""
     return MappingProxyType({symbol: tuple(value["params"]) for symbol, value in table.items()})
@@ -128,9 +136,7 @@ class KernelSpec:
         object.__setattr__(self, "entries", MappingProxyType({s: e.types for s, e in specs.items()}))
         object.__setattr__(self, "entry_specs", MappingProxyType(specs))
         object.__setattr__(self, "symbols", tuple(specs))
-        names = {e.name: e for e in specs.values()}
-        names.update(specs)
-        object.__setattr__(self, "_names", MappingProxyType(names))
+        object.__setattr__(self, "_names", _by_either_name(specs))
 
     @classmethod
     def _checked(cls, obj: dict[str, Any], launches: dict[str, LaunchGeometry], whole: bool = False) -> KernelSpec:
@@ -170,10 +176,8 @@ class KernelSpec:
         fields = self.__dict__
         if name == "entry_specs" or name == "_names":
             specs = _entry_specs(obj["entries"], launches, self.entries)
-            names = {e.name: e for e in specs.values()}
-            names.update(specs)
             # One pair, so the names ``entry`` resolves are the very entry specs, whichever thread won.
-            built = fields.setdefault("_entries_built", (MappingProxyType(specs), MappingProxyType(names)))
+            built = fields.setdefault("_entries_built", (MappingProxyType(specs), _by_either_name(specs)))
             fields.setdefault("entry_specs", built[0])
             fields.setdefault("_names", built[1])
             return fields[name]
