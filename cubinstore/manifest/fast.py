@@ -26,7 +26,6 @@ from cubinstore._core.geometry import (
     MAX_CLUSTER_DIM,
     MAX_GRID_DIM,
     MAX_SHARED_MEM,
-    LaunchGeometry,
     check_rule,
 )
 from cubinstore.errors import BadArgumentError
@@ -412,9 +411,9 @@ def check(text: str, *, launches_ok: Callable[[list[dict[str, Any]]], None] = _l
     return kernels, by_id, by_stem, orders, templates
 
 
-def spec_from_obj(obj: dict[str, Any], launches: dict[str, LaunchGeometry], whole: bool = False) -> KernelSpec:
-    """The KernelSpec of a kernel object ``check`` accepted (no check is repeated). What a load does not
-    read (family, params, target, the entry specs) is filled when first asked for: a process's first
-    selection of each kernel builds its spec (issue 31: about 9 us of a 72 us first load on an H100,
-    before any was left to first use); ``whole`` fills it all now, for a walk of every kernel."""
-    return KernelSpec._checked(obj, launches, whole)
+# The KernelSpec of a kernel object ``check`` accepted (no check is repeated), the classmethod itself:
+# a process's first selection of each kernel calls it, and a forwarding function was one more frame.
+# What a load does not read (family, params, entries, target, the entry specs) is filled when first
+# asked for (issue 31: the build was about 9 us of a 72 us first load on an H100 when it filled
+# everything); ``whole=True`` fills all but the entry specs now, for a walk of every kernel.
+spec_from_obj = KernelSpec._checked

@@ -8,6 +8,7 @@ kernel objects, whose KernelSpecs it builds on first use.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import operator
 from collections.abc import Mapping
@@ -126,19 +127,12 @@ class Index:
     def __len__(self) -> int:
         return self._count
 
-    def spec(self, i: int) -> KernelSpec:
+    def spec(self, i: int, whole: bool = False) -> KernelSpec:
+        # ``whole``: for a walk of every kernel, which reads all of each spec (see spec_from_obj).
         spec = self._specs.get(i)
         if spec is None:
             assert self._objs is not None  # every position of a slow-path index is filled
-            spec = self._specs.setdefault(i, spec_from_obj(self._objs[i], self._launches))
-        return spec
-
-    def _whole_spec(self, i: int) -> KernelSpec:
-        # A walk of every kernel reads all of each spec: built whole, not field by field at first use.
-        spec = self._specs.get(i)
-        if spec is None:
-            assert self._objs is not None
-            spec = self._specs.setdefault(i, spec_from_obj(self._objs[i], self._launches, True))
+            spec = self._specs.setdefault(i, spec_from_obj(self._objs[i], self._launches, whole))
         return spec
 
     def _field(self, i: int, name: str) -> Any:
@@ -150,7 +144,8 @@ class Index:
             collecting = gc.isenabled()
             gc.disable()  # tens of thousands of new acyclic objects: see Manifest.from_bytes
             try:
-                specs = self._cache.setdefault("all", tuple(map(self._whole_spec, range(self._count))))
+                specs = self._cache.setdefault(
+                    "all", tuple(map(self.spec, range(self._count), itertools.repeat(True, self._count))))
             finally:
                 if collecting:
                     if self._count >= 5000:  # see AGE_AFTER_BYTES

@@ -154,16 +154,17 @@ class KernelSpec:
         """
         spec = object.__new__(cls)
         table = obj["entries"]
-        _set(spec, "__dict__", {
+        fields = {
             "id": obj["id"], "arch": obj["arch"], "digest": _checked_digest(obj["digest"]), "size": obj["size"],
             "symbols": tuple(table), "toolkit": obj.get("toolkit"), "min_driver": obj.get("min_driver"),
             "_from": (obj, launches),
-        } if not whole else {
-            "id": obj["id"], "family": obj["family"], "params": MappingProxyType(obj["params"]), "arch": obj["arch"],
-            "digest": _checked_digest(obj["digest"]), "size": obj["size"], "entries": _entry_types(table),
-            "symbols": tuple(table), "target": obj["target"], "toolkit": obj.get("toolkit"),
-            "min_driver": obj.get("min_driver"), "_from": (obj, launches),
-        })
+        }
+        if whole:
+            fields["family"] = obj["family"]
+            fields["params"] = MappingProxyType(obj["params"])
+            fields["entries"] = _entry_types(table)
+            fields["target"] = obj["target"]
+        _set(spec, "__dict__", fields)
         return spec
 
     def __getattr__(self, name: str) -> Any:
