@@ -27,7 +27,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
-M_HELP = "manifest path, sha256:<hex> digest, or channel:NAME (a signed release)"
+M_HELP = ("manifest path, sha256:<hex> digest, channel:NAME (a signed release), or a release in a registry "
+          "(oci://HOST[:PORT]/REPO@sha256:<hex> or :TAG; oci+http://, oci+https://, oci-layout:)")
 
 
 def _store_commands() -> ModuleType:
