@@ -235,12 +235,14 @@ def nginx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
 # -- a real HTTP server that misbehaves on purpose ------------------------------------------------
 
 Action = tuple  # ("ok",) ("status", code) ("sleep", s[, action]) ("body", bytes) ("declare", n, bytes) ("endless",) ("reset",)
+#                ("hold", arrived, release[, action]): GET or PUT (body read), see FaultyServer._hold
 
 
 class FaultyServer:
     """A threaded http.server on loopback. ``script(path, [actions])`` says what each successive
     request to ``path`` gets (the last action repeats); PUT stores the body (``corrupt_puts``
-    flips a byte first). With no script, GET serves what was stored, or 404."""
+    flips a byte first), a ``("status", code)`` PUT stores nothing (a 201 or 204 is a server that
+    drops uploads). With no script, GET serves what was stored, or 404."""
 
     def __init__(self) -> None:
         self.scripts: dict[str, list[Action]] = {}
@@ -292,7 +294,7 @@ class FaultyServer:
                 body = h.rfile.read(length)
                 if self.corrupt_puts and body:
                     body = bytes([body[0] ^ 0xFF]) + body[1:]
-                action = self._next(h.path)
+                action = self._hold(self._next(h.path))
                 if action and action[0] == "status":
                     self._send(h, action[1], b"")
                     return
@@ -300,13 +302,24 @@ class FaultyServer:
                     self.stored[h.path] = body
                 self._send(h, 201, b"")
                 return
-            action = self._next(h.path)
+            action = self._hold(self._next(h.path))
             if action and action[0] == "sleep":  # ("sleep", seconds[, then_action])
                 time.sleep(action[1])
                 action = action[2] if len(action) > 2 else None
             self._respond(h, action)
         except OSError:
             pass  # the client gave up (timeout tests): nothing to report
+
+    @staticmethod
+    def _hold(action: Action | None) -> Action | None:
+        """``("hold", arrived, release[, then])`` (two ``threading.Event``): set ``arrived``, keep the
+        request open until ``release`` is set (at most 60 s), then do ``then`` (default: as if
+        unscripted). For kill tests: the client is killed while its request is known to be held."""
+        if not action or action[0] != "hold":
+            return action
+        action[1].set()
+        action[2].wait(60)
+        return action[3] if len(action) > 3 else None
 
     def _respond(self, h: BaseHTTPRequestHandler, action: Action | None) -> None:
         kind = action[0] if action else "ok"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import subprocess
 import sys
 import threading
@@ -162,3 +164,79 @@ def test_two_grouped_batches_waiting_for_each_others_pending_entries_both_finish
             t.join(60)
         assert errors == []
     assert verify_store(LocalLayer(tmp_path)).ok == 2
+
+
+# One Store.get of one digest. The only imports are what that needs (the store, its HTTP layer):
+# about 0.15 s of CPU each, so all 32 are ready within about 5 s on a 2-core host. The times are
+# CLOCK_MONOTONIC, one clock for every process of the host.
+_GET_CHILD = """
+import os, sys, time
+from cubinstore import Digest
+from cubinstore.store import HttpLayer, LocalLayer, Store
+store = Store([LocalLayer(sys.argv[1]), HttpLayer(sys.argv[2])])
+digest, size = Digest(sys.argv[3]), int(sys.argv[4])
+out = sys.stdout.buffer
+out.write(b"ready\\n")
+out.flush()
+os.read(0, 1)  # the barrier: every child reads one pipe, which the parent closes once all are ready
+began = time.monotonic()
+data = store.get(digest, size)
+ended = time.monotonic()
+stats = store.stats
+out.write(f"{stats.misses} {stats.hits} {began} {ended}\\n".encode())
+out.write(data)
+out.flush()
+"""
+
+
+def test_32_processes_getting_one_digest_into_an_empty_store_download_it_once(nginx, cli_env, tmp_path: Path) -> None:
+    from helpers.blobs import random_blob
+
+    processes = 32
+    digest, data = random_blob(512 * 1024, 32)  # half a second at /slow/'s 1 MB/s: the others wait on its lock
+    url = nginx.base(slow=True)
+    upload(url, {digest.hex: data})
+    home = tmp_path / "home"
+    gate, release = os.pipe()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(processes):
+            procs.append(subprocess.Popen([sys.executable, "-c", _GET_CHILD, str(home), url, digest.hex, str(len(data))],
+                                          env=cli_env, stdin=gate, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        os.close(gate)
+        gate = -1
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline() != b"ready\n":
+                pytest.fail(f"a child never got ready: {p.communicate(timeout=60)[1].decode()}")
+        assert not home.exists()  # all imported, none has touched the store yet
+        os.close(release)  # end of file for all 32 at once
+        release = -1
+        results = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for fd in (gate, release):
+            if fd != -1:
+                os.close(fd)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    counts, spans = [], []
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err.decode()
+        header, body = out.split(b"\n", 1)
+        misses, hits, began, ended = header.split()
+        assert body == data and hashlib.sha256(body).hexdigest() == digest.hex
+        counts.append((int(misses), int(hits)))
+        spans.append((float(began), float(ended)))
+    # The barrier worked: every get began before the first one returned, so all 32 overlapped.
+    assert max(b for b, _ in spans) < min(e for _, e in spans)
+    assert nginx.requests("GET", digest.hex) == 1
+    assert sorted(counts) == [(0, 1)] * (processes - 1) + [(1, 0)]  # one fetched it, 31 found it stored
+    local = LocalLayer(home)
+    entries, strays = local.scan()
+    assert [e.digest for e in entries] == [digest] and strays == []  # one final file, no temp beside it
+    assert local.path_for(digest).read_bytes() == data
+    assert list(home.rglob(".tmp.*")) == []
+    report = verify_store(local)
+    assert report.corrupt == [] and report.ok == 1

@@ -268,49 +268,96 @@ def test_disk_full_mid_write_is_a_typed_error_and_leaves_no_partial_entry(tmp_pa
     assert Store([local]).get(Digest.of(small), len(small)) == small
 
 
-_WRITER_CHILD = textwrap.dedent("""
-    import os, sys
+# The writer under test: one complete entry, then one more that is killed part way. A number kills
+# it at that byte of the entry's temp file: RLIMIT_FSIZE stops the store's own write there and
+# SIGXFSZ (which Python ignores; restored to the default here) ends the process at once, in the
+# write, with no handler or cleanup run: a kill -9 at a chosen byte. "rename" kills it (SIGKILL,
+# from the parent) with the whole entry written and synced, at its rename: a grouped batch (what
+# prefetch writes with) calls its ``sync_filesystem`` just before renaming, and this one says so
+# on stdout and then waits to be killed.
+_KILLED_WRITER = textwrap.dedent("""
+    import random, resource, signal, sys
     from cubinstore import Digest
     from cubinstore.store import LocalLayer
-    local = LocalLayer(sys.argv[1])
-    i = 0
-    while True:
-        data = os.urandom(1 << 20) + i.to_bytes(8, "little")
-        local.write(Digest.of(data), data)
-        os.write(1, b"w")  # one byte per finished entry: the parent kills on these, not on a timer
-        i += 1
+    from cubinstore.store.local.root import sync_filesystem
+
+    root, seed, size, at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+    def synced_then_held(path):
+        done = sync_filesystem(path)
+        sys.stdout.write("synced\\n")
+        sys.stdout.flush()
+        sys.stdin.read()  # held here until the parent kills us
+        return done
+
+    local = LocalLayer(root, sync_filesystem=synced_then_held)
+    good = random.Random(seed).randbytes(size)
+    local.write(Digest.of(good), good)
+    doomed = random.Random(seed + 1).randbytes(size)
+    if at == "rename":
+        with local.batch(grouped=True):
+            local.write(Digest.of(doomed), doomed)
+    else:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(at), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+        local.write(Digest.of(doomed), doomed)
+    sys.exit("the write of the second entry was not killed")
 """)
 
 
 def test_writer_killed_at_random_points_never_leaves_a_bad_final_file(tmp_path: Path) -> None:
     root = tmp_path / "root"
+    size = 256 * 1024
     rng = random.Random(7)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    finished = 0
-    for _ in range(6):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER_CHILD, str(root)], env=env, stdout=subprocess.PIPE)
-        assert proc.stdout is not None
-        # Wait for 1-3 finished entries, then kill during the next one, at a point the
-        # scheduler picks (after a random number of our own busy steps).
-        wanted = rng.randint(1, 3)
-        got = proc.stdout.read(wanted)
-        assert len(got) == wanted, "the writer died before finishing an entry"
-        for _ in range(rng.randrange(200_000)):
-            pass
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
-        finished += wanted
+    # The first byte, one byte in, one write buffer, the middle, two random bytes, the last byte,
+    # and all of it written and synced, just before the rename.
+    kills: list[int | str] = [0, 1, 8192, size // 2, rng.randrange(2, size - 1), rng.randrange(2, size - 1),
+                              size - 1, "rename"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}  # no .pyc written under the limit
     local = LocalLayer(root)
-    entries, _ = local.scan()
-    assert len(entries) >= finished
+    good: list[tuple[Digest, bytes]] = []
+    left: list[Path] = []
+    for i, at in enumerate(kills):
+        before = set(temps(local))
+        proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(root), str(2 * i), str(size), str(at)],
+                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            if at == "rename":
+                assert proc.stdout is not None and proc.stdout.readline() == b"synced\n", proc.communicate()[1]
+                proc.send_signal(signal.SIGKILL)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == (-signal.SIGKILL if at == "rename" else -signal.SIGXFSZ), err
+        good.append(blob(size, 2 * i))
+        doomed_digest, doomed = blob(size, 2 * i + 1)
+        # The kill landed inside the write: the entry's temp file holds exactly the bytes written
+        # before it, and nothing is at its final path.
+        new = set(temps(local)) - before
+        assert len(new) == 1, f"kill at {at}: expected one new temp file, got {sorted(new)}"
+        tmp = new.pop()
+        assert tmp.name.startswith(f".tmp.{doomed_digest.hex}.") and tmp.parent == local.path_for(doomed_digest).parent
+        assert tmp.read_bytes() == doomed[:size if at == "rename" else int(at)], f"kill at {at}"
+        assert not local.path_for(doomed_digest).exists()
+        left.append(tmp)
+    entries, strays = local.scan()
+    assert sorted(e.digest.hex for e in entries) == sorted(d.hex for d, _ in good)
+    assert sorted(strays) == sorted(left)
+    # The store's cleanup keeps fresh temps (a live writer may own one) and removes stale ones.
+    assert local.clean_temps() == []
     report = verify_store(local)
-    assert report.corrupt == [] and report.ok == len(entries)
-    # Killed writers leave temp files; old ones are cleaned, fresh ones (maybe live) are kept.
-    left = temps(local)
-    assert local.clean_temps(older_than=3600) == []
-    assert sorted(local.clean_temps(older_than=0)) == sorted(left)
-    assert temps(local) == []
+    assert report.corrupt == [] and report.ok == len(good)
+    an_hour_ago = time.time() - 3700
+    for tmp in left:
+        os.utime(tmp, (an_hour_ago, an_hour_ago))
+    assert sorted(local.clean_temps()) == sorted(left)
+    assert temps(local) == [] and local.scan()[1] == []
+    store = Store([local])
+    for digest, data in good:  # every entry written before a kill still loads
+        assert store.get(digest, size) == data
 
 
 def test_reader_polling_during_writes_sees_absent_or_complete(tmp_path: Path) -> None:
