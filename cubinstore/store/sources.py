@@ -96,7 +96,15 @@ class DirectorySource(Layer):
             return self._by_size
 
     def read(self, digest: Digest, size: int | None) -> bytes | None:
-        limit = limit_for(size)
+        return self._find(digest, size, limit_for(size))
+
+    def read_capped(self, digest: Digest, limit: int) -> bytes | None:
+        """A small document (a signature, a record) of at most ``limit`` bytes: no larger file of
+        the tree is read or hashed."""
+        return self._find(digest, None, limit)
+
+    def _find(self, digest: Digest, size: int | None, limit: int) -> bytes | None:
+        """The file of ``size`` bytes (None: any size up to ``limit``) that hashes to ``digest``."""
         data = self._known(digest, limit)
         if data is not None:
             return data

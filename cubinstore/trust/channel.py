@@ -122,6 +122,7 @@ def _small_document(store: Store, digest: Digest, what: str) -> bytes:
     from cubinstore.store.local.cas import LocalLayer
     from cubinstore.store.oci.layout import OciLayout
     from cubinstore.store.oci.remote import OciLayer
+    from cubinstore.store.sources import DirectorySource
 
     outcomes: list[str] = []
     # Kinds only, never the exceptions: a traceback would keep a refused download's socket open.
@@ -133,10 +134,10 @@ def _small_document(store: Store, digest: Digest, what: str) -> bytes:
                 data = layer.read_entry(digest, MAX_SMALL_BLOB)
             elif isinstance(layer, HttpLayer):
                 data = layer.get_named(f"cas/{digest.hex}", MAX_SMALL_BLOB)  # the blob's URL, capped
-            elif isinstance(layer, (OciLayer, OciLayout)):
+            elif isinstance(layer, (OciLayer, OciLayout, DirectorySource)):
                 data = layer.read_capped(digest, MAX_SMALL_BLOB)
-            else:  # in-process memory, a build tree: nothing is downloaded
-                data = layer.read(digest, None)
+            else:  # in-process memory, a disk cache: ``size`` bounds the read (``Layer.read``)
+                data = layer.read(digest, MAX_SMALL_BLOB)
         except NotRegularFile as exc:
             outcomes.append(f"{layer.name}: {exc}")
             continue

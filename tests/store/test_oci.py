@@ -5,6 +5,9 @@ pull-through mirror, redirects, Retry-After, and credentials that never leave th
 from __future__ import annotations
 
 import json
+import logging
+import os
+import ssl
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,11 +15,14 @@ from pathlib import Path
 
 import pytest
 from helpers.blobs import random_blob
+from helpers.net import local_services
 from helpers.registry import write_auth_file
 
 from cubinstore import Digest
 from cubinstore.errors import BadArgumentError, IntegrityError, MissingBlobError, RemoteUnavailableError
+from cubinstore.internals import load_manifest
 from cubinstore.store import LocalLayer, Store
+from cubinstore.store.oci.artifact import MANIFEST_MEDIA_TYPE, RELEASE_ARTIFACT, parse_artifact
 from cubinstore.store.oci.auth import find_credentials, parse_challenge, realm_allowed
 from cubinstore.store.oci.reference import RegistryRef
 from cubinstore.store.oci.remote import OciLayer
@@ -49,11 +55,13 @@ def test_reference_grammar(text: str, https: bool, host: str, port: int | None, 
     ("oci://host/k:-bad", "invalid tag '-bad'"),
     ("oci://host:0/k", "invalid port '0'"),
     ("oci://host:99999/k", "invalid port '99999'"),
+    ("oci://host:\u00b2/k", "invalid port '\u00b2'"),  # '²'.isdigit(), but int() refuses it
+    ("oci://host:" + "9" * 5000 + "/k", "invalid port '99999"),  # past int()'s 4300 digits
     ("oci://ho_st/k", "invalid host 'ho_st'"),
     ("oci://user:secret@host/k", "invalid registry reference 'oci://***@host/k': no credentials in the URL"),
     ("oci://host/k?x=1", "invalid registry reference 'oci://host/k?x=1': no spaces"),
     ("oci://host/k@sha256:abc", "invalid registry reference 'oci://host/k@sha256:abc': invalid digest length: 3"),
-])
+], ids=lambda v: v if len(v) < 60 else v[:40] + "...")
 def test_malformed_references_are_refused_before_any_io(text: str, message: str) -> None:
     with pytest.raises(BadArgumentError) as info:
         RegistryRef.parse(text)
@@ -221,13 +229,45 @@ def test_bearer_token_flow_push_and_pull(token_registry, clean_env: Path, tmp_pa
                for p in scopes)
 
 
-def test_a_realm_on_another_host_is_refused() -> None:
-    assert realm_allowed("https://auth.docker.io/token", "registry-1.docker.io", True) is None
-    assert realm_allowed("https://evil.example/token", "registry.example.com", True) == (
-        "host evil.example is neither the registry's host registry.example.com nor in its domain")
-    assert realm_allowed("https://127.0.0.2/token", "127.0.0.1", False) == "host 127.0.0.2 is not the registry's host 127.0.0.1"
-    assert realm_allowed("http://auth.example.com/token", "registry.example.com", True) == (
-        "plain HTTP; credentials only go over HTTPS (or to a loopback registry's own host)")
+@pytest.mark.parametrize(("realm", "registry", "why"), [
+    # A shared parent domain is no proof of one owner: each of these passed the last-two-labels rule.
+    ("https://evil.co.uk/token", "oci://registry.example.co.uk/k",
+     "host evil.co.uk is not the registry's host registry.example.co.uk"),
+    ("https://attacker.azurecr.io/oauth2/token", "oci://victim.azurecr.io/k",
+     "host attacker.azurecr.io is not the registry's host victim.azurecr.io"),
+    ("https://bucket.s3.amazonaws.com/token", "oci://123456789012.dkr.ecr.us-east-1.amazonaws.com/k",
+     "host bucket.s3.amazonaws.com is not the registry's host 123456789012.dkr.ecr.us-east-1.amazonaws.com"),
+    ("https://auth.example.com/token", "oci://registry.example.com/k",
+     "host auth.example.com is not the registry's host registry.example.com"),
+    ("https://evil.docker.io/token", "oci://registry-1.docker.io/k",
+     "host evil.docker.io is not the registry's host registry-1.docker.io nor auth.docker.io"),
+    ("https://registry.example.com@evil.example/token", "oci://registry.example.com/k",
+     "host evil.example is not the registry's host registry.example.com"),
+    ("https://127.0.0.2/token", "oci://127.0.0.1/k", "host 127.0.0.2 is not the registry's host 127.0.0.1"),
+    ("http://auth.docker.io/token", "oci://registry-1.docker.io/k",
+     "plain HTTP; credentials only go over HTTPS (or to a plain-HTTP loopback registry's own host)"),
+    ("http://127.0.0.1:9/token", "oci+https://127.0.0.1:5000/k",
+     "plain HTTP; credentials only go over HTTPS (or to a plain-HTTP loopback registry's own host)"),
+    ("ftp://registry.example.com/token", "oci://registry.example.com/k", "not an http(s) URL"),
+], ids=lambda v: v[:50])
+def test_a_realm_off_the_registrys_host_is_refused(realm: str, registry: str, why: str) -> None:
+    assert realm_allowed(realm, RegistryRef.parse(registry)) == why
+
+
+@pytest.mark.parametrize(("realm", "registry"), [
+    ("https://registry.example.com/token", "oci://registry.example.com/k"),
+    ("https://registry.example.com:5001/token", "oci://registry.example.com/k"),  # the host, any port
+    ("https://auth.docker.io/token", "oci://registry-1.docker.io/library/k"),
+    ("https://auth.docker.io/token", "oci://docker.io/library/k"),
+    ("https://auth.docker.io/token", "oci://index.docker.io/library/k"),
+    ("https://gitlab.com/jwt/auth", "oci://registry.gitlab.com/group/k"),
+    ("http://127.0.0.1:9/token", "oci://127.0.0.1:5000/k"),  # a plain-HTTP loopback registry's own host
+])
+def test_a_realm_on_the_registrys_host_or_a_known_pair_is_used(realm: str, registry: str) -> None:
+    assert realm_allowed(realm, RegistryRef.parse(registry)) is None
+
+
+def test_a_challenge_is_parsed_to_its_parameters() -> None:
     challenge = parse_challenge('Bearer realm="https://a.example/t",service="s",scope="repository:x:pull"', "here")
     assert challenge.params == {"realm": "https://a.example/t", "service": "s", "scope": "repository:x:pull"}
 
@@ -238,7 +278,7 @@ class Scripted:
     """A registry front on loopback: each request is answered by ``answer(handler)``; every request's
     (host it came to, path, Authorization) is recorded."""
 
-    def __init__(self, answer, host: str = "127.0.0.1") -> None:  # noqa: ANN001
+    def __init__(self, answer, host: str = "127.0.0.1", tls: tuple[Path, Path] | None = None) -> None:  # noqa: ANN001
         self.seen: list[tuple[str, str, str]] = []
         outer = self
 
@@ -254,7 +294,8 @@ class Scripted:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -262,7 +303,11 @@ class Scripted:
 
         self.httpd = ThreadingHTTPServer((host, 0), Handler)
         self.httpd.daemon_threads = True
-        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+        if tls is not None:  # (certificate, key)
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://{host}:{self.httpd.server_address[1]}"
         self.host = f"{host}:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
@@ -376,3 +421,183 @@ def test_error_bodies_of_the_registry_are_quoted(scripted) -> None:
     with pytest.raises(RemoteUnavailableError) as info:
         OciLayer(f"oci://{server.host}/team/k").read(digest, 10)
     assert str(info.value).endswith("HTTP 403 'DENIED': 'requested access to the resource is denied'")
+
+
+# -- hostile registries: credentials kept home, and what they send refused as a typed error --------------
+
+def test_a_401_from_a_redirect_target_gets_no_credentials_nor_a_token_request(scripted, clean_env: Path,
+                                                                              tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry redirects a blob GET to a host of its choosing, which challenges with a realm on
+    the registry's own host name: the stored password would go to that realm. Nothing is sent."""
+    digest, _ = random_blob(50, seed=20)
+    target: list[Scripted] = []
+
+    def storage_answer(h):  # noqa: ANN001, ANN202
+        if h.path.startswith("/token"):
+            return 200, {"Content-Type": "application/json"}, b'{"token": "t0k"}'
+        return 401, {"WWW-Authenticate": f'Bearer realm="{target[0].url}/token",service="s"'}, b""
+
+    storage = Scripted(storage_answer)
+    target.append(storage)
+    registry = Scripted(lambda h: (307, {"Location": f"{storage.url}/objects/{digest.hex}"}, b""))
+    scripted.extend([storage, registry])
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(write_auth_file(tmp_path / "a.json", registry.host, "ci", "pw")))
+    repo = f"oci://{registry.host}/team/k"
+    with pytest.raises(RemoteUnavailableError) as info:
+        OciLayer(repo).read(digest, 50)
+    assert storage.seen == [("127.0.0.1", f"/objects/{digest.hex}", "")]  # no token request, no password
+    assert [auth for _, _, auth in registry.seen] == [""]
+    assert str(info.value) == (
+        f"blob {digest} of {repo}: GET {registry.url}/v2/team/k/blobs/{digest} was redirected to "
+        f"'{storage.url}/objects/{digest.hex}', which answered HTTP 401; not answered: credentials go only to "
+        f"{registry.url}")
+
+
+@pytest.fixture
+def loopback_ca(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A CA trusted through SSL_CERT_FILE and (certificate, key) it signed for 127.0.0.1."""
+    ca, cert, key = local_services.make_test_ca(tmp_path / "ca")
+    monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+    return cert, key
+
+
+def test_a_registry_over_tls_cannot_redirect_to_plain_http_on_loopback(scripted, loopback_ca, clean_env: Path) -> None:
+    """A registry that is not plain HTTP on loopback itself must not steer us to local services."""
+    digest, data = random_blob(40, seed=21)
+    local_service = Scripted(lambda h: (200, {}, data))
+    registry = Scripted(lambda h: (302, {"Location": f"{local_service.url}/admin/{digest.hex}"}, b""), tls=loopback_ca)
+    scripted.extend([local_service, registry])
+    repo = f"oci+https://{registry.host}/team/k"
+    with pytest.raises(RemoteUnavailableError) as info:
+        OciLayer(repo, retries=0).read(digest, 40)
+    assert str(info.value) == (
+        f"blob {digest} of {repo}: redirect to plain HTTP '{local_service.url}/admin/{digest.hex}' refused (HTTPS "
+        f"only, unless the registry itself is plain HTTP on loopback; it is {registry.url})")
+    assert local_service.seen == []
+    assert len(registry.seen) == 1
+
+
+DEEP = b"[" * 100_000  # past the JSON parser's recursion limit: RecursionError from json.loads
+
+
+def test_a_deeply_nested_error_body_is_a_layer_failure_and_the_origin_serves(registry, scripted,
+                                                                              clean_env: Path) -> None:
+    digest, data = random_blob(300, seed=22)
+    origin = registry.repo()
+    pushed(origin, (digest, data))
+    bad = Scripted(lambda h: (403, {"Content-Type": "application/json"}, DEEP))
+    scripted.append(bad)
+    mirror = f"oci://{bad.host}/{origin.split('/', 3)[3]}"
+    with pytest.raises(RemoteUnavailableError) as info:
+        OciLayer(mirror).read(digest, 300)
+    assert str(info.value) == f"blob {digest} of {mirror}: GET {bad.url}/v2/{origin.split('/', 3)[3]}/blobs/{digest}: HTTP 403"
+    assert Store([LocalLayer(clean_env), remote_layer(mirror), remote_layer(origin)]).get(digest, 300) == data
+
+
+def test_a_deeply_nested_token_reply_is_a_typed_error_and_the_origin_serves(registry, scripted,
+                                                                             clean_env: Path) -> None:
+    digest, data = random_blob(300, seed=23)
+    origin = registry.repo()
+    pushed(origin, (digest, data))
+    deep = b"[" * 60_000  # the token reply is read at most 64 KiB
+
+    def answer(h):  # noqa: ANN001, ANN202
+        if h.path.startswith("/token"):
+            return 200, {"Content-Type": "application/json"}, deep
+        return 401, {"WWW-Authenticate": f'Bearer realm="http://{h.server.server_address[0]}:'
+                                         f'{h.server.server_address[1]}/token"'}, b""
+
+    bad = Scripted(answer)
+    scripted.append(bad)
+    mirror = f"oci://{bad.host}/{origin.split('/', 3)[3]}"
+    with pytest.raises(RemoteUnavailableError) as info:
+        OciLayer(mirror).read(digest, 300)
+    assert str(info.value) == (f"blob {digest} of {mirror}: {bad.host}: token realm {bad.url}/token answered: "
+                               "JSON nested too deeply")
+    assert Store([LocalLayer(clean_env), remote_layer(mirror), remote_layer(origin)]).get(digest, 300) == data
+
+
+@pytest.mark.parametrize("by", ["digest", "tag"])
+def test_a_deeply_nested_artifact_manifest_is_an_integrity_error(scripted, clean_env: Path, by: str) -> None:
+    digest = Digest.of(DEEP)
+    server = Scripted(lambda h: (200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"}, DEEP))
+    scripted.append(server)
+    repo = f"oci://{server.host}/team/k"
+    with pytest.raises(IntegrityError) as info:
+        load_manifest(f"{repo}@{digest}" if by == "digest" else f"{repo}:v1", Store([LocalLayer(clean_env)]))
+    assert str(info.value) == f"artifact {repo}@{digest}: JSON nested too deeply"
+    with pytest.raises(IntegrityError, match=r"^artifact oci://h/r@sha256:[0-9a-f]{64}: JSON nested too deeply$"):
+        parse_artifact(DEEP, digest, "oci://h/r", artifact_type=RELEASE_ARTIFACT, config_type=MANIFEST_MEDIA_TYPE)
+
+
+def test_a_deeply_nested_layout_index_is_an_integrity_error(tmp_path: Path, clean_env: Path) -> None:
+    layout = tmp_path / "layout"
+    layout.mkdir()
+    (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (layout / "index.json").write_bytes(DEEP)
+    with pytest.raises(IntegrityError) as info:
+        load_manifest(f"oci-layout:{layout}:v1", Store([LocalLayer(clean_env)]))
+    assert str(info.value) == f"{layout / 'index.json'}: not an OCI image index: JSON nested too deeply"
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "9" * 5000, "1" * 65], ids=["superscript-two", "5000-digits", "65-chars"])
+def test_a_malformed_retry_after_is_ignored_for_the_usual_backoff(scripted, clean_env: Path, value: str) -> None:
+    digest, data = random_blob(64, seed=24)
+    answers = iter([(503, {"Retry-After": value}, b"")])
+    server = Scripted(lambda h: next(answers, (200, {}, data)))
+    scripted.append(server)
+    assert OciLayer(f"oci://{server.host}/team/k", backoff=0.01, deadline=5).read(digest, 64) == data
+    assert len(server.seen) == 2
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "9" * 5000, "-1", "0x10"],
+                         ids=["superscript-two", "5000-digits", "negative", "hex"])
+def test_a_malformed_content_length_on_head_is_a_typed_error_naming_the_blob(scripted, clean_env: Path,
+                                                                            value: str) -> None:
+    digest, _ = random_blob(64, seed=25)
+    server = Scripted(lambda h: (200, {"Content-Length": value}, b""))
+    scripted.append(server)
+    repo = f"oci://{server.host}/team/k"
+    with pytest.raises(RemoteUnavailableError) as info:
+        OciLayer(repo, push=True).has(digest, 64)
+    assert str(info.value).startswith(f"blob {digest} of {repo}: HEAD {server.url}/v2/team/k/blobs/{digest} "
+                                      f"declares Content-Length {value[:10]!r}"[:-1])
+    assert str(info.value).endswith(": expected 1 to 20 ASCII digits")
+
+
+def test_a_head_with_a_plain_content_length_is_the_blob_size(scripted, clean_env: Path) -> None:
+    digest, _ = random_blob(64, seed=26)
+    server = Scripted(lambda h: (200, {"Content-Length": "64"}, b""))
+    scripted.append(server)
+    layer = OciLayer(f"oci://{server.host}/team/k", push=True)
+    assert layer.has(digest, 64)
+    assert not layer.has(digest, 65)
+
+
+def test_a_fifo_credentials_file_is_skipped_at_once_for_the_next(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    fifo = tmp_path / "auth.json"
+    os.mkfifo(fifo)
+    after = write_auth_file(tmp_path / "config.json", "r.example:5000", "next-user", "pw")
+    found: list[object] = []
+    with caplog.at_level(logging.WARNING, logger="cubinstore"):
+        worker = threading.Thread(target=lambda: found.append(find_credentials("r.example:5000", "team/k",
+                                                                               [fifo, after])), daemon=True)
+        worker.start()
+        worker.join(10)
+    if worker.is_alive():  # a blocking open() of the FIFO: let it go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(10)
+        pytest.fail("reading a FIFO credentials file blocked")
+    assert [c.username for c in found] == ["next-user"]  # type: ignore[attr-defined]
+    assert f"cannot read registry credentials file {fifo}: it is a FIFO; expected a regular file; skipping it" in [
+        r.getMessage() for r in caplog.records]
+
+
+def test_a_deeply_nested_credentials_file_is_a_typed_error(tmp_path: Path) -> None:
+    deep = tmp_path / "auth.json"
+    deep.write_bytes(DEEP)
+    with pytest.raises(BadArgumentError) as info:
+        find_credentials("r.example:5000", "team/k", [deep])
+    assert str(info.value) == f"registry credentials file {deep}: JSON nested too deeply"

@@ -19,12 +19,13 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cubinstore._core.abi import loads_strict
 from cubinstore._core.log import get_logger
 from cubinstore.errors import StoreError
 from cubinstore.store.local.lock import Clock
 from cubinstore.store.local.root import NotRegularFile
 
-__all__ = ["FLUSH_EVENTS", "FLUSH_SECONDS", "STAT_KEYS", "Counters"]
+__all__ = ["FLUSH_EVENTS", "FLUSH_SECONDS", "MAX_STATS_FILE", "STAT_KEYS", "Counters"]
 
 _log = get_logger(__name__)
 
@@ -32,6 +33,8 @@ _log = get_logger(__name__)
 STAT_KEYS = ("hits", "misses", "bytes_fetched", "verification_failures", "ptx_loads")
 FLUSH_EVENTS = 1024
 FLUSH_SECONDS = 10.0
+# stats.json holds five counters (about 100 bytes): a longer one is not ours, and is ignored.
+MAX_STATS_FILE = 1 << 16
 
 
 class Counters:
@@ -59,18 +62,24 @@ class Counters:
         return self._read_stats_file()
 
     def _read_stats_file(self) -> dict[str, int]:
+        """stats.json's counts; an unreadable, oversized or malformed file (another user of a shared
+        store can write one) is logged and counts as zero, so the next flush starts it over."""
         counts = dict.fromkeys(STAT_KEYS, 0)
         try:
-            data = self.read_file((), "stats.json", 1 << 16)
+            data = self.read_file((), "stats.json", MAX_STATS_FILE)
         except (NotRegularFile, StoreError) as exc:
             _log.warning("ignoring unreadable stats file %s: %s", self.stats_path, exc)
             return counts
         if data is None:
             return counts
+        if len(data) > MAX_STATS_FILE:  # read_file stops one byte past the limit: the rest is unread
+            _log.warning("ignoring stats file %s: expected at most %d bytes, got more",
+                         self.stats_path, MAX_STATS_FILE)
+            return counts
         try:
-            loaded = json.loads(data)
-        except ValueError:
-            _log.warning("ignoring malformed stats file %s", self.stats_path)
+            loaded = loads_strict(data, str(self.stats_path), StoreError)
+        except StoreError as exc:
+            _log.warning("ignoring malformed stats file %s", exc)
             return counts
         if isinstance(loaded, dict):
             for key in STAT_KEYS:

@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from cubinstore._core.abi import loads_strict
 from cubinstore._core.digest import Digest
 from cubinstore._core.text import show
 from cubinstore.errors import IntegrityError
@@ -119,10 +120,7 @@ def parse_artifact(raw: bytes, digest: Digest, where: str, *, artifact_type: str
     at = f"artifact {where}@{digest}"
     if len(raw) > MAX_ARTIFACT_BYTES:
         raise IntegrityError(f"{at}: {len(raw)} bytes, over the {MAX_ARTIFACT_BYTES}-byte limit")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise IntegrityError(f"{at}: not JSON") from None
+    doc = loads_strict(raw, at, IntegrityError)  # no deep nesting, duplicate keys or NaN from a registry
     if not isinstance(doc, dict):
         raise IntegrityError(f"{at}: expected a JSON object")
     if doc.get("schemaVersion") != 2 or doc.get("mediaType") != IMAGE_MANIFEST:

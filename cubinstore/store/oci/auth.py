@@ -3,8 +3,10 @@
 Credentials come from the first file (``knobs.registry_auth_files``) that has an entry for the
 registry (``HOST[:PORT]``, or a longer ``HOST[:PORT]/NAMESPACE`` prefix of the repository, as
 containers-auth.json(5) matches). They are sent only to that registry and to a token realm on
-the same host or the same parent domain (Docker Hub's ``auth.docker.io`` for
-``registry-1.docker.io``): a challenge naming any other realm is refused, not followed.
+the registry's exact host, or on a host ``TOKEN_SERVICES`` names for it (Docker Hub's
+``auth.docker.io``): a challenge naming any other realm is refused, not followed. A shared parent
+domain is no proof of one owner (``evil.co.uk``, ``attacker.azurecr.io``, any S3 bucket).
+A file that is not a regular file (a FIFO, a device) is skipped unread, as an unreadable one is.
 Credential helpers (``credHelpers``, ``credsStore``) run programs: not supported, said once.
 """
 
@@ -12,24 +14,35 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from cubinstore._core import knobs
+from cubinstore._core.abi import loads_strict
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
+from cubinstore._core.userfile import open_regular
 from cubinstore.errors import BadArgumentError, RemoteUnavailableError
+from cubinstore.store.oci.reference import RegistryRef
 
-__all__ = ["Challenge", "Credentials", "find_credentials", "parse_challenge", "realm_allowed"]
+__all__ = ["DOCKER_HUB_HOSTS", "TOKEN_SERVICES", "Challenge", "Credentials", "find_credentials", "parse_challenge",
+           "realm_allowed"]
 
 _log = get_logger(__name__)
 
 _MAX_AUTH_FILE = 1 << 20  # a credentials file is small: a larger one is not read
 _MAX_CHALLENGE = 4096
+
+#: The names Docker Hub's registry goes by (its credentials are also filed under its v1 URL).
+DOCKER_HUB_HOSTS = frozenset({"registry-1.docker.io", "docker.io", "index.docker.io"})
+#: Token realms off the registry's own host, by registry host: known pairs of exact names, nothing
+#: matched by suffix. Every other realm must be on the registry's own host.
+TOKEN_SERVICES: dict[str, frozenset[str]] = {
+    **{host: frozenset({"auth.docker.io"}) for host in DOCKER_HUB_HOSTS},
+    "registry.gitlab.com": frozenset({"gitlab.com"}),
+}
 
 
 @dataclass(frozen=True)
@@ -46,21 +59,23 @@ class Credentials:
 
 
 def _load(path: Path) -> dict | None:
+    """The file's JSON object; None when it does not exist or cannot be read (a FIFO, a device, a
+    directory, no permission), which is logged and skips to the next file."""
     try:
-        with open(path, "rb") as f:
+        # open_regular refuses a FIFO or device before any read (a plain open() of a FIFO blocks).
+        with open_regular(path, "registry credentials file") as f:
             raw = f.read(_MAX_AUTH_FILE + 1)
-    except FileNotFoundError:
+    except BadArgumentError as exc:
+        if not isinstance(exc.__cause__, FileNotFoundError):
+            _log.warning("%s; skipping it", exc)
         return None
     except OSError as exc:
-        _log.warning("cannot read registry credentials file %s: %s", path, exc.strerror or exc)
+        _log.warning("cannot read registry credentials file %s: %s; skipping it", path, exc.strerror or exc)
         return None
     if len(raw) > _MAX_AUTH_FILE:
         raise BadArgumentError(f"registry credentials file {path}: larger than {_MAX_AUTH_FILE} bytes")
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        # Never the parser's message: it may quote a password.
-        raise BadArgumentError(f"registry credentials file {path}: not valid JSON") from None
+    # loads_strict's messages say where and why, never quote the text (which holds passwords).
+    doc = loads_strict(raw, f"registry credentials file {path}", BadArgumentError)
     if not isinstance(doc, dict):
         raise BadArgumentError(f"registry credentials file {path}: expected a JSON object")
     return doc
@@ -71,7 +86,7 @@ def _keys_for(registry: str, repository: str) -> list[str]:
     parts = repository.split("/")
     keys = [f"{registry}/{'/'.join(parts[:i])}" for i in range(len(parts), 0, -1)]
     keys += [registry, f"https://{registry}", f"http://{registry}"]
-    if registry in ("docker.io", "registry-1.docker.io", "index.docker.io"):
+    if registry in DOCKER_HUB_HOSTS:
         keys.append("https://index.docker.io/v1/")
     return keys
 
@@ -148,9 +163,10 @@ def parse_challenge(header: str | None, where: str) -> Challenge:
     return Challenge(scheme, params)
 
 
-def realm_allowed(realm: str, registry_host: str, registry_https: bool) -> str | None:
-    """Why a Bearer realm may not be used (None: it may). Credentials go to the realm, so it must be
-    HTTPS (or the registry's own loopback host over HTTP) on the registry's host or parent domain."""
+def realm_allowed(realm: str, registry: RegistryRef) -> str | None:
+    """Why a Bearer realm may not be used (None: it may). Stored credentials go to the realm, so it
+    must be HTTPS on the registry's exact host (any port) or on a host ``TOKEN_SERVICES`` pairs
+    with it; plain HTTP only when the registry itself is plain HTTP on loopback (its own host)."""
     try:
         parts = urlsplit(realm)
         host = parts.hostname or ""
@@ -159,27 +175,10 @@ def realm_allowed(realm: str, registry_host: str, registry_https: bool) -> str |
         return "not a URL"
     if parts.scheme not in ("https", "http") or not host:
         return "not an http(s) URL"
-    from cubinstore.store.oci.reference import is_loopback
-
-    if parts.scheme == "http" and not (is_loopback(host) and not registry_https):
-        return "plain HTTP; credentials only go over HTTPS (or to a loopback registry's own host)"
-    if host == registry_host:
+    if parts.scheme == "http" and not registry.plain_loopback:
+        return "plain HTTP; credentials only go over HTTPS (or to a plain-HTTP loopback registry's own host)"
+    known = TOKEN_SERVICES.get(registry.host, frozenset()) if parts.scheme == "https" else frozenset()
+    if host == registry.host or host in known:
         return None
-    if _is_ip(host) or _is_ip(registry_host):
-        return f"host {host} is not the registry's host {registry_host}"
-    if _parent(host) != _parent(registry_host):
-        return f"host {host} is neither the registry's host {registry_host} nor in its domain"
-    return None
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _parent(host: str) -> str:
-    labels = host.lower().rstrip(".").split(".")
-    return ".".join(labels[-2:]) if len(labels) >= 2 else host
+    also = f" nor {' or '.join(sorted(known))}" if known else ""
+    return f"host {host} is not the registry's host {registry.host}{also}"

@@ -10,14 +10,15 @@ it is written here rather than wrapped around a library that reads bodies its ow
 What this adds to ``HttpLayer``: any method and headers, the response's headers, the 401
 challenge (Basic, or the Bearer token flow), 429/503 ``Retry-After`` within the deadline, and
 redirects (a blob GET often goes to object storage): at most ``MAX_REDIRECTS`` hops, never a
-loop, never to plain HTTP off loopback, and never with the ``Authorization`` header.
+loop, never with the ``Authorization`` header, and never to plain HTTP unless the registry itself
+is plain HTTP on loopback. A 401 is answered only when the registry's own origin (scheme, host,
+port) sent it: one from a redirect target is an error, and no credentials go anywhere for it.
 """
 
 from __future__ import annotations
 
 import email.utils
 import http.client
-import json
 import random
 import threading
 import time
@@ -25,13 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, urlencode, urljoin, urlsplit
 
+from cubinstore._core.abi import loads_strict
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore.errors import IntegrityError, RemoteUnavailableError
 from cubinstore.store.http import RETRY_STATUS, HttpLayer, NoResponse, Transient
 from cubinstore.store.oci.auth import Credentials, find_credentials, parse_challenge, realm_allowed
-from cubinstore.store.oci.reference import RegistryRef, is_loopback
+from cubinstore.store.oci.reference import RegistryRef, decimal, is_loopback
 
 __all__ = ["MAX_REDIRECTS", "RegistryClient", "Reply"]
 
@@ -41,6 +43,9 @@ MAX_REDIRECTS = 5
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_TOKEN_RESPONSE = 64 * 1024
 _MAX_AUTH_ROUNDS = 2  # per request: a challenge, then one more if the token expired meanwhile
+_MAX_LENGTH_DIGITS = 20  # a Content-Length: 2**64 has 20 digits
+_MAX_RETRY_AFTER_CHARS = 64  # delta seconds, or an HTTP date ("Wed, 21 Oct 2015 07:28:00 GMT")
+_MAX_RETRY_AFTER = 86400
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,11 @@ class Reply:
     def error_code(self) -> str:
         """The registry's error code and message from a JSON error body, for a message."""
         try:
-            errors = json.loads(self.body).get("errors") or []
+            errors = loads_strict(self.body, "error body", RemoteUnavailableError).get("errors") or []
             first = errors[0]
             return f" {show(first.get('code'), 40)}: {show(first.get('message'), 120)}"
-        except (ValueError, AttributeError, IndexError, TypeError):
-            return ""
+        except (RemoteUnavailableError, AttributeError, IndexError, KeyError, TypeError):
+            return ""  # not the distribution spec's error document: the status alone says it
 
 
 class RegistryClient(HttpLayer):
@@ -71,6 +76,7 @@ class RegistryClient(HttpLayer):
         self.actions = "pull,push" if push else "pull"
         self._credentials = credentials
         self._credentials_read = credentials is not None
+        self._origin = _origin(self.url)
         self._authorization: str | None = None
         self._auth_lock = threading.Lock()
 
@@ -109,6 +115,12 @@ class RegistryClient(HttpLayer):
                 answered, last = True, str(exc)
             else:
                 answered = True
+                if reply.status == 401 and _origin(reply.url) != self._origin:
+                    # A redirect target (object storage, or anyone the registry points at) asks for
+                    # credentials: they are the registry's alone, so neither they nor a token go there.
+                    raise RemoteUnavailableError(
+                        f"{what}: {method} {url} was redirected to {show(_short(reply.url), 200)}, which answered "
+                        f"HTTP 401; not answered: credentials go only to {self.url}")
                 if reply.status == 401 and auth_rounds < _MAX_AUTH_ROUNDS:
                     auth_rounds += 1
                     attempts -= 1  # answering a challenge is not a failed attempt
@@ -184,7 +196,8 @@ class RegistryClient(HttpLayer):
 
     def _elsewhere(self, method: str, url: str, size: int | None, limit: int | None,
                    remaining: Callable[[], float], what: str) -> Reply:
-        """A redirect hop: a fresh connection, no Authorization, HTTPS unless the target is loopback."""
+        """A redirect hop: a fresh connection, no Authorization, HTTPS unless both the registry and the
+        target are plain HTTP on loopback (a registry elsewhere must not steer us to local services)."""
         try:
             parts = urlsplit(url)
             port = parts.port
@@ -193,9 +206,9 @@ class RegistryClient(HttpLayer):
         host = parts.hostname or ""
         if parts.scheme not in ("http", "https") or not host:
             raise RemoteUnavailableError(f"{what}: redirect to {show(_short(url))}: expected an http(s) URL")
-        if parts.scheme == "http" and not is_loopback(host):
-            raise RemoteUnavailableError(f"{what}: redirect to plain HTTP {show(_short(url))} refused (HTTPS only "
-                                         "off loopback)")
+        if parts.scheme == "http" and not (self.ref.plain_loopback and is_loopback(host)):
+            raise RemoteUnavailableError(f"{what}: redirect to plain HTTP {show(_short(url), 200)} refused (HTTPS only, "
+                                         f"unless the registry itself is plain HTTP on loopback; it is {self.url})")
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = cls(host, port, timeout=min(self.connect_timeout, remaining()))
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -234,7 +247,7 @@ class RegistryClient(HttpLayer):
         if challenge.scheme == "basic":
             if creds is None:
                 raise RemoteUnavailableError(f"{where} asks for a password (Basic); {self._credentials_hint()}")
-            if not self.ref.https and not is_loopback(self.ref.host):
+            if not self.ref.https and not self.ref.plain_loopback:
                 raise RemoteUnavailableError(f"{where}: refusing to send a password over plain HTTP")
             value = creds.basic()
         else:
@@ -244,7 +257,7 @@ class RegistryClient(HttpLayer):
 
     def _token(self, params: dict[str, str], creds: Credentials | None, where: str, deadline: float) -> str:
         realm = params.get("realm", "")
-        refused = realm_allowed(realm, self.ref.host, self.ref.https)
+        refused = realm_allowed(realm, self.ref)
         if refused is not None:
             raise RemoteUnavailableError(f"{where} for {self.ref.base}: token realm {show(_short(realm))} refused: "
                                          f"{refused}; credentials are never sent there")
@@ -271,11 +284,8 @@ class RegistryClient(HttpLayer):
         if reply.status != 200:
             hint = f"; {self._credentials_hint()}" if reply.status in (401, 403) else ""
             raise RemoteUnavailableError(f"{where}: token request to {_short(realm)}: HTTP {reply.status}{hint}")
-        try:
-            doc = json.loads(reply.body)
-            token = doc.get("token") or doc.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
+        doc = loads_strict(reply.body, f"{where}: token realm {_short(realm)} answered", RemoteUnavailableError)
+        token = (doc.get("token") or doc.get("access_token")) if isinstance(doc, dict) else None
         if not isinstance(token, str) or not token or not token.isascii() or any(c in token for c in "\r\n\0 "):
             raise RemoteUnavailableError(f"{where}: token realm {_short(realm)} answered without a usable token")
         return token
@@ -299,8 +309,15 @@ class RegistryClient(HttpLayer):
         reply = self.call("HEAD", self.blob_path(digest), what=f"blob {digest} of {self.where}")
         if reply.status == 404:
             return None
-        length = reply.headers.get("content-length", "")
-        return int(length) if length.isdigit() else -1
+        length = reply.headers.get("content-length")
+        if length is None:
+            return -1  # not declared: present, size unknown
+        found = decimal(length.strip(), _MAX_LENGTH_DIGITS)
+        if found is None:
+            raise RemoteUnavailableError(f"blob {digest} of {self.where}: HEAD {self.url}{self.blob_path(digest)} "
+                                         f"declares Content-Length {show(length, 40)}: expected 1 to "
+                                         f"{_MAX_LENGTH_DIGITS} ASCII digits")
+        return found
 
     def put_blob(self, digest: Digest, data: bytes) -> None:
         """Upload ``data`` (verified by the caller) as ``digest``: POST an upload, PUT the bytes
@@ -328,9 +345,9 @@ class RegistryClient(HttpLayer):
         if not location:
             raise RemoteUnavailableError(f"{what}: the registry gave no upload Location")
         absolute = urljoin(self.url + "/", location)
-        parts = urlsplit(absolute)
-        if f"{parts.scheme}://{parts.netloc}" != self.url:
+        if _origin(absolute) != self._origin:
             raise RemoteUnavailableError(f"{what}: upload Location {show(_short(absolute))} is not on {self.url}")
+        parts = urlsplit(absolute)
         return parts.path + (f"?{parts.query}" if parts.query else "")
 
     def get_manifest(self, reference: str, accept: str, limit: int, what: str) -> tuple[bytes, str] | None:
@@ -349,18 +366,33 @@ class RegistryClient(HttpLayer):
             raise RemoteUnavailableError(f"{what}: PUT manifest {reference}: HTTP {reply.status}{reply.error_code()}")
 
 
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an http(s) URL, the port made explicit; None for anything else.
+    Where credentials may go is decided by this, never by comparing URL text."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
 def _retry_after(value: str | None) -> float | None:
-    """Seconds a ``Retry-After`` header asks to wait (delta seconds or an HTTP date), or None."""
-    if not value:
+    """Seconds a ``Retry-After`` header asks to wait (delta seconds or an HTTP date), at most a
+    day; None (the usual backoff) for a missing, overlong or malformed value."""
+    if not value or len(value) > _MAX_RETRY_AFTER_CHARS:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(min(int(value), 86400))
+    seconds = decimal(value, _MAX_RETRY_AFTER_CHARS)
+    if seconds is not None:
+        return float(min(seconds, _MAX_RETRY_AFTER))
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return min(float(_MAX_RETRY_AFTER), max(0.0, when.timestamp() - time.time()))
+    except (TypeError, ValueError, OverflowError, OSError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _short(url: str) -> str:

@@ -7,9 +7,9 @@ through a link, and ``Store`` verifies every byte; ``index.json`` is read at mos
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from cubinstore._core.abi import loads_strict
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
@@ -85,11 +85,12 @@ class OciLayout(Layer):
         raw = read_regular(self.root / "index.json", MAX_ARTIFACT_BYTES)
         if raw is None:
             return None
+        where = f"{self.root / 'index.json'}: not an OCI image index"
+        doc = loads_strict(raw, where, IntegrityError)  # no deep nesting, duplicate keys or NaN
         try:
-            doc = json.loads(raw)
             for entry in doc.get("manifests") or []:
                 if (entry.get("annotations") or {}).get("org.opencontainers.image.ref.name") == tag:
                     return Digest.parse(entry.get("digest"))
         except (ValueError, AttributeError, TypeError) as exc:
-            raise IntegrityError(f"{self.root / 'index.json'}: not an OCI image index ({exc})") from None
+            raise IntegrityError(f"{where} ({exc})") from None
         return None

@@ -17,7 +17,7 @@ from cubinstore._core.digest import Digest
 from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError
 
-__all__ = ["LAYOUT_SCHEME", "SCHEMES", "RegistryRef", "is_loopback", "is_oci_url"]
+__all__ = ["LAYOUT_SCHEME", "SCHEMES", "RegistryRef", "decimal", "is_loopback", "is_oci_url"]
 
 #: The URL schemes of a registry remote.
 SCHEMES = ("oci://", "oci+http://", "oci+https://")
@@ -37,6 +37,15 @@ _MAX_REPOSITORY = 255
 def is_oci_url(text: object) -> bool:
     """Whether ``text`` is meant as a registry reference (then ``RegistryRef.parse`` says if it is a good one)."""
     return isinstance(text, str) and text.startswith(SCHEMES)
+
+
+def decimal(text: str, max_digits: int) -> int | None:
+    """``text`` as a number when it is 1 to ``max_digits`` ASCII digits (a port, a Content-Length,
+    a Retry-After), else None. ``str.isdigit`` alone is not enough: it takes ``'²'`` and other
+    Unicode digits that ``int`` refuses, and ``int`` refuses more than 4300 digits."""
+    if not 0 < len(text) <= max_digits or not (text.isascii() and text.isdigit()):
+        return None
+    return int(text)
 
 
 def is_loopback(host: str) -> bool:
@@ -93,6 +102,12 @@ class RegistryRef:
         return cls(https=https, host=host, port=port, repository=path, tag=tag, digest=digest)
 
     @property
+    def plain_loopback(self) -> bool:
+        """Plain HTTP on a loopback host (a test or a local registry): the one registry whose token
+        realm and redirects may be plain HTTP too (on loopback)."""
+        return not self.https and is_loopback(self.host)
+
+    @property
     def netloc(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}" if self.port else host
@@ -143,9 +158,9 @@ def _authority(authority: str, text: str, what: str) -> tuple[str, int | None]:
         host = host.lower()
     port = None
     if port_text is not None:
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        port = decimal(port_text, 5)
+        if port is None or not 0 < port < 65536:
             raise BadArgumentError(f"invalid port {show(port_text)} in {what} {show(text)}: expected 1-65535")
-        port = int(port_text)
     return host, port
 
 
