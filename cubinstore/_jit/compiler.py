@@ -15,6 +15,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,13 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._core import knobs as _env
-from cubinstore._core.abi import Arch, layout_mismatch, module_anchor, param_type
+from cubinstore._core.abi import MAX_BLOB_SIZE, Arch, layout_mismatch, module_anchor, param_type
 from cubinstore._core.nvcc import cubin_argv
 from cubinstore._core.cubin import CubinImage
 from cubinstore._core.cxxnames import name_problem
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
+from cubinstore._core.userfile import open_regular
 from cubinstore._jit import direct as _jitdirect
 from cubinstore._jit import key as _jitkey
 from cubinstore._jit.demangle import resolve_entries
@@ -49,6 +51,7 @@ from cubinstore._jit.direct import (
     shapes_of,
 )
 from cubinstore._jit.index import IndexEntry, JitIndex
+from cubinstore._jit.inputs import MAX_SOURCE_BYTES
 from cubinstore._jit.key import (
     ACTION_ENV,
     Flags,
@@ -126,13 +129,22 @@ class Compiled:
 
 
 def read_source(source: str | os.PathLike[str]) -> str:
+    """The TU's text: ``source`` itself, or the regular file it names (a FIFO or device is refused
+    without blocking), at most ``MAX_SOURCE_BYTES`` of UTF-8."""
     if isinstance(source, str):
         return source
     if isinstance(source, os.PathLike):
         path = Path(source)
+        with open_regular(path, "JIT source") as f:
+            try:
+                raw = f.read(MAX_SOURCE_BYTES + 1)
+            except OSError as exc:
+                raise BadArgumentError(f"cannot read JIT source {path}: {exc.strerror or exc}") from exc
+        if len(raw) > MAX_SOURCE_BYTES:
+            raise BadArgumentError(f"JIT source {path}: expected at most {MAX_SOURCE_BYTES} bytes, got more")
         try:
-            return path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
             raise BadArgumentError(f"JIT source {path}: cannot read it as UTF-8 text: {exc}") from exc
     raise BadArgumentError(f"source: expected the TU text (str) or a path (os.PathLike), got {show(source)}")
 
@@ -566,14 +578,28 @@ def _compile(req: Request, index: JitIndex, dreq: DirectRequest, sealed: bool,
             _log.warning("JIT %s: the CUDA toolkit changed while compiling; no direct entry written", req.key)
             direct = None
         outside = _hash_outside(req, deps, started_ns)
-        try:
-            return (work / OUTPUT_NAMES[req.kind]).read_bytes(), direct, outside, result
-        except OSError as exc:
-            raise JitCompileError(
-                f"nvcc exited 0 for JIT {req.key} but wrote no {OUTPUT_NAMES[req.kind]}: {shlex.join(argv)}\n{result.stderr}"
-            ) from exc
+        return _read_output(req, work, argv, result), direct, outside, result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _read_output(req: Request, work: Path, argv: list[str], result: subprocess.CompletedProcess[str]) -> bytes:
+    """What nvcc wrote: a regular file of at most ``MAX_BLOB_SIZE`` bytes (no larger blob is stored)."""
+    name = OUTPUT_NAMES[req.kind]
+    try:
+        fd = os.open(work / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise JitCompileError(
+            f"nvcc exited 0 for JIT {req.key} but wrote no {name}: {shlex.join(argv)}\n{result.stderr}"
+        ) from exc
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JitCompileError(f"nvcc's output {name} for JIT {req.key} is not a regular file: {shlex.join(argv)}")
+        data = f.read(MAX_BLOB_SIZE + 1)
+    if len(data) > MAX_BLOB_SIZE:
+        raise JitCompileError(f"nvcc's output {name} for JIT {req.key} is over the {MAX_BLOB_SIZE}-byte limit of a "
+                              f"stored blob; nothing was cached: {shlex.join(argv)}")
+    return data
 
 
 def _read_deps(req: Request, dreq: DirectRequest, work: Path) -> Deps | None:

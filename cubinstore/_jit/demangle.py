@@ -12,18 +12,14 @@ output is bounded per name and must be one printable ASCII line per name.
 from __future__ import annotations
 
 import os
-import selectors
-import signal
-import subprocess
-import tempfile
 import threading
-import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Final
 
 from cubinstore._core import knobs as _env
 from cubinstore._core.cxxnames import function_name
 from cubinstore._core.cxxnames import resolve_entries as _resolve
+from cubinstore._jit.bounded import run_bounded
 from cubinstore.errors import BadArgumentError, DemanglerError
 
 __all__ = ["DEMANGLE_TIMEOUT", "MAX_DEMANGLED_LINE", "DemanglerError", "demangle", "find_demangler",
@@ -32,51 +28,6 @@ __all__ = ["DEMANGLE_TIMEOUT", "MAX_DEMANGLED_LINE", "DemanglerError", "demangle
 DEMANGLE_TIMEOUT: Final = 120.0  # seconds
 # c++filt prints one name per symbol: a few KiB each at most. More is not a demangler's output.
 MAX_DEMANGLED_LINE: Final = 16 * 1024
-
-
-def run_bounded(argv: list[str], data: bytes, timeout: float, limit: int) -> tuple[int, bytes, bytes]:
-    """(exit status, stdout, stderr) of ``argv`` fed ``data``; raises ``TimeoutError`` after ``timeout``
-    seconds and ``OverflowError`` past ``limit`` bytes of output, the process group killed either way."""
-    with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: a child that never reads cannot block us
-        stdin.write(data)
-        stdin.seek(0)
-        proc = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-    assert proc.stdout is not None and proc.stderr is not None
-    deadline = time.monotonic() + timeout
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    out = {out_fd: bytearray(), err_fd: bytearray()}
-    finished = False
-    try:
-        with selectors.DefaultSelector() as sel:
-            for fd in out:
-                sel.register(fd, selectors.EVENT_READ)
-            while sel.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                for key, _ in sel.select(left):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        sel.unregister(key.fd)
-                    out[key.fd] += chunk
-                    if len(out[key.fd]) > limit:
-                        raise OverflowError
-        try:
-            status = proc.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError from None
-        finished = True
-    finally:
-        if not finished:  # its whole session: a child it started may hold the pipes too
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    return status, bytes(out[out_fd]), bytes(out[err_fd])
 
 
 def demangle(command: str, symbols: Iterable[str], *, timeout: float = DEMANGLE_TIMEOUT) -> dict[str, str]:

@@ -69,6 +69,7 @@ from cubinstore._core.log import get_logger
 from cubinstore.errors import CubinstoreError
 
 from cubinstore._jit.index import check_key
+from cubinstore._jit.inputs import dep_rel_ok, join_below
 
 if TYPE_CHECKING:
     from cubinstore._jit.index import JitIndex
@@ -249,6 +250,8 @@ def classify(text: str, roots: Roots, skip: Sequence[str], work: Path, system: S
         if not _allowed(real, roots, system, work_real) and shown not in foreign:
             foreign.append(shown)
         where = _place(word, roots, skip, work, system, work_real)
+        if isinstance(where, tuple) and where and not dep_rel_ok(where[1]):
+            where = None  # a spelling the deps file's reader refuses (``inputs``): not placed, no direct entry
         if where == "outside":
             if word not in outside:
                 outside.append(word)
@@ -332,10 +335,16 @@ def outside_match(files: Sequence[tuple[str, str]]) -> bool:
 
 
 def hash_deps(deps: Sequence[tuple[str, str]], roots: Roots) -> list[tuple[str, str, str]] | None:
+    """(label, rel, xxh3) of each file; None when one cannot be read, or is not a path below its
+    root (``inputs.join_below``: a deps file's paths are a store file's claims, never opened outside)."""
     out = []
     for label, rel in deps:
+        path = join_below(roots.base[roots.index(label)], rel) if label in roots.labels else None
+        if path is None:
+            _log.warning("direct record: %r/%r is not a path below a root of this call; not read", label, rel)
+            return None
         try:  # streamed; a FIFO or device put in a file's place is refused, never opened
-            out.append((label, rel, hash_file(f"{roots.base[roots.index(label)]}/{rel}", "xxh3")))
+            out.append((label, rel, hash_file(path, "xxh3")))
         except CubinstoreError as exc:
             _log.debug("direct record: cannot read %s/%s: %s", label, rel, exc)
             return None
@@ -373,7 +382,11 @@ def record(index: JitIndex, dreq: DirectRequest, key: str, files: list[tuple[str
 def remember(index: JitIndex, dreq: DirectRequest, key: str) -> None:
     """A full-key hit that the direct path missed (its entry lost, killed or damaged, or written
     before this path existed): list the key under the direct key again if its deps are kept."""
-    if key in index.get_direct(dreq.key) or index.get_deps(key) is None:
+    try:
+        if key in index.get_direct(dreq.key) or index.get_deps(key) is None:
+            return
+    except CubinstoreError as exc:  # a deps file naming a path outside its roots: not listed again
+        _log.warning("JIT xxh3:%s: not listed under direct key %s: %s", key, dreq.key, exc)
         return
     try:
         index.add_direct(dreq.key, key)

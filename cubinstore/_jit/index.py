@@ -47,9 +47,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 from cubinstore._core.abi import dumps_canonical, loads_strict
 from cubinstore._core.digest import Digest
+from cubinstore._core.text import show
+from cubinstore._jit.inputs import dep_rel_ok
 from cubinstore._jit.key import KeyParts
 from cubinstore._core.log import get_logger
-from cubinstore.errors import BadArgumentError, CubinstoreError
+from cubinstore.errors import BadArgumentError, CubinstoreError, StoreError
 
 if TYPE_CHECKING:
     from cubinstore.store.local.cas import LocalLayer
@@ -194,7 +196,12 @@ class JitIndex:
 
     def get_deps(self, key: str) -> tuple[list[tuple[str, str, str]], dict[str, str]] | None:
         """(files, shapes) recorded for ``key``; None when absent or damaged (the direct path then
-        falls back to the full key)."""
+        falls back to the full key).
+
+        Each file's path is nvcc's spelling below its root (``inputs.dep_rel_ok``): one that is
+        not (absolute, climbing out, odd characters) is no writer's and is a ``StoreError``
+        naming the deps file and the path, before anything opens it (callers that use the list
+        as a cache take that as a miss)."""
         raw = self._read("deps", key)
         if raw is None:
             return None
@@ -202,14 +209,19 @@ class JitIndex:
             doc = loads_strict(raw, f"JIT deps {key}", ValueError)
             if doc.get("schema") != DEPS_SCHEMA or doc.get("key") != key:
                 raise ValueError("schema or key")
-            files = [(str(a), str(b), str(c)) for a, b, c in doc["files"]]
+            files = [(str(a), b, str(c)) for a, b, c in doc["files"]]
             shapes = doc["shapes"]
             if not isinstance(shapes, dict) or not all(isinstance(v, str) for v in shapes.values()):
                 raise ValueError("shapes")
-            return files, {str(k): v for k, v in shapes.items()}
         except Exception as exc:  # noqa: BLE001 - damaged reads as absent
             _log.warning("ignoring malformed JIT deps %s: %s", key, exc)
             return None
+        for label, rel, _ in files:
+            if not dep_rel_ok(rel):
+                where = self.dir / "deps" / key[:2] / f"{key}.json"
+                raise StoreError(f"JIT deps file {where}: {show(label)} file {show(rel)} is not a path below its root; "
+                                 "expected words, '.' and '..' between '/' that never climb above it")
+        return files, {str(k): v for k, v in shapes.items()}
 
     def put_output(self, key: str, stdout: str, stderr: str) -> None:
         doc = {"schema": OUTPUT_SCHEMA, "key": key, "stdout": stdout, "stderr": stderr}

@@ -30,7 +30,6 @@ import marshal
 import os
 import re
 import stat
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -45,6 +44,7 @@ from cubinstore._core import knobs as _env
 from cubinstore._core.abi import Arch, dumps_canonical, merge_flags
 from cubinstore._core.text import show
 from cubinstore._core.log import get_logger
+from cubinstore._jit.bounded import run_bounded
 from cubinstore.errors import BadArgumentError, StoreError
 
 if TYPE_CHECKING:
@@ -584,15 +584,31 @@ def locate_toolkit() -> tuple[Path, str]:
 _VERSION_RE: Final = re.compile(r"release [0-9.]+, V([0-9][0-9.]*)")
 
 
-def _run_checked(argv: Sequence[str], what: str) -> str:
+_TOOL_TIMEOUT: Final = 60.0  # seconds for `nvcc --version`, `gcc -v` and the like
+_MAX_TOOL_OUTPUT: Final = 1 << 20  # bytes each of their streams may print (a few KiB is what they do)
+
+
+def _run_tool(argv: Sequence[str], what: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a toolchain program asked about itself, in ``ACTION_ENV``,
+    within ``_TOOL_TIMEOUT`` and ``_MAX_TOOL_OUTPUT`` (``run_bounded``); past either, or when it
+    cannot run, a ``BadArgumentError`` naming ``what`` and the command."""
+    command = " ".join(argv)
     try:
-        out = subprocess.run(list(argv), capture_output=True, text=True, env=dict(ACTION_ENV), stdin=subprocess.DEVNULL,
-                             timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BadArgumentError(f"{what}: cannot run {' '.join(argv)}: {exc}") from exc
-    if out.returncode != 0:
-        raise BadArgumentError(f"{what}: {' '.join(argv)} exited with {out.returncode}: {(out.stderr or out.stdout).strip()[:500]}")
-    return out.stdout
+        status, out, err = run_bounded(list(argv), b"", _TOOL_TIMEOUT, _MAX_TOOL_OUTPUT, env=ACTION_ENV)
+    except TimeoutError:  # before OSError, of which it is one
+        raise BadArgumentError(f"{what}: {command} ran past {_TOOL_TIMEOUT:g} s and was killed") from None
+    except OverflowError:
+        raise BadArgumentError(f"{what}: {command} printed over {_MAX_TOOL_OUTPUT} bytes and was killed") from None
+    except OSError as exc:
+        raise BadArgumentError(f"{what}: cannot run {command}: {exc}") from exc
+    return status, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+
+
+def _run_checked(argv: Sequence[str], what: str) -> str:
+    status, out, err = _run_tool(argv, what)
+    if status != 0:
+        raise BadArgumentError(f"{what}: {' '.join(argv)} exited with {status}: {(err or out).strip()[:500]}")
+    return out
 
 
 def _tool_programs(root: Path) -> list[tuple[str, str, os.stat_result]]:
@@ -770,15 +786,11 @@ _SEARCH_END: Final = "End of search list."
 def system_include_dirs(binary: str) -> tuple[str, ...]:
     """The host compiler's own C++ system include directories (real paths), as ``-E -v`` lists them."""
     argv = [binary, "-E", "-v", "-x", "c++", "/dev/null"]
-    try:
-        out = subprocess.run(argv, capture_output=True, text=True, env=dict(ACTION_ENV), stdin=subprocess.DEVNULL,
-                             timeout=60, errors="replace")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BadArgumentError(f"host compiler: cannot run {' '.join(argv)}: {exc}") from exc
-    lines = out.stderr.splitlines()
-    if out.returncode != 0 or _SEARCH_START not in lines or _SEARCH_END not in lines:
+    status, _, stderr = _run_tool(argv, "host compiler")
+    lines = stderr.splitlines()
+    if status != 0 or _SEARCH_START not in lines or _SEARCH_END not in lines:
         raise BadArgumentError(
-            f"host compiler: {' '.join(argv)} (exit {out.returncode}) printed no include search list: {out.stderr.strip()[-300:]}"
+            f"host compiler: {' '.join(argv)} (exit {status}) printed no include search list: {stderr.strip()[-300:]}"
         )
     listed = lines[lines.index(_SEARCH_START) + 1:lines.index(_SEARCH_END)]
     dirs = []

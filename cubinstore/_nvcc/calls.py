@@ -21,8 +21,10 @@ prefix), and every absent place is still absent (no new file would shadow a head
 
 Records are claims like the JIT index's entries: a record that does not check is a miss, and the
 CUBIN it names is verified by sha256 before a byte of it is written. Everything is read without
-following a link inside the store and within a size limit. Standard library and ``xxhash``: a
-hit imports nothing else.
+following a link inside the store and within a size limit. A path a record names is checked
+against the allow-list grammar of ``cubinstore._jit.inputs`` (standard library only) before it
+is joined to its root, and a toolchain record's paths before they are stat'ed. Standard library
+and ``xxhash``: a hit imports nothing else.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ import re
 
 import xxhash
 
-__all__ = ["CALL_SCHEME", "MAX_RECORDS", "artifact", "call_key", "canonical", "check", "looks_like", "read_env", "read_records",
-           "read_store_file", "record_problem"]
+from cubinstore._jit.inputs import abs_path_ok, join_below, record_rel_ok
+
+__all__ = ["CALL_SCHEME", "MAX_RECORDS", "MAX_RECORD_BYTES", "MAX_RECORD_FILES", "MAX_RECORD_READ_BYTES", "artifact",
+           "call_key", "canonical", "check", "looks_like", "read_env", "read_path", "read_records", "read_store_file",
+           "record_problem"]
 
 CALL_SCHEME = "cubinstore-nvcc-v1"
 RECORDS_SCHEMA = "cubinstore/nvcc-calls/v1"
@@ -46,6 +51,9 @@ MAX_RECORDS_BYTES = 8 << 20
 MAX_ENV_BYTES = 1 << 20
 MAX_OUTPUT_CHARS = 1 << 20
 MAX_HEADER_BYTES = 64 << 20  # a file a record says the compile read: checked only up to this size
+MAX_RECORD_BYTES = MAX_RECORDS_BYTES  # one record (a remote's call.json): no larger than the file that keeps it
+MAX_RECORD_FILES = 1 << 14  # files one record names: far more headers than a TU includes
+MAX_RECORD_READ_BYTES = 256 << 20  # all the files read to build one record, together
 _HEX32 = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}", re.ASCII)
 _XXH3 = re.compile(r"xxh3:[0-9a-f]{32}", re.ASCII)
@@ -89,6 +97,16 @@ def read_store_file(root: str, parts: tuple[str, ...], limit: int) -> bytes | No
     return read_open(ffd, limit)
 
 
+def read_path(path: str, limit: int) -> bytes | None:
+    """The bytes of ``path`` (links followed) if it is a regular file of at most ``limit`` bytes;
+    None otherwise. The open does not block: a FIFO or device is refused, never read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    return read_open(fd, limit)
+
+
 def read_open(fd: int, limit: int) -> bytes | None:
     """The bytes of the open file ``fd`` (closed here) if it is a regular file of at most ``limit``
     bytes; None otherwise. Reads at most ``limit + 1`` bytes whatever the file claims."""
@@ -129,14 +147,14 @@ def read_env(root: str, name: str) -> dict | None:
         return None
     paths, facts = doc.get("paths"), doc.get("facts")
     identity, toolkit, program = doc.get("identity"), doc.get("toolkit"), doc.get("program")
+    # The toolkit is the root of every "cuda" path a record names, and each path is stat'ed:
+    # absolute paths of words only (``inputs.abs_path_ok``), as this host's toolchain writes them.
     if not (isinstance(paths, list) and isinstance(facts, list) and len(paths) == len(facts) and paths
             and isinstance(identity, str) and _HEX32.fullmatch(identity)
-            and isinstance(toolkit, str) and isinstance(program, str)
+            and abs_path_ok(toolkit) and abs_path_ok(program) and all(abs_path_ok(p) for p in paths)
             and (doc.get("program_id") is None or (isinstance(doc["program_id"], str) and _XXH3.fullmatch(doc["program_id"])))):
         return None
     for path, fact in zip(paths, facts):
-        if not isinstance(path, str):
-            return None
         try:
             st = os.stat(path)
         except OSError:
@@ -164,10 +182,6 @@ def _pairs(value: object, n: int) -> bool:
         isinstance(item, list) and len(item) == n and all(isinstance(x, str) for x in item) for item in value)
 
 
-def _rel_ok(rel: str) -> bool:
-    return bool(rel) and not rel.startswith("/") and "\0" not in rel and ".." not in rel.replace("bin/../", "", 1).split("/")
-
-
 def record_problem(r: dict) -> str | None:
     """What is wrong with a record's shape (None: nothing); its claims are checked by ``check``."""
     if not (isinstance(r.get("key"), str) and _HEX32.fullmatch(r["key"])):
@@ -176,12 +190,12 @@ def record_problem(r: dict) -> str | None:
         return "digest"
     if not (isinstance(r.get("size"), int) and not isinstance(r["size"], bool) and 0 < r["size"] <= (1 << 30)):
         return "size"
-    if not (_pairs(r.get("files"), 3) and all(_LABEL.fullmatch(a) and _rel_ok(b) and _XXH3.fullmatch(c)
-                                               for a, b, c in r["files"])):
+    if not (_pairs(r.get("files"), 3) and len(r["files"]) <= MAX_RECORD_FILES
+            and all(_LABEL.fullmatch(a) and record_rel_ok(b) and _XXH3.fullmatch(c) for a, b, c in r["files"])):
         return "files"
-    if not (_pairs(r.get("absent"), 2) and all(_LABEL.fullmatch(a) and _rel_ok(b) for a, b in r["absent"])):
+    if not (_pairs(r.get("absent"), 2) and all(_LABEL.fullmatch(a) and record_rel_ok(b) for a, b in r["absent"])):
         return "absent"
-    if not (_pairs(r.get("outside"), 2) and all(os.path.isabs(a) and "\0" not in a and _XXH3.fullmatch(b)
+    if not (_pairs(r.get("outside"), 2) and all(abs_path_ok(a) and _XXH3.fullmatch(b)
                                                  for a, b in r["outside"])):
         return "outside"
     for stream in ("stdout", "stderr"):
@@ -231,7 +245,10 @@ def check(r: dict, bases: dict[str, str]) -> str | None:
         base = bases.get(label)
         if base is None:
             return f"no root {label}"
-        if _xxh3_file(f"{base}/{rel}") != digest:
+        path = join_below(base, rel, record_rel_ok)
+        if path is None:
+            return f"{label}/{rel!r} is not a path below its root"
+        if _xxh3_file(path) != digest:
             return f"{label}/{rel} changed"
     for path, digest in r["outside"]:
         if _xxh3_file(path) != digest:
@@ -240,7 +257,10 @@ def check(r: dict, bases: dict[str, str]) -> str | None:
         base = bases.get(label)
         if base is None:
             return f"no root {label}"
-        if not _absent(f"{base}/{rel}"):
+        path = join_below(base, rel, record_rel_ok)
+        if path is None:
+            return f"{label}/{rel!r} is not a path below its root"
+        if not _absent(path):
             return f"{label}/{rel} appeared"
     return None
 

@@ -15,12 +15,12 @@ import sys
 import xxhash
 
 from cubinstore._core import knobs
+from cubinstore._jit.inputs import MAX_SOURCE_BYTES
 from cubinstore._nvcc import calls
 from cubinstore._nvcc.argv import Call
 
-__all__ = ["bases", "emit", "env_name", "fast_hit", "labelled_flags", "read_source", "replay_text", "write_output"]
-
-_MAX_SOURCE = 64 << 20
+__all__ = ["bases", "emit", "env_name", "fast_hit", "labelled_flags", "printable", "read_source", "replay_text",
+           "write_output"]
 
 
 def env_name() -> str:
@@ -95,21 +95,37 @@ def write_output(path: str, data: bytes) -> None:
         raise
 
 
+# What a terminal would act on rather than show: escape sequences whole (CSI, OSC, two-character),
+# then every other C0 and C1 control, DEL, a carriage return not ending a line, and the raw bytes
+# 0x80-0x9f that surrogateescape kept of output that was not UTF-8 (C1 on an 8-bit terminal).
+_ESCAPE_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[ -~])")
+_CONTROL_RE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\udc80-\udc9f]|\r(?!\n)")
+
+
+def printable(text: str) -> str:
+    """``text`` without what would drive the terminal (``_ESCAPE_RE``, ``_CONTROL_RE``): a record's
+    streams are a store file's (or a remote's) words, shown, never obeyed. Newlines, tabs and
+    CRLF line ends stay, which is all nvcc and the host compiler print into a file."""
+    return _CONTROL_RE.sub("", _ESCAPE_RE.sub("", text))
+
+
 def emit(record: dict, call: Call, toolkit: str) -> None:
-    """Replay a record's streams as this call's."""
+    """Replay a record's streams as this call's, printable only (``printable``).
+
+    Stripped here, where every replay is written (a local or remote record, the JIT's kept output
+    on the compile path), rather than refused in ``record_problem``: a refusal would leave the
+    JIT's output file unguarded, and would make a compile whose own output holds a control byte
+    (``-Xcompiler -fdiagnostics-color=always``, a BEL in a ``#pragma message``) unrecordable, so
+    that every such call compiled again."""
     for stream, text in ((sys.stdout, record["stdout"]), (sys.stderr, record["stderr"])):
         if text:
-            stream.buffer.write(replay_text(text, call, toolkit).encode("utf-8", "surrogateescape"))
+            stream.buffer.write(printable(replay_text(text, call, toolkit)).encode("utf-8", "surrogateescape"))
             stream.flush()
 
 
 def read_source(path: str) -> bytes | None:
-    """The TU's bytes (at most 64 MiB of a regular file); None when it cannot be read (nvcc says why)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    return calls.read_open(fd, _MAX_SOURCE)
+    """The TU's bytes (at most ``MAX_SOURCE_BYTES`` of a regular file); None when it cannot be read (nvcc says why)."""
+    return calls.read_path(path, MAX_SOURCE_BYTES)
 
 
 def fast_hit(call: Call, text: bytes) -> tuple[bool, dict | None]:

@@ -21,6 +21,7 @@ import xxhash
 
 from cubinstore._core import knobs
 from cubinstore._core.log import get_logger
+from cubinstore._jit.inputs import join_below
 from cubinstore._nvcc import calls, probes
 from cubinstore._nvcc.argv import Call
 from cubinstore._nvcc.hit import answer_from_records, bases, emit, env_name, labelled_flags, write_output
@@ -81,17 +82,14 @@ def _cuda_prefix(files: list[tuple[str, str, str]]) -> str | None:
     return prefixes.pop() if prefixes else "include/"
 
 
-def _read(path: str, limit: int = 64 << 20) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError:
-        return None
-    return None if len(data) > limit else data
-
-
 def build_record(found: Compiled, call: Call, toolkit: str, text: bytes) -> dict | None:
-    """The call record of ``found`` (None when its compile's reads cannot be enumerated)."""
+    """The call record of ``found`` (None when its compile's reads cannot be enumerated).
+
+    The JIT's dependency list is a store file: ``get_deps`` refuses a path that is not below its
+    root (a ``StoreError`` naming the file and the path, which ``answer`` reports), and each file
+    is read only if it is a regular file (a FIFO is never opened for a blocking read), within
+    ``calls.MAX_HEADER_BYTES`` each, ``calls.MAX_RECORD_FILES`` files and
+    ``calls.MAX_RECORD_READ_BYTES`` together."""
     from cubinstore._jit import compiler
 
     index = compiler.JitIndex(found.store.local, knobs.lock_timeout())
@@ -100,14 +98,24 @@ def build_record(found: Compiled, call: Call, toolkit: str, text: bytes) -> dict
         _log.info("cubinstore-nvcc: JIT %s kept no dependency list; the call is not recorded", found.key)
         return None
     files, _ = deps
+    if len(files) > calls.MAX_RECORD_FILES:
+        _log.info("cubinstore-nvcc: JIT %s read over %d files; the call is not recorded", found.key, calls.MAX_RECORD_FILES)
+        return None
     where = bases(call, toolkit)
     contents = [(".", compiler.SOURCE_NAME, text)]
+    total = 0
     for label, rel, digest in files:
-        if label not in where:
-            return None
-        data = _read(f"{where[label]}/{rel}")
+        path = join_below(where[label], rel, calls.record_rel_ok) if label in where else None
+        if path is None:
+            return None  # a root this call lacks, or a spelling no record may name (``calls.record_problem``)
+        data = calls.read_path(path, min(calls.MAX_HEADER_BYTES, calls.MAX_RECORD_READ_BYTES - total))
         if data is None or "xxh3:" + xxhash.xxh3_128_hexdigest(data) != digest:
-            return None  # changed since the compile read it: the next call compiles and records
+            # Changed since the compile read it (the next call compiles and records), not a
+            # regular file, or over the limits: not recorded.
+            _log.info("cubinstore-nvcc: JIT %s: %s/%s is not as the compile read it; the call is not recorded",
+                      found.key, label, rel)
+            return None
+        total += len(data)
         contents.append((label, rel, data))
     prefix = _cuda_prefix(files)
     if prefix is None:

@@ -13,9 +13,9 @@ CI, or ``cubinstore warmset publish``), as only Bazel's ``--config=ci`` uploads.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
+from cubinstore._core.abi import loads_strict
 from cubinstore._core.digest import Digest
 from cubinstore._core.log import get_logger
 from cubinstore._nvcc import calls
@@ -58,9 +58,13 @@ def fetch(store: Store, key: str, where: dict[str, str], kind: str = "cubin") ->
             if out_path not in files or RECORD_PATH not in files:
                 raise IntegrityError(f"it lacks {out_path} or {RECORD_PATH}")
             meta = files[RECORD_PATH]
-            # Inlined by our writers (the decoder checked it against its digest); else from the CAS.
+            # Inlined by our writers (the decoder checked it against its digest); else from the CAS,
+            # at the size the remote declares: no larger than a record this host could keep.
+            if not meta.contents and meta.size > calls.MAX_RECORD_BYTES:
+                raise IntegrityError(f"its {RECORD_PATH} is {meta.size} bytes, over the "
+                                     f"{calls.MAX_RECORD_BYTES}-byte limit of a call record")
             raw = meta.contents or store.get(meta.digest, meta.size, name=f"nvcc call {key} record")
-            record = json.loads(raw)
+            record = loads_strict(raw, f"its {RECORD_PATH}", IntegrityError)
             problem = calls.record_problem(record) if isinstance(record, dict) else "not an object"
             if problem is not None:
                 raise IntegrityError(f"its call record is malformed ({problem})")
