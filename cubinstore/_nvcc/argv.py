@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 
-from cubinstore._core.grammar import IDENT_RE
+from cubinstore._core.grammar import IDENT_RE, decimal
 
 __all__ = ["Call", "PassThrough", "parse"]
 
@@ -69,7 +69,7 @@ _LOWER_WORD = frozenset("abcdefghijklmnopqrstuvwxyz0123456789+-")
 
 def _numbered(value: str, items: int, digits: int) -> bool:
     parts = value.split(",")
-    return len(parts) <= items and all(p.isdigit() and p.isascii() and 0 < len(p) <= digits for p in parts)
+    return len(parts) <= items and all(decimal(p, digits) is not None for p in parts)
 
 
 def _with_number(item: str, table: dict[str, tuple[int, int]]) -> bool:

@@ -28,12 +28,13 @@ from urllib.parse import quote, urlencode, urljoin, urlsplit
 
 from cubinstore._core.abi import loads_strict
 from cubinstore._core.digest import Digest
+from cubinstore._core.grammar import decimal
 from cubinstore._core.log import get_logger
 from cubinstore._core.text import show
 from cubinstore.errors import IntegrityError, RemoteUnavailableError
 from cubinstore.store.http import RETRY_STATUS, HttpLayer, NoResponse, Transient
 from cubinstore.store.oci.auth import Credentials, find_credentials, parse_challenge, realm_allowed
-from cubinstore.store.oci.reference import RegistryRef, decimal, is_loopback
+from cubinstore.store.oci.reference import RegistryRef, is_loopback
 
 __all__ = ["MAX_REDIRECTS", "RegistryClient", "Reply"]
 

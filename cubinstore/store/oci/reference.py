@@ -14,10 +14,11 @@ import re
 from dataclasses import dataclass
 
 from cubinstore._core.digest import Digest
+from cubinstore._core.grammar import decimal
 from cubinstore._core.text import show
 from cubinstore.errors import BadArgumentError
 
-__all__ = ["LAYOUT_SCHEME", "SCHEMES", "RegistryRef", "decimal", "is_loopback", "is_oci_url"]
+__all__ = ["LAYOUT_SCHEME", "SCHEMES", "RegistryRef", "is_loopback", "is_oci_url"]
 
 #: The URL schemes of a registry remote.
 SCHEMES = ("oci://", "oci+http://", "oci+https://")
@@ -37,15 +38,6 @@ _MAX_REPOSITORY = 255
 def is_oci_url(text: object) -> bool:
     """Whether ``text`` is meant as a registry reference (then ``RegistryRef.parse`` says if it is a good one)."""
     return isinstance(text, str) and text.startswith(SCHEMES)
-
-
-def decimal(text: str, max_digits: int) -> int | None:
-    """``text`` as a number when it is 1 to ``max_digits`` ASCII digits (a port, a Content-Length,
-    a Retry-After), else None. ``str.isdigit`` alone is not enough: it takes ``'²'`` and other
-    Unicode digits that ``int`` refuses, and ``int`` refuses more than 4300 digits."""
-    if not 0 < len(text) <= max_digits or not (text.isascii() and text.isdigit()):
-        return None
-    return int(text)
 
 
 def is_loopback(host: str) -> bool:
