@@ -4,7 +4,6 @@ leaves no index entry and no partial blob, and the next compile succeeds (real n
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 pytest.importorskip("xxhash", reason="the JIT needs the jit extra (xxhash)")
 
+from helpers.children import read_line  # noqa: E402
 from helpers.jit import ENTRIES, TU, child_env, counting_toolkit, make_library  # noqa: E402
 
 from cubinstore import Digest, jit  # noqa: E402
@@ -29,18 +29,6 @@ SIGNAL_TIMEOUT_S = 120  # only bounds a broken child; the test never sleeps on a
 def _compile_call(include: Path, factor: int, module: str = "jit", extra: str = "") -> str:
     return (f"{module}.compile({TU!r}, include_dirs=[{str(include)!r}], flags=['-DFACTOR={factor}'], "
             f"arch={ARCH!r}, entries={ENTRIES!r}{', ' + extra if extra else ''})")
-
-
-def _read_line(proc: subprocess.Popen[str], what: str) -> str:
-    """The child's next stdout line; fails (never hangs) if the child dies or stays silent."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], SIGNAL_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"child gave no {what!r} line; stderr:\n{err}")
-    return line.strip()
 
 
 def test_sixteen_processes_missing_one_key_run_nvcc_once(tmp_path: Path) -> None:
@@ -59,7 +47,7 @@ def test_sixteen_processes_missing_one_key_run_nvcc_once(tmp_path: Path) -> None
                               stderr=subprocess.PIPE, text=True) for _ in range(PROCESSES)]
     try:
         for p in procs:
-            assert _read_line(p, "ready") == "ready"
+            assert read_line(p, "ready", SIGNAL_TIMEOUT_S) == "ready"
         for p in procs:  # all imported and waiting: release them together
             assert p.stdin is not None
             p.stdin.write("go\n")
@@ -139,7 +127,7 @@ def test_compile_killed_at_each_stage_leaves_no_entry_and_recovers(stage: str, t
     proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(home), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        assert _read_line(proc, stage) == stage
+        assert read_line(proc, stage, SIGNAL_TIMEOUT_S) == stage
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the child and any nvcc it started
         proc.communicate()

@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import random
 import stat
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +29,7 @@ from typing import Any
 import pytest
 from helpers import native as native_paths
 from helpers.blobs import disk_cache_with
+from helpers.driver import SM90_FACTS, bindings_driver, cubin
 
 from cubinstore import Digest, IntegrityError, launch
 from cubinstore.internals import cuda, device
@@ -55,18 +54,9 @@ CASES = [(route, moment) for route in (BINDINGS, HELPER, FAKE_DRIVER)
          for moment in (AFTER_CHECK, AT_CONTEXT, IN_LOAD) if (route, moment) != (HELPER, AT_CONTEXT)]
 
 
-def cubin(i: int, sm: int = 90) -> bytes:
-    """An ELF-headed CUBIN of ``SIZE`` random bytes whose header names ``sm`` (what the loader checks)."""
-    head = bytearray(64)
-    head[:9] = b"\x7fELF\x02\x01\x01\x00\x08"  # 64-bit, little-endian, CUDA ELF ABI v8
-    struct.pack_into("<H", head, 0x12, 190)  # EM_CUDA
-    struct.pack_into("<I", head, 0x30, sm << 8)
-    return bytes(head) + random.Random(i).randbytes(SIZE - 64)
-
-
-GOOD = cubin(0)
+GOOD = cubin(0, SIZE)
 FLIPPED = bytes(GOOD[:3000]) + bytes([GOOD[3000] ^ 1]) + GOOD[3001:]  # a flipped bit in code: loads, then misbehaves
-OTHER = cubin(1)  # another valid sm_90 CUBIN of the same size: passes every check but the digest
+OTHER = cubin(1, SIZE)  # another valid sm_90 CUBIN of the same size: passes every check but the digest
 SWAPS = {"one flipped bit": FLIPPED, "another CUBIN": OTHER}
 
 
@@ -160,11 +150,6 @@ class Bindings:
         return 0, FUNCTION
 
 
-def device_attribute(ordinal: int, name: str) -> int:
-    """Device 0's compute capability, 9.0: the only facts a load asks for."""
-    return {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0}[name]
-
-
 class FakeDriver:
     """One sm_90 device, as ``cubinstore._driver.cuda`` answers for it; its load a ``Swap``'s."""
 
@@ -178,7 +163,7 @@ class FakeDriver:
         return 0
 
     def device_attribute(self, ordinal: int, name: str) -> int:
-        return device_attribute(ordinal, name)
+        return SM90_FACTS[name]
 
     def driver_version(self) -> int:
         return 13000
@@ -212,11 +197,7 @@ def driven(route: str, swap: Swap) -> Iterator[Any]:
                     swap.load(HELPER, data)
                     return LIBRARY, [FUNCTION if entry == "k" else None for entry in entries]
                 stack.enter_context(cuda.using_native_load(helper_load))
-            # The module's own functions (so the loader calls cuda.load_functions) and the device's facts.
-            own = {name: getattr(cuda, name) for name in dir(cuda) if not name.startswith("_")}
-            fake = SimpleNamespace(**{**own, "device_count": lambda: 1, "current_device": lambda: 0,
-                                      "device_attribute": device_attribute,
-                                      "driver_version": lambda: 13000})
+            fake = bindings_driver()  # the module's own functions: the loader calls cuda.load_functions
 
         def renew() -> None:
             devices = device.Devices(fake)

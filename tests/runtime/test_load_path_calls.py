@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import random
-import struct
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +22,7 @@ from typing import Any
 
 import pytest
 from helpers.blobs import disk_cache_with
+from helpers.driver import bindings_driver, cubin
 
 from cubinstore import Digest, launch
 from cubinstore.errors import CubinFormatError, CudaError, ManifestError
@@ -47,15 +46,6 @@ PRIMARY = 7  # the device's primary context (retained, as a load retains it)
 OTHER = 5  # a context the caller made current (the loader must restore it)
 NOT_FOUND = 500
 INVALID_IMAGE = 200
-
-
-def cubin(i: int, size: int = 6000, sm: int = 90) -> bytes:
-    """ELF-headed random bytes whose header names ``sm`` (the loader's check; no driver parses them)."""
-    head = bytearray(64)
-    head[:9] = b"\x7fELF\x02\x01\x01\x00\x08"  # 64-bit, little-endian, CUDA ELF ABI v8
-    struct.pack_into("<H", head, 0x12, 190)  # EM_CUDA
-    struct.pack_into("<I", head, 0x30, sm << 8)
-    return bytes(head) + random.Random(i).randbytes(size - 64)
 
 
 class Bindings:
@@ -113,12 +103,7 @@ def bindings() -> Iterator[Bindings]:
 def fresh() -> None:
     """A fresh load from here on, as in a new process: a new ``Devices`` has loaded nothing. Its
     device facts are known before, as a running process has them."""
-    facts = {"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR": 9, "CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR": 0}
-    own = {name: getattr(cuda, name) for name in dir(cuda) if not name.startswith("_")}
-    driver = SimpleNamespace(**{**own, "device_count": lambda: 1, "current_device": lambda: 0,
-                                "device_attribute": lambda ordinal, name: facts[name],
-                                "driver_version": lambda: 13000})
-    devices = device.Devices(driver)
+    devices = device.Devices(bindings_driver())
     devices.check_ordinal(0)
     devices.compute_capability(0)
     devices.driver_version()

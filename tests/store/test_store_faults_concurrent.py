@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.blobs import disk_cache_with, random_blob
+from helpers.children import read_line
 
 from cubinstore import Digest, Manifest, Store
 from cubinstore.internals import gc, pin, verify_store
@@ -51,18 +52,6 @@ def counting_source(root: Path, blobs: list[tuple[Digest, bytes]]) -> CountingSo
 
 def temps(home: Path) -> list[Path]:
     return sorted((home / "v1").rglob(".tmp.*"))
-
-
-def read_line(proc: subprocess.Popen[str], what: str) -> str:
-    """The child's next stdout line; fails (never hangs) if the child dies or stays silent."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], SIGNAL_TIMEOUT_S)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"child gave no {what!r} line; stderr:\n{err}")
-    return line.rstrip("\n")
 
 
 def child(code: str, *args: str) -> subprocess.Popen[str]:
@@ -138,7 +127,7 @@ def test_gc_in_another_process_while_kernels_load_never_breaks_a_read_and_each_e
     evictions: list[list[str]] = []
     proc = child(_GC_LOOP, str(home))
     try:
-        assert read_line(proc, "ready") == "ready"
+        assert read_line(proc, "ready", SIGNAL_TIMEOUT_S) == "ready"
         assert proc.stdin is not None and proc.stdout is not None
         rng = random.Random(5)
         for _ in range(30):
@@ -149,7 +138,7 @@ def test_gc_in_another_process_while_kernels_load_never_breaks_a_read_and_each_e
                     assert store.get(digest, len(data)) == data
                 if select.select([proc.stdout], [], [], 0)[0]:
                     break
-            line = read_line(proc, "evicted")
+            line = read_line(proc, "evicted", SIGNAL_TIMEOUT_S)
             evictions.append([] if line == "-" else line.split())
         proc.stdin.close()
         assert proc.wait(SIGNAL_TIMEOUT_S) == 0, proc.stderr.read() if proc.stderr else ""
@@ -238,7 +227,7 @@ def test_writers_racing_to_publish_one_jit_key_leave_one_writers_whole_entry(tmp
     winners: Counter[int] = Counter()
     try:
         for p in procs:
-            assert read_line(p, "ready") == "ready"
+            assert read_line(p, "ready", SIGNAL_TIMEOUT_S) == "ready"
         poller.start()
         for r in range(rounds):
             for p in procs:  # all waiting on stdin: release them together
@@ -246,7 +235,7 @@ def test_writers_racing_to_publish_one_jit_key_leave_one_writers_whole_entry(tmp
                 p.stdin.write("go\n")
                 p.stdin.flush()
             for p in procs:
-                assert read_line(p, "done") == "done"
+                assert read_line(p, "done", SIGNAL_TIMEOUT_S) == "done"
             raw = LocalLayer(home).read_file(*where, 1 << 20)
             assert raw is not None and published.get(raw, (None, None))[1] == r, "not one writer's whole entry of this round"
             w, _ = published[raw]
